@@ -1,0 +1,27 @@
+"""kvtransfer: cross-model KV cache transfer with closed-form per-head ridge maps in RoPE-stripped space.
+
+Public API (the numerical core; no Hydra, lm-eval or W&B imports here):
+    load_model(name_or_path, ...)            -> (model, tokenizer)
+    collect_moments(source, target, ids, ...) -> CalibrationMoments(train, heldout)
+    r2_matrix / select_topk / select_greedy   source-layer selection
+    fit_ridge(moments, selected_layers, ...)  -> RidgeFit
+    Mapper.from_ridge / Mapper.save / Mapper.load
+    transfer(source_cache, mapper, source_model, target_model, ...) -> DynamicCache
+"""
+from .cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
+from .calibrate import CalibrationMoments, collect_moments, kv_features
+from .mapper import Mapper
+from .models import check_same_tokenizer, kv_shape, load_model, model_identity
+from .moments import Moments
+from .ridge import RidgeFit, UnderdeterminedFit, fit_ridge
+from .rope import RopeCodec
+from .select import r2_matrix, select_greedy, select_topk
+from .transfer import codec_for, map_layers, transfer
+
+__version__ = "0.1.0"
+__all__ = [
+    "load_model", "check_same_tokenizer", "kv_shape", "model_identity", "RopeCodec", "prefill",
+    "forward_on_cache", "cache_to_layers", "layers_to_cache", "collect_moments", "kv_features",
+    "CalibrationMoments", "Moments", "r2_matrix", "select_topk", "select_greedy", "fit_ridge", "RidgeFit",
+    "UnderdeterminedFit", "Mapper", "transfer", "map_layers", "codec_for",
+]

@@ -1,0 +1,215 @@
+"""Calibration: token sequences -> train and held-out `Moments` of source/target KV features.
+
+Two capture modes:
+* "co-resident": source and target are both in memory; each batch goes through both.
+* "sequential": only one model is ever loaded. Pass 1 runs the source over every batch and stores
+  its subsampled features on disk (safetensors); the source is released; pass 2 loads the target
+  and streams it against the stored features. For pairs like Llama 3.1 8B -> 70B.
+Models may be given as loaded models or as zero-argument callables that load them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .cache import prefill
+from .io import atomic_save_tensors, load_tensors
+from .models import KVShape, kv_shape
+from .moments import KINDS, Moments
+from .rope import RopeCodec
+
+KEY_SPACES = ("stripped", "rotated")
+
+
+@dataclass
+class CalibrationMoments:
+    """Moments from the train sequences and from the held-out sequences of one calibration."""
+
+    train: Moments
+    heldout: Moments
+
+
+def subsample_positions(seq_len: int, stride: int) -> torch.Tensor:
+    """Positions kept for calibration: 0, stride, 2*stride, ... (position 0 keeps the attention sink)."""
+    return torch.arange(0, seq_len, stride)
+
+
+@torch.no_grad()
+def kv_features(model, input_ids: torch.Tensor, *, stride: int = 4, key_space: str = "stripped",
+                layers: list[int] | None = None, codec: RopeCodec | None = None) -> dict[str, torch.Tensor]:
+    """Per-token KV features of `model` on unpadded ids [batch, seq].
+
+    Returns {"k": [batch * kept, len(layers) * n_kv * d], "v": same} in float32, rows ordered
+    (batch, position), columns (layer, head, dim); keys RoPE-stripped when key_space="stripped".
+    """
+    if key_space not in KEY_SPACES:
+        raise ValueError(f"key_space must be one of {KEY_SPACES}, got {key_space!r}")
+    cache = prefill(model, input_ids)
+    layers = range(len(cache)) if layers is None else layers
+    keep = subsample_positions(input_ids.shape[1], stride).to(input_ids.device)
+    if key_space == "stripped":
+        codec = codec or RopeCodec(model)
+    out = {"k": [], "v": []}
+    for layer in layers:
+        k, v = cache[layer][0][:, :, keep], cache[layer][1][:, :, keep]
+        if key_space == "stripped":
+            k = codec.strip(k, keep)
+        for kind, t in (("k", k), ("v", v)):
+            b, h, s, d = t.shape
+            out[kind].append(t.float().permute(0, 2, 1, 3).reshape(b * s, h * d))
+    return {kind: torch.cat(out[kind], dim=1) for kind in KINDS}
+
+
+def split_heldout(n_sequences: int, heldout_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Sequence-level split: (train indices, held-out indices), deterministic in `seed`."""
+    if not 0 <= heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    order = torch.randperm(n_sequences, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_held = int(round(n_sequences * heldout_fraction))
+    if heldout_fraction > 0 and n_held == 0:
+        n_held = 1
+    return sorted(order[n_held:]), sorted(order[:n_held])
+
+
+def _resolve(model_or_loader):
+    return model_or_loader() if callable(model_or_loader) and not isinstance(model_or_loader, torch.nn.Module) \
+        else model_or_loader
+
+
+def _fingerprint(token_ids: torch.Tensor, settings: dict) -> str:
+    h = hashlib.sha256(token_ids.cpu().numpy().tobytes())
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:20]
+
+
+def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4, batch_size: int = 8,
+                    heldout_fraction: float = 0.1, seed: int = 0, key_space: str = "stripped",
+                    target_layers: list[int] | None = None, capture: str = "co-resident",
+                    feature_dir: str | Path | None = None, checkpoint_path: str | Path | None = None,
+                    checkpoint_every: int = 64, dtype: torch.dtype = torch.float64,
+                    compute_dtype: torch.dtype | None = None, store_device="cpu",
+                    stop_after_batches: int | None = None,
+                    progress: Callable | None = None) -> CalibrationMoments:
+    """Stream calibration sequences through source and target; return train/held-out moments.
+
+    token_ids: int64 [n_sequences, seq_len], no padding (equal-length chunks of text).
+    stride: keep every stride-th position from 0. heldout_fraction: share of whole sequences kept
+    out of the train moments (seeded). target_layers: a shard of target layers (default all) for
+    pairs whose full moments do not fit. dtype / store_device: accumulator precision and location
+    (float64 on host by default; float32 halves memory). compute_dtype: precision of each batch's
+    products (default dtype; float32 is fast on GPUs, merged into the accumulator's dtype).
+    checkpoint_path: a safetensors file rewritten atomically every `checkpoint_every` sequences;
+    a rerun with the same inputs resumes from it and ends bit-identical to an uninterrupted run.
+    stop_after_batches: process at most this many batches in this call (then checkpoint) -- for
+    time-boxed jobs; the result is partial unless the run has finished.
+    progress: optional callable wrapping an iterable (e.g. tqdm).
+    """
+    if capture not in ("co-resident", "sequential"):
+        raise ValueError(f"capture must be 'co-resident' or 'sequential', got {capture!r}")
+    if capture == "sequential" and feature_dir is None:
+        raise ValueError("capture='sequential' needs feature_dir= (where source features are stored)")
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+    if token_ids.dim() != 2 or token_ids.shape[0] < 2:
+        raise ValueError(f"token_ids must be [n_sequences >= 2, seq_len], got {tuple(token_ids.shape)}")
+    train_idx, held_idx = split_heldout(token_ids.shape[0], heldout_fraction, seed)
+    batches = [("train", train_idx[i:i + batch_size]) for i in range(0, len(train_idx), batch_size)]
+    batches += [("heldout", held_idx[i:i + batch_size]) for i in range(0, len(held_idx), batch_size)]
+    every = max(1, checkpoint_every // batch_size)
+    wrap = progress or (lambda it, **_: it)
+
+    src_model = _resolve(source) if capture == "co-resident" else None
+    tgt_model = _resolve(target) if capture == "co-resident" else None
+    settings = {"stride": stride, "batch_size": batch_size, "heldout_fraction": heldout_fraction, "seed": seed,
+                "key_space": key_space, "target_layers": target_layers, "dtype": str(dtype),
+                "compute_dtype": str(compute_dtype)}
+    fingerprint = _fingerprint(token_ids, settings)
+
+    split, done = None, 0
+    if checkpoint_path is not None and Path(checkpoint_path).exists():
+        split, done = _load_checkpoint(checkpoint_path, fingerprint, store_device)
+
+    if capture == "sequential":
+        feature_dir = Path(feature_dir)
+        feature_dir.mkdir(parents=True, exist_ok=True)
+        pending = [i for i in range(done, len(batches)) if not (feature_dir / f"batch_{i:06d}.safetensors").exists()]
+        if pending:
+            src_model = _resolve(source)
+            src_codec = RopeCodec(src_model) if key_space == "stripped" else None
+            shape = kv_shape(src_model)
+            for i in wrap(pending, desc="source features"):
+                ids = token_ids[batches[i][1]].to(src_model.device)
+                feats = kv_features(src_model, ids, stride=stride, key_space=key_space, codec=src_codec)
+                atomic_save_tensors(feature_dir / f"batch_{i:06d}.safetensors", feats,
+                                    {"fingerprint": fingerprint, "batch": i,
+                                     "source_shape": [shape.n_layers, shape.n_kv, shape.head_dim]})
+            del src_model, src_codec
+            _free_accelerator()
+        src_shape = KVShape(*load_tensors(feature_dir / f"batch_{len(batches) - 1:06d}.safetensors")[1]["source_shape"])
+        tgt_model = _resolve(target)
+    else:
+        src_codec = RopeCodec(src_model) if key_space == "stripped" else None
+        src_shape = kv_shape(src_model)
+    tgt_codec = RopeCodec(tgt_model) if key_space == "stripped" else None
+    tgt_shape = kv_shape(tgt_model)
+    tgt_layers = list(range(tgt_shape.n_layers)) if target_layers is None else list(target_layers)
+    if split is None:
+        info = {"sequences": len(train_idx), "heldout_sequences": len(held_idx),
+                "tokens_per_seq": token_ids.shape[1], **settings}
+        split = {part: Moments(list(range(src_shape.n_layers)), tgt_layers, src_shape.width, tgt_shape.width,
+                               dtype, store_device, info=dict(info)) for part in ("train", "heldout")}
+
+    end = len(batches) if stop_after_batches is None else min(len(batches), done + stop_after_batches)
+    for i in wrap(range(done, end), desc="calibration", initial=done, total=len(batches)):
+        name, idx = batches[i]
+        ids = token_ids[idx].to(tgt_model.device)
+        y = kv_features(tgt_model, ids, stride=stride, key_space=key_space, layers=tgt_layers, codec=tgt_codec)
+        if capture == "sequential":
+            x, meta = load_tensors(feature_dir / f"batch_{i:06d}.safetensors")
+            if meta.get("fingerprint") != fingerprint:
+                raise ValueError(f"{feature_dir} holds features of a different calibration; use an empty feature_dir")
+        else:
+            x = kv_features(src_model, token_ids[idx].to(src_model.device), stride=stride, key_space=key_space,
+                            codec=src_codec)
+        split[name].add({k: t.to(y["k"].device) for k, t in x.items()}, y, compute_dtype=compute_dtype)
+        if checkpoint_path is not None and ((i + 1) % every == 0 or i + 1 == end):
+            _save_checkpoint(checkpoint_path, split, i + 1, fingerprint)
+    for part in ("train", "heldout"):
+        split[part].info["batches_done"] = end
+        split[part].info["complete"] = end == len(batches)
+    return CalibrationMoments(split["train"], split["heldout"])
+
+
+def _save_checkpoint(path, split: dict, batches_done: int, fingerprint: str) -> None:
+    tensors, metas = {}, {}
+    for part, moments in split.items():
+        t, m = moments.state(prefix=f"{part}.")
+        tensors.update(t)
+        metas[part] = m
+    atomic_save_tensors(path, tensors, {"checkpoint": {"batches_done": batches_done, "fingerprint": fingerprint,
+                                                      "moments": metas}})
+
+
+def _load_checkpoint(path, fingerprint: str, device) -> tuple[dict, int]:
+    tensors, meta = load_tensors(path)
+    ck = meta.get("checkpoint")
+    if ck is None:
+        raise ValueError(f"{path} is not a kvtransfer calibration checkpoint")
+    if ck["fingerprint"] != fingerprint:
+        raise ValueError(f"checkpoint {path} was made from other data or settings; delete it or pass a "
+                         "different checkpoint_path to start afresh")
+    split = {part: Moments.from_state(tensors, m, prefix=f"{part}.", device=device)
+             for part, m in ck["moments"].items()}
+    return split, ck["batches_done"]
+
+
+def _free_accelerator() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

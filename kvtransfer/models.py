@@ -1,0 +1,149 @@
+"""Load causal LMs and tokenizers (HF id or local dir) and describe them for pair checks.
+
+Ministral 3 checkpoints are `mistral3` vision-language models; only their text stack (the decoder
+under the conditional-generation model plus its LM head) is used here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+# Config fields that define the shapes and numerics of the KV cache and the token space. A mapper is
+# valid for a pair exactly when these agree.
+_ARCH_FIELDS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "intermediate_size", "rope_parameters", "rms_norm_eps",
+    "max_position_embeddings", "tie_word_embeddings",
+)
+
+
+def text_config(config):
+    """The decoder (text) config of `config`: itself for text models, `text_config` for VLMs."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _dtype(dtype):
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    try:
+        return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of auto, bfloat16, float16, float32") from None
+
+
+def load_model(name_or_path: str, *, dtype="auto", device: str | None = None, device_map=None,
+               trust_remote_code: bool = False, attn_implementation: str | None = None):
+    """Load `(model, tokenizer)`: a causal LM in eval mode and its tokenizer.
+
+    `name_or_path` is an HF hub id or a local directory. `dtype` is a torch dtype or one of
+    "auto", "bfloat16", "float16", "float32". `device_map` (e.g. "auto") spreads a large model over
+    GPUs; otherwise the model is moved to `device` (default: CUDA if available, else CPU).
+    For `mistral3` checkpoints the returned model is the text stack as a `*ForCausalLM`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    kwargs = {"dtype": _dtype(dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if config.model_type == "mistral3":
+        model = _load_text_stack(name_or_path, kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    if device_map is None:
+        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.eval()
+    model.name_or_path = str(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    return model, tokenizer
+
+
+def _load_text_stack(name_or_path, kwargs):
+    """Load a mistral3 VLM and return its decoder + LM head as a `*ForCausalLM` (vision tower dropped)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vlm = AutoModelForImageTextToText.from_pretrained(name_or_path, **kwargs)
+    text_cfg = vlm.config.text_config
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(text_cfg)
+    lm.model = vlm.model.language_model
+    lm.lm_head = vlm.lm_head
+    lm.config = text_cfg
+    lm.generation_config = vlm.generation_config
+    del vlm
+    return lm
+
+
+def decoder(model):
+    """The decoder body of a causal LM (embeddings + layers + final norm, no LM head)."""
+    return getattr(model, model.base_model_prefix)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What a model's KV cache looks like: `n_layers` x [batch, n_kv, seq, head_dim]."""
+
+    n_layers: int
+    n_kv: int
+    head_dim: int
+
+    @property
+    def width(self) -> int:
+        """Features per token per layer for K (or V): n_kv * head_dim."""
+        return self.n_kv * self.head_dim
+
+
+def kv_shape(model_or_config) -> KVShape:
+    """KV-cache geometry of a model or config."""
+    cfg = text_config(getattr(model_or_config, "config", model_or_config))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return KVShape(cfg.num_hidden_layers, n_kv, head_dim)
+
+
+def rope_type(model_or_config) -> str:
+    """The RoPE variant of a model ("default", "llama3", "yarn", ...)."""
+    cfg = text_config(getattr(model_or_config, "config", model_or_config))
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def config_hash(model_or_config) -> str:
+    """sha256 (hex, 16 chars) of the architecture fields that fix cache shapes, RoPE and vocabulary."""
+    cfg = text_config(getattr(model_or_config, "config", model_or_config)).to_dict()
+    arch = {k: cfg.get(k) for k in _ARCH_FIELDS}
+    return hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_identity(model) -> dict:
+    """JSON-ready identity of a model: id, config hash, layer/head geometry and RoPE type."""
+    shape = kv_shape(model)
+    return {
+        "model_id": str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")),
+        "config_hash": config_hash(model),
+        "n_layers": shape.n_layers, "n_kv": shape.n_kv, "head_dim": shape.head_dim,
+        "rope_type": rope_type(model),
+    }
+
+
+def check_same_tokenizer(source_tokenizer, target_tokenizer) -> None:
+    """Raise ValueError unless both tokenizers map the same strings to the same ids.
+
+    Cross-model transfer maps caches position by position, so both models must see the same tokens.
+    """
+    vs, vt = source_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+    if vs == vt:
+        return
+    only_s = len(vs.keys() - vt.keys())
+    only_t = len(vt.keys() - vs.keys())
+    moved = sum(1 for tok in vs.keys() & vt.keys() if vs[tok] != vt[tok])
+    raise ValueError(
+        f"source and target tokenizers differ (source vocab {len(vs)}, target vocab {len(vt)}; "
+        f"{only_s} tokens only in source, {only_t} only in target, {moved} with different ids). "
+        "KV transfer needs one tokenization: pick a pair from the same model family.")

@@ -1,0 +1,182 @@
+"""Streaming centred cross-layer moments between source and target KV features.
+
+For each kind ("k" = keys, "v" = values) one observation is a token: its source features
+x = concat over all source layers of the layer's KV heads flattened, width L_s * n_kv_s * d_s
+(order: layer, head, dim), and its target features y over the target layers of this shard
+(order: layer, head, dim). Per kind we keep
+
+    mean_x [Dx], mean_y [Dy], cxx = sum (x - mean_x)(x - mean_x)^T [Dx, Dx],
+    cxy = sum (x - mean_x)(y - mean_y)^T [Dx, Dy], cyy = sum (y - mean_y)^2 [Dy] (diagonal only),
+
+all about the running mean. Batches are merged with Chan et al.'s pairwise update, so shards of
+the data (or of the target layers' columns) merge exactly, and large offsets never cancel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .io import atomic_save_tensors, load_tensors
+
+KINDS = ("k", "v")
+_STATS = ("mean_x", "mean_y", "cxx", "cxy", "cyy")
+
+
+@dataclass
+class Moments:
+    """Centred moments of (source, target) KV features for kinds "k" and "v".
+
+    `source_layers` / `target_layers` name the model layers whose features occupy consecutive
+    blocks of `source_width` / `target_width` (= n_kv * head_dim) columns of x / y.
+    `stats[kind][name]` holds the tensors listed in the module docstring, in `dtype` on `device`.
+    """
+
+    source_layers: list[int]
+    target_layers: list[int]
+    source_width: int
+    target_width: int
+    dtype: torch.dtype = torch.float64
+    device: str | torch.device = "cpu"
+    n: int = 0
+    info: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.stats:
+            dx, dy = self.dx, self.dy
+            z = lambda *s: torch.zeros(*s, dtype=self.dtype, device=self.device)  # noqa: E731
+            self.stats = {kind: {"mean_x": z(dx), "mean_y": z(dy), "cxx": z(dx, dx), "cxy": z(dx, dy),
+                                 "cyy": z(dy)} for kind in KINDS}
+
+    @property
+    def dx(self) -> int:
+        """Width of the source feature vector x."""
+        return len(self.source_layers) * self.source_width
+
+    @property
+    def dy(self) -> int:
+        """Width of the target feature vector y (this shard's target layers only)."""
+        return len(self.target_layers) * self.target_width
+
+    def source_columns(self, layers) -> torch.Tensor:
+        """Column indices into x of the given source layers, in the given order."""
+        return _block_columns(self.source_layers, layers, self.source_width)
+
+    def target_columns(self, layer: int) -> slice:
+        """Column slice into y of one target layer."""
+        i = self.target_layers.index(layer)
+        return slice(i * self.target_width, (i + 1) * self.target_width)
+
+    @torch.no_grad()
+    def add(self, x: dict[str, torch.Tensor], y: dict[str, torch.Tensor], compute_dtype=None) -> None:
+        """Accumulate a batch: x[kind] [m, dx], y[kind] [m, dy] (any float dtype, any device).
+
+        The batch's own centred products are formed in `compute_dtype` (default: this object's
+        dtype) on the batch's device, then merged into the running moments.
+        """
+        m = next(iter(x.values())).shape[0]
+        if m == 0:
+            return
+        cdt = compute_dtype or self.dtype
+        batch = {}
+        for kind in KINDS:
+            xb, yb = x[kind].to(cdt), y[kind].to(cdt)
+            if xb.shape != (m, self.dx) or yb.shape != (m, self.dy):
+                raise ValueError(f"batch {kind}: x {tuple(xb.shape)}, y {tuple(yb.shape)}; "
+                                 f"expected ({m}, {self.dx}) and ({m}, {self.dy})")
+            mx, my = xb.mean(0), yb.mean(0)
+            xc, yc = xb - mx, yb - my
+            batch[kind] = {"mean_x": mx, "mean_y": my, "cxx": xc.T @ xc, "cxy": xc.T @ yc,
+                           "cyy": (yc * yc).sum(0)}
+        self._merge(batch, m)
+
+    def _merge(self, other_stats: dict, n_other: int) -> None:
+        n_a, n_b = self.n, n_other
+        n = n_a + n_b
+        for kind in KINDS:
+            a, b = self.stats[kind], other_stats[kind]
+            b = {name: t.to(device=self.device, dtype=self.dtype) for name, t in b.items()}
+            dx, dy = b["mean_x"] - a["mean_x"], b["mean_y"] - a["mean_y"]
+            w = n_a * n_b / n
+            a["cxx"] += b["cxx"]
+            a["cxx"].addr_(dx, dx, alpha=w)
+            a["cxy"] += b["cxy"]
+            a["cxy"].addr_(dx, dy, alpha=w)
+            a["cyy"] += b["cyy"] + w * dy * dy
+            a["mean_x"] += dx * (n_b / n)
+            a["mean_y"] += dy * (n_b / n)
+        self.n = n
+
+    def merge(self, other: "Moments") -> "Moments":
+        """Fold another shard's moments (same layers and widths) into this one; returns self."""
+        same = (self.source_layers, self.target_layers, self.source_width, self.target_width)
+        if same != (other.source_layers, other.target_layers, other.source_width, other.target_width):
+            raise ValueError("cannot merge moments over different layers or widths; merge shards of the "
+                             "same calibration, or use Moments.concat_targets for target-layer shards")
+        if other.n:
+            self._merge(other.stats, other.n)
+        return self
+
+    @classmethod
+    def concat_targets(cls, shards: list["Moments"]) -> "Moments":
+        """Join moments that cover disjoint target layers of the same data into one object."""
+        first = shards[0]
+        for s in shards[1:]:
+            if s.n != first.n or s.source_layers != first.source_layers:
+                raise ValueError("target-layer shards must come from the same tokens and source layers")
+            if not torch.equal(s.stats["k"]["mean_x"], first.stats["k"]["mean_x"]):
+                raise ValueError("target-layer shards saw different source features (different data?)")
+        stats = {kind: {"mean_x": first.stats[kind]["mean_x"], "cxx": first.stats[kind]["cxx"],
+                        "mean_y": torch.cat([s.stats[kind]["mean_y"] for s in shards]),
+                        "cxy": torch.cat([s.stats[kind]["cxy"] for s in shards], dim=1),
+                        "cyy": torch.cat([s.stats[kind]["cyy"] for s in shards])} for kind in KINDS}
+        return cls(first.source_layers, [t for s in shards for t in s.target_layers], first.source_width,
+                   first.target_width, first.dtype, first.device, first.n, dict(first.info), stats)
+
+    # -- views used by the solvers ------------------------------------------------------------
+    def cov_xx(self, kind: str, columns: torch.Tensor) -> torch.Tensor:
+        """Centred sum of squares [p, p] of the selected x columns."""
+        return self.stats[kind]["cxx"][columns][:, columns]
+
+    def cov_xy(self, kind: str, columns: torch.Tensor, target_layer: int) -> torch.Tensor:
+        """Centred cross products [p, target_width] of selected x columns with one target layer."""
+        return self.stats[kind]["cxy"][columns, self.target_columns(target_layer)]
+
+    # -- persistence --------------------------------------------------------------------------
+    def state(self, prefix: str = "") -> tuple[dict, dict]:
+        """(tensors, metadata) describing this object; names carry `prefix`."""
+        tensors = {f"{prefix}{kind}.{name}": t for kind in KINDS for name, t in self.stats[kind].items()}
+        meta = {"source_layers": self.source_layers, "target_layers": self.target_layers,
+                "source_width": self.source_width, "target_width": self.target_width,
+                "dtype": str(self.dtype).removeprefix("torch."), "n": self.n, "info": self.info}
+        return tensors, meta
+
+    @classmethod
+    def from_state(cls, tensors: dict, meta: dict, prefix: str = "", device="cpu") -> "Moments":
+        """Inverse of `state`."""
+        dtype = getattr(torch, meta["dtype"])
+        stats = {kind: {name: tensors[f"{prefix}{kind}.{name}"].to(device) for name in _STATS} for kind in KINDS}
+        return cls(meta["source_layers"], meta["target_layers"], meta["source_width"], meta["target_width"],
+                   dtype, device, meta["n"], meta.get("info", {}), stats)
+
+    def save(self, path) -> None:
+        """Write to one safetensors file (atomic)."""
+        tensors, meta = self.state()
+        atomic_save_tensors(path, tensors, {"moments": meta})
+
+    @classmethod
+    def load(cls, path, device="cpu") -> "Moments":
+        """Read a file written by `save`."""
+        tensors, meta = load_tensors(path)
+        if "moments" not in meta:
+            raise ValueError(f"{path} is not a kvtransfer moments file")
+        return cls.from_state(tensors, meta["moments"], device=device)
+
+
+def _block_columns(all_layers: list[int], layers, width: int) -> torch.Tensor:
+    """Indices of the `width`-wide column blocks of `layers` within a concat over `all_layers`."""
+    missing = [layer for layer in layers if layer not in all_layers]
+    if missing:
+        raise ValueError(f"layers {missing} are not in these moments (have {all_layers})")
+    return torch.cat([torch.arange(width) + all_layers.index(layer) * width for layer in layers])

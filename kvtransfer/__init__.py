@@ -10,6 +10,7 @@ Public API (the numerical core; no Hydra, lm-eval or W&B imports here):
 """
 from .cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
 from .calibrate import CalibrationMoments, collect_moments, kv_features
+from .diagnostics import compare_caches
 from .mapper import Mapper
 from .models import check_same_tokenizer, kv_shape, load_model, model_identity
 from .moments import Moments
@@ -23,5 +24,5 @@ __all__ = [
     "load_model", "check_same_tokenizer", "kv_shape", "model_identity", "RopeCodec", "prefill",
     "forward_on_cache", "cache_to_layers", "layers_to_cache", "collect_moments", "kv_features",
     "CalibrationMoments", "Moments", "r2_matrix", "select_topk", "select_greedy", "fit_ridge", "RidgeFit",
-    "UnderdeterminedFit", "Mapper", "transfer", "map_layers", "codec_for",
+    "UnderdeterminedFit", "Mapper", "transfer", "map_layers", "codec_for", "compare_caches",
 ]

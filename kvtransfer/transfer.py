@@ -52,6 +52,30 @@ def map_layers(source_layers: KVLayers, mapper: Mapper, positions: torch.Tensor,
     rotated keys and its output stored unrotated). Returns [batch, n_kv_t, seq, d_t] per target
     layer in `out_dtype` (default: the source cache dtype). Raises FloatingPointError on NaN/Inf.
     """
+    def _rope_into(dst: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   den: torch.Tensor | None = None) -> None:
+        """dst [b, h, s, d] <- RopeCodec.apply(keys) (den None) or RopeCodec.strip(keys) (den = cos²+sin²).
+
+        Same arithmetic as RopeCodec: float32, rounded to `keys.dtype`, then stored in `dst.dtype`; all
+        float32 keys and dst are written in place half by half, without rotate_half's temporaries.
+        """
+        h = keys.shape[-1] // 2
+        # strip: (k1 c + k2 s, k2 c - k1 s) / den;  apply: (k1 c - k2 s, k2 c + k1 s)
+        sign = 1.0 if den is not None else -1.0
+        if keys.dtype == torch.float32 and dst.dtype == torch.float32:
+            k1, k2, o1, o2 = keys[..., :h], keys[..., h:], dst[..., :h], dst[..., h:]
+            torch.mul(k1, cos[..., :h], out=o1)
+            o1.addcmul_(k2, sin[..., :h], value=sign)
+            torch.mul(k2, cos[..., h:], out=o2)
+            o2.addcmul_(k1, sin[..., h:], value=-sign)
+            if den is not None:
+                dst.div_(den)
+            return
+        k = keys.float()
+        rot = torch.cat((-k[..., h:], k[..., :h]), dim=-1)
+        res = k * cos + rot * sin if den is None else (k * cos - rot * sin) / den
+        dst.copy_(res.to(keys.dtype))
+
     batch, _, seq, _ = source_layers[0][0].shape
     if positions.dim() == 1:
         positions = positions[None].expand(batch, -1)
@@ -61,40 +85,65 @@ def map_layers(source_layers: KVLayers, mapper: Mapper, positions: torch.Tensor,
     out_dtype = out_dtype or source_layers[0][0].dtype
     w, b = mapper.weight, mapper.bias
     device, dtype = w.device, w.dtype
-    selected = mapper.selected_layers.to(device)
-    used = sorted(set(mapper.selected_layers.flatten().tolist()))
-    n_t = w.shape[0]
+    n_t, _, p, q = w.shape
+    rows_sel = mapper.selected_layers.tolist()
+    # Only the source layers some target reads are stripped, once per chunk, into a buffer
+    # [2, batch, chunk, U, W] (U used layers in ascending order, W = n_kv_s * d_s; fully written, never zeroed).
+    used = sorted({s for row in rows_sel for s in row})
+    slot = {s: i for i, s in enumerate(used)}
+    n_kv_s, d_s = source_layers[used[0]][0].shape[1], source_layers[used[0]][0].shape[3]
+    width = n_kv_s * d_s
+    d_t = q // target_n_kv
+    # a target whose sources are consecutive slots reads a strided view of the buffer (no gather copy)
+    runs = [slot[row[0]] if [slot[s] for s in row] == list(range(slot[row[0]], slot[row[0]] + len(row))) else None
+            for row in rows_sel]
+    gather_idx = [None if r is not None else torch.tensor([slot[s] for s in row], device=device)
+                  for r, row in zip(runs, rows_sel)]
+    outputs = [(torch.empty(batch, target_n_kv, seq, d_t, device=device, dtype=out_dtype),
+                torch.empty(batch, target_n_kv, seq, d_t, device=device, dtype=out_dtype)) for _ in range(n_t)]
     chunk = max(1, chunk_tokens // batch)
-    outputs = [([], []) for _ in range(n_t)]
     bad = torch.zeros((), dtype=torch.bool, device=device)
     for start in range(0, seq, chunk):
         sl = slice(start, min(seq, start + chunk))
+        c = sl.stop - sl.start
+        rows = batch * c
         pos = positions[:, sl]
-        # stacked features [2, batch*chunk, L_s, W]; unused source layers stay zero (never read)
-        feats = None
+        if rotate:  # cos/sin once per chunk, shared by every layer
+            cs, ss = (t.to(device) for t in source_codec.cos_sin(pos))
+            den = cs * cs + ss * ss
+            ct, st = (t.to(device) for t in target_codec.cos_sin(pos))
+        feats = torch.empty(2, batch, c, len(used), width, device=device, dtype=dtype)
         for s in used:
             k, v = source_layers[s][0][:, :, sl], source_layers[s][1][:, :, sl]
+            dst_k, dst_v = (feats[i, :, :, slot[s]].view(batch, c, n_kv_s, d_s).transpose(1, 2) for i in (0, 1))
             if rotate:
-                k = source_codec.strip(k, pos)
-            kf, vf = _flat(k).to(device, dtype), _flat(v).to(device, dtype)
-            if feats is None:
-                feats = torch.zeros(2, kf.shape[0], len(source_layers), kf.shape[1], device=device, dtype=dtype)
-            feats[0, :, s], feats[1, :, s] = kf, vf
-        rows = feats.shape[1]
+                _rope_into(dst_k, k.to(device), cs, ss, den)
+            else:
+                dst_k.copy_(k)
+            dst_v.copy_(v)
+        flat = feats.view(2, rows, len(used) * width)
+        gathered = None
         for t in range(n_t):
-            x = feats[:, :, selected[t]].reshape(2, rows, -1)
+            if runs[t] is not None:
+                x = flat[:, :, runs[t] * width: runs[t] * width + p]
+            else:
+                if gathered is None:
+                    gathered = torch.empty(2, rows, p // width, width, device=device, dtype=dtype)
+                torch.index_select(feats.view(2, rows, len(used), width), 2, gather_idx[t], out=gathered)
+                x = gathered.view(2, rows, p)
             y = torch.baddbmm(b[t][:, None, :], x, w[t])  # [2, rows, q]
             if check_finite:
                 bad |= ~torch.isfinite(y).all()
-            k_t, v_t = _unflat(y[0], batch, target_n_kv), _unflat(y[1], batch, target_n_kv)
+            k_t, v_t = y.view(2, batch, c, target_n_kv, d_t).transpose(2, 3)  # [batch, n_kv_t, c, d_t] each
             if rotate:
-                k_t = target_codec.apply(k_t, pos.to(k_t.device))
-            outputs[t][0].append(k_t.to(out_dtype))
-            outputs[t][1].append(v_t.to(out_dtype))
+                _rope_into(outputs[t][0][:, :, sl], k_t, ct, st)
+            else:
+                outputs[t][0][:, :, sl].copy_(k_t)
+            outputs[t][1][:, :, sl].copy_(v_t)
     if check_finite and bool(bad):
         raise FloatingPointError("mapped cache contains NaN/Inf: check the mapper (refit with larger lambda) "
                                  "and the source cache dtype")
-    return [(torch.cat(ks, dim=2).contiguous(), torch.cat(vs, dim=2).contiguous()) for ks, vs in outputs]
+    return outputs
 
 
 @torch.no_grad()

@@ -1,0 +1,107 @@
+"""Exactness foundations: cache round-trips and the RoPE codec (PAPER.md "Pitfalls")."""
+import pytest
+import torch
+
+from kvtransfer.cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
+from kvtransfer.rope import RopeCodec, rotate_half
+from tiny_models import CONFIGS, random_ids, tiny_model
+
+FAMILIES = list(CONFIGS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_cache_roundtrip_reproduces_one_pass_logits(family):
+    model = tiny_model(family)
+    ids = random_ids(3, 40)
+    one_pass = model(input_ids=ids).logits
+    layers = prefill(model, ids[:, :25])
+    # tensors -> cache -> tensors keeps every value
+    again = cache_to_layers(layers_to_cache(layers, model.config))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(layers, again))
+    logits = forward_on_cache(model, layers, None, ids[:, 25:])
+    assert (logits - one_pass[:, 25:]).abs().max() <= 1e-5
+    # scoring twice from the same tensors gives the same answer: no cache is reused by accident
+    assert torch.equal(forward_on_cache(model, layers, None, ids[:, 25:]), logits)
+
+
+def test_left_padded_batch_matches_unpadded_rows():
+    model = tiny_model("llama")
+    rows = [random_ids(1, n, seed=n)[0] for n in (12, 20)]
+    prefix_len, pad = 20, 0
+    ids = torch.full((2, prefix_len), pad)
+    mask = torch.zeros(2, prefix_len, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, prefix_len - len(r):], mask[i, prefix_len - len(r):] = r, 1
+    cont = random_ids(2, 6, seed=99)
+    batched = forward_on_cache(model, prefill(model, ids, mask), mask, cont)
+    for i, r in enumerate(rows):
+        single = forward_on_cache(model, prefill(model, r[None]), None, cont[i:i + 1])
+        assert (batched[i] - single[0]).abs().max() <= 1e-5
+
+
+def test_prefix_mask_must_match_cache_length():
+    model = tiny_model("qwen3")
+    layers = prefill(model, random_ids(1, 8))
+    with pytest.raises(ValueError, match="prefix_mask covers"):
+        forward_on_cache(model, layers, torch.ones(1, 5, dtype=torch.long), random_ids(1, 2))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_strip_apply_identity_at_long_positions(family):
+    codec = RopeCodec(tiny_model(family))
+    keys = torch.randn(2, 2, 6, 8, dtype=torch.float64)
+    positions = torch.tensor([0, 1, 4095, 4096, 65_537, 80_000])
+    assert torch.allclose(codec.strip(codec.apply(keys, positions), positions), keys, atol=1e-5)
+    assert torch.allclose(codec.apply(codec.strip(keys, positions), positions), keys, atol=1e-5)
+    # per-row positions [batch, seq] are honoured
+    per_row = torch.stack([positions, positions.flip(0)])
+    rotated = codec.apply(keys, per_row)
+    assert torch.allclose(rotated[1], codec.apply(keys[1:], positions.flip(0))[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_codec_matches_model_rotary_at_arbitrary_positions(family):
+    model = tiny_model(family)
+    codec = RopeCodec(model, initial_positions=16)  # forces the table to grow
+    positions = torch.tensor([[3, 17, 900, 33_000]])
+    cos, sin = model.model.rotary_emb(torch.zeros(1), positions)
+    c, s = codec.cos_sin(positions)
+    assert torch.allclose(c[:, 0], cos, atol=1e-6) and torch.allclose(s[:, 0], sin, atol=1e-6)
+
+
+def test_yarn_inverse_needs_attention_scaling_division():
+    codec = RopeCodec(tiny_model("ministral3"))
+    assert codec.attention_scaling == pytest.approx(1.25)
+    keys, positions = torch.randn(1, 2, 5, 8), torch.arange(5) * 1000
+    rotated = codec.apply(keys, positions)
+    cos, sin = codec.cos_sin(positions)
+    naive = rotated * cos - rotate_half(rotated) * sin  # inverse without dividing by cos²+sin²
+    assert not torch.allclose(naive, keys, atol=1e-2)
+    assert torch.allclose(codec.strip(rotated, positions), keys, atol=1e-5)
+
+
+def test_qwen3_cached_key_is_rope_of_k_norm_output():
+    model = tiny_model("qwen3")
+    codec = RopeCodec(model)
+    captured = {}
+    attn = model.model.layers[1].self_attn
+    hooks = [attn.k_norm.register_forward_hook(lambda _m, _i, out: captured.update(k=out.detach())),
+             attn.k_proj.register_forward_hook(lambda _m, _i, out: captured.update(proj=out.detach()))]
+    ids = random_ids(2, 30)
+    layers = prefill(model, ids)
+    for h in hooks:
+        h.remove()
+    normed = captured["k"].transpose(1, 2)  # [batch, heads, seq, dim]
+    positions = torch.arange(30)
+    assert torch.allclose(layers[1][0], codec.apply(normed, positions), atol=1e-6)
+    assert torch.allclose(codec.strip(layers[1][0], positions), normed, atol=1e-5)
+    # the stripped key is the post-norm key, not k_proj's raw output
+    raw = captured["proj"].view(2, 30, 2, 8).transpose(1, 2)
+    assert not torch.allclose(codec.strip(layers[1][0], positions), raw, atol=1e-2)
+
+
+def test_length_dependent_rope_is_refused():
+    model = tiny_model("llama")
+    model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(NotImplementedError, match="depends on sequence length"):
+        RopeCodec(model)

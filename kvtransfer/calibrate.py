@@ -93,7 +93,7 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
                     feature_dir: str | Path | None = None, checkpoint_path: str | Path | None = None,
                     checkpoint_every: int = 64, dtype: torch.dtype = torch.float64,
                     compute_dtype: torch.dtype | None = None, store_device="cpu",
-                    stop_after_batches: int | None = None,
+                    stop_after_batches: int | None = None, feature_sink: Callable | None = None,
                     progress: Callable | None = None) -> CalibrationMoments:
     """Stream calibration sequences through source and target; return train/held-out moments.
 
@@ -107,6 +107,9 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     a rerun with the same inputs resumes from it and ends bit-identical to an uninterrupted run.
     stop_after_batches: process at most this many batches in this call (then checkpoint) -- for
     time-boxed jobs; the result is partial unless the run has finished.
+    feature_sink: optional callable(split, batch_index, x, y) given every batch's features (e.g. to
+    keep a bounded sample for training an MLP mapper); not replayed for batches restored from a
+    checkpoint.
     progress: optional callable wrapping an iterable (e.g. tqdm).
     """
     if capture not in ("co-resident", "sequential"):
@@ -176,6 +179,8 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
             x = kv_features(src_model, token_ids[idx].to(src_model.device), stride=stride, key_space=key_space,
                             codec=src_codec)
         split[name].add({k: t.to(y["k"].device) for k, t in x.items()}, y, compute_dtype=compute_dtype)
+        if feature_sink is not None:
+            feature_sink(name, i, x, y)
         if checkpoint_path is not None and ((i + 1) % every == 0 or i + 1 == end):
             _save_checkpoint(checkpoint_path, split, i + 1, fingerprint)
     for part in ("train", "heldout"):

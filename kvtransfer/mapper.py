@@ -1,10 +1,13 @@
-"""The mapper artifact: per-target-layer affine K/V maps, saved as safetensors + a JSON manifest.
+"""Mapper artifacts: per-target-layer maps from stacked source KV features to target K and V.
 
-Tensors (float32 on disk):
-    weight  [L_t, 2, p, q]   p = k * n_kv_s * d_s (source features), q = n_kv_t * d_t; [:, 0] K, [:, 1] V
-    bias    [L_t, 2, q]
-    selected_layers [L_t, k] source layers feeding each target layer, in feature order
-Parameter count = L_t * 2 * p * q (+ biases), as in the paper.
+Every mapper kind holds `selected_layers` [L_t, k] (source layers feeding each target layer, in
+feature order) and maps, for target layer t, x [2, rows, p] -> y [2, rows, q] with [0] = keys,
+[1] = values, p = k * n_kv_s * d_s and q = n_kv_t * d_t. On disk: `mapper.safetensors` + a JSON
+manifest `mapper.json` (pair identity, k, lambda, selection, calibration provenance, R², sha256).
+
+The ridge kind (the paper's) stores
+    weight  [L_t, 2, p, q]   bias [L_t, 2, q]        y = x @ weight[t] + bias[t]
+with L_t * 2 * p * q (+ biases) parameters, as counted in the paper.
 """
 from __future__ import annotations
 
@@ -20,27 +23,30 @@ from .ridge import RidgeFit
 
 FORMAT_VERSION = 1
 _WEIGHTS, _MANIFEST = "mapper.safetensors", "mapper.json"
+_KINDS: dict[str, type] = {}
 
 
-@dataclass
-class Mapper:
-    """Affine maps from stacked source KV features to each target layer's K and V.
+@dataclass(kw_only=True)
+class MapperBase:
+    """What every mapper kind shares: pair identity, selected layers, provenance, save/load.
 
     `source` / `target` are `model_identity` dicts; `key_space` is "stripped" (content space, the
     paper) or "rotated" (keys mapped as cached, an ablation). `r2` holds per-head R² lists
     {split: {kind: [L_t][n_kv_t]}}; `calibration` the provenance of the moments.
     """
 
-    weight: torch.Tensor
-    bias: torch.Tensor
     selected_layers: torch.Tensor
     source: dict
     target: dict
     key_space: str = "stripped"
     lam: float = 0.01
-    kind: str = "ridge"
     calibration: dict = field(default_factory=dict)
     r2: dict = field(default_factory=dict)
+    kind = "base"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _KINDS[cls.kind] = cls
 
     @property
     def k(self) -> int:
@@ -49,28 +55,31 @@ class Mapper:
 
     @property
     def n_parameters(self) -> int:
-        """Weights + biases."""
-        return self.weight.numel() + self.bias.numel()
+        """Number of trainable values in the mapper."""
+        return sum(t.numel() for name, t in self.tensors().items() if name != "selected_layers")
+
+    # -- per kind -----------------------------------------------------------------------------
+    def map_features(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Map stacked source features x [2, rows, p] to target layer `layer`'s [2, rows, q]."""
+        raise NotImplementedError
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """All tensors to save (float32 weights, int64 selected_layers)."""
+        raise NotImplementedError
+
+    def to(self, device=None, dtype=None) -> "MapperBase":
+        """Move floating-point weights to `device` / `dtype`; returns self."""
+        raise NotImplementedError
+
+    def extra_manifest(self) -> dict:
+        """Kind-specific manifest fields (hyper-parameters needed to rebuild the mapper)."""
+        return {}
 
     @classmethod
-    def from_ridge(cls, fit: RidgeFit, source_model, target_model, *, key_space: str = "stripped",
-                   calibration: dict | None = None) -> "Mapper":
-        """Pack a `RidgeFit` (all target layers) into a Mapper for the given models."""
-        n_t = len(fit.selected_layers)
-        weight = torch.stack([torch.stack([fit.weights[kind][t].weight for kind in ("k", "v")]) for t in range(n_t)])
-        bias = torch.stack([torch.stack([fit.weights[kind][t].bias for kind in ("k", "v")]) for t in range(n_t)])
-        r2 = {split: {kind: v.tolist() for kind, v in per.items()} for split, per in fit.r2.items()}
-        calibration = dict(calibration or {}, observations=fit.observations)
-        return cls(weight.float(), bias.float(), torch.tensor(fit.selected_layers, dtype=torch.long),
-                   model_identity(source_model), model_identity(target_model), key_space, fit.lam, "ridge",
-                   calibration, r2)
+    def from_tensors(cls, tensors: dict, common: dict, manifest: dict) -> "MapperBase":
+        raise NotImplementedError
 
-    def to(self, device=None, dtype=None) -> "Mapper":
-        """Move weights (not layer indices) to `device` / `dtype`; returns self."""
-        self.weight = self.weight.to(device=device, dtype=dtype)
-        self.bias = self.bias.to(device=device, dtype=dtype)
-        return self
-
+    # -- shared -------------------------------------------------------------------------------
     def check_pair(self, source_model, target_model) -> None:
         """Raise ValueError unless this mapper was fitted for exactly these two architectures."""
         for side, model in (("source", source_model), ("target", target_model)):
@@ -88,24 +97,22 @@ class Mapper:
         return {"format": "kvtransfer.mapper", "version": FORMAT_VERSION, "kind": self.kind,
                 "source": self.source, "target": self.target, "key_space": self.key_space, "k": self.k,
                 "lambda": self.lam, "selected_layers": self.selected_layers.tolist(),
-                "shapes": {"weight": list(self.weight.shape), "bias": list(self.bias.shape)},
-                "n_parameters": self.n_parameters, "calibration": self.calibration, "r2": self.r2}
+                "shapes": {name: list(t.shape) for name, t in self.tensors().items()},
+                "n_parameters": self.n_parameters, "calibration": self.calibration, "r2": self.r2,
+                **self.extra_manifest()}
 
     def save(self, directory: str | Path) -> Path:
         """Write mapper.safetensors + mapper.json into `directory` (refuses to overwrite)."""
         directory = Path(directory)
         if (directory / _MANIFEST).exists() or (directory / _WEIGHTS).exists():
             raise FileExistsError(f"{directory} already holds a mapper; save to a new directory")
-        atomic_save_tensors(directory / _WEIGHTS, {"weight": self.weight.float(), "bias": self.bias.float(),
-                                                   "selected_layers": self.selected_layers},
-                            {"manifest": _MANIFEST})
-        manifest = self.manifest() | {"sha256": sha256_file(directory / _WEIGHTS)}
-        atomic_write_json(directory / _MANIFEST, manifest)
+        atomic_save_tensors(directory / _WEIGHTS, self.tensors(), {"manifest": _MANIFEST})
+        atomic_write_json(directory / _MANIFEST, self.manifest() | {"sha256": sha256_file(directory / _WEIGHTS)})
         return directory
 
     @classmethod
-    def load(cls, directory: str | Path, source_model=None, target_model=None) -> "Mapper":
-        """Read a saved mapper, verify its checksum and shapes, and (given models) its pair."""
+    def load(cls, directory: str | Path, source_model=None, target_model=None) -> "MapperBase":
+        """Read a saved mapper of any kind, verify checksum and shapes, and (given models) its pair."""
         directory = Path(directory)
         manifest_path, weights_path = directory / _MANIFEST, directory / _WEIGHTS
         for path in (manifest_path, weights_path):
@@ -120,17 +127,65 @@ class Mapper:
         if manifest.get("version") != FORMAT_VERSION:
             raise ValueError(f"mapper format version {manifest.get('version')} is not supported "
                              f"(this kvtransfer reads version {FORMAT_VERSION}); refit the mapper")
-        digest = sha256_file(weights_path)
-        if digest != manifest["sha256"]:
+        if sha256_file(weights_path) != manifest["sha256"]:
             raise ValueError(f"{weights_path} does not match its manifest checksum (corrupt or truncated "
                              "file); copy it again or refit")
         tensors, _ = load_tensors(weights_path)
         for name, shape in manifest["shapes"].items():
-            if list(tensors[name].shape) != shape:
-                raise ValueError(f"{weights_path}: {name} has shape {list(tensors[name].shape)}, manifest says {shape}")
-        mapper = cls(tensors["weight"], tensors["bias"], tensors["selected_layers"], manifest["source"],
-                     manifest["target"], manifest["key_space"], manifest["lambda"], manifest["kind"],
-                     manifest.get("calibration", {}), manifest.get("r2", {}))
+            if name not in tensors or list(tensors[name].shape) != shape:
+                raise ValueError(f"{weights_path}: tensor {name} missing or not of shape {shape}")
+        kind = _KINDS.get(manifest["kind"])
+        if kind is None:
+            raise ValueError(f"unknown mapper kind {manifest['kind']!r} (known: {sorted(_KINDS)})")
+        common = dict(selected_layers=tensors["selected_layers"], source=manifest["source"],
+                      target=manifest["target"], key_space=manifest["key_space"], lam=manifest["lambda"],
+                      calibration=manifest.get("calibration", {}), r2=manifest.get("r2", {}))
+        mapper = kind.from_tensors(tensors, common, manifest)
         if source_model is not None and target_model is not None:
             mapper.check_pair(source_model, target_model)
         return mapper
+
+
+@dataclass(kw_only=True)
+class Mapper(MapperBase):
+    """The paper's closed-form ridge mapper: y = x @ weight[t] + bias[t] per target layer t."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    kind = "ridge"
+
+    @classmethod
+    def from_ridge(cls, fit: RidgeFit, source_model, target_model, *, key_space: str = "stripped",
+                   calibration: dict | None = None) -> "Mapper":
+        """Pack a `RidgeFit` (all target layers) into a Mapper for the given models."""
+        n_t = len(fit.selected_layers)
+        weight = torch.stack([torch.stack([fit.weights[kind][t].weight for kind in ("k", "v")]) for t in range(n_t)])
+        bias = torch.stack([torch.stack([fit.weights[kind][t].bias for kind in ("k", "v")]) for t in range(n_t)])
+        r2 = {split: {kind: v.tolist() for kind, v in per.items()} for split, per in fit.r2.items()}
+        return cls(weight=weight.float(), bias=bias.float(),
+                   selected_layers=torch.tensor(fit.selected_layers, dtype=torch.long),
+                   source=model_identity(source_model), target=model_identity(target_model), key_space=key_space,
+                   lam=fit.lam, calibration=dict(calibration or {}, observations=fit.observations), r2=r2)
+
+    def map_features(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """x [2, rows, p] -> x @ weight[layer] + bias[layer], [2, rows, q]."""
+        return torch.baddbmm(self.bias[layer][:, None, :], x, self.weight[layer])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight.float(), "bias": self.bias.float(), "selected_layers": self.selected_layers}
+
+    def to(self, device=None, dtype=None) -> "Mapper":
+        self.weight = self.weight.to(device=device, dtype=dtype)
+        self.bias = self.bias.to(device=device, dtype=dtype)
+        return self
+
+    @classmethod
+    def from_tensors(cls, tensors, common, manifest) -> "Mapper":
+        return cls(weight=tensors["weight"], bias=tensors["bias"], **common)
+
+
+def load_mapper(directory: str | Path, source_model=None, target_model=None) -> MapperBase:
+    """Load a saved mapper of any kind (ridge or mlp); see `MapperBase.load`."""
+    from . import mlp  # noqa: F401  (registers the mlp kind)
+
+    return MapperBase.load(directory, source_model, target_model)

@@ -86,7 +86,8 @@ def test_native_sink_makes_first_positions_exact(pair):
 
 def test_non_finite_mapping_is_detected(pair):
     source, target, mapper = pair
-    broken = kt.Mapper(mapper.weight.clone(), mapper.bias.clone(), mapper.selected_layers, mapper.source, mapper.target)
+    broken = kt.Mapper(weight=mapper.weight.clone(), bias=mapper.bias.clone(), selected_layers=mapper.selected_layers,
+                       source=mapper.source, target=mapper.target)
     broken.weight[1, 0, 0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="NaN/Inf"):
         kt.transfer(kt.prefill(source, random_ids(1, 6)), broken, source, target)

@@ -1,0 +1,176 @@
+"""The paper's MLP fallback mapper, trained on a bounded sample of calibration features.
+
+Per (target layer, head, K/V): Linear(p, hidden) - ReLU - Linear(hidden, hidden) - ReLU -
+Linear(hidden, d_t), Adam (lr 1e-3), 20 epochs, batches of 4,096 tokens, MSE. All heads of a
+target layer (K and V) train together as one batched network with disjoint weights, which is the
+same as training them separately on the same batches. Inputs and outputs are standardised with
+the sample's per-feature mean and std (stored with the mapper), so one learning rate suits keys
+and values alike.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .io import atomic_save_tensors, load_tensors
+from .mapper import MapperBase
+from .models import model_identity
+
+
+class FeatureSampler:
+    """Keeps ~`max_rows` random train rows of calibration features, as a `collect_moments` sink.
+
+    Call as sink(split, batch_index, x, y) with x/y {"k", "v"} -> [rows, width]. `n_batches` is the
+    number of train batches, so each keeps ceil(max_rows / n_batches) rows (seeded per batch).
+    """
+
+    def __init__(self, max_rows: int, n_batches: int, seed: int = 0):
+        self.per_batch = math.ceil(max_rows / max(1, n_batches))
+        self.seed = seed
+        self.parts: dict[str, list[torch.Tensor]] = {"xk": [], "xv": [], "yk": [], "yv": []}
+
+    def __call__(self, split: str, batch_index: int, x: dict, y: dict) -> None:
+        if split != "train":
+            return
+        rows = x["k"].shape[0]
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_index)
+        keep = torch.randperm(rows, generator=g)[: self.per_batch].sort().values
+        for name, t in (("xk", x["k"]), ("xv", x["v"]), ("yk", y["k"]), ("yv", y["v"])):
+            self.parts[name].append(t[keep.to(t.device)].float().cpu())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """{"xk", "xv": [n, dx], "yk", "yv": [n, dy]} float32."""
+        if not self.parts["xk"]:
+            raise ValueError("no calibration features were sampled (mlp_samples=0 or no train batches)")
+        return {name: torch.cat(parts) for name, parts in self.parts.items()}
+
+    def save(self, path) -> None:
+        """Store the sample as safetensors (atomic)."""
+        atomic_save_tensors(path, self.tensors(), {"feature_sample": True})
+
+    @staticmethod
+    def load(path) -> dict[str, torch.Tensor]:
+        """Read a sample written by `save`."""
+        return load_tensors(path)[0]
+
+
+@dataclass(kw_only=True)
+class MLPMapper(MapperBase):
+    """Per-head MLPs; tensors stacked [L_t, 2, n_kv_t, ...] (K heads at [:, 0], V heads at [:, 1])."""
+
+    w1: torch.Tensor  # [L_t, 2, H, p, hidden]
+    b1: torch.Tensor  # [L_t, 2, H, hidden]
+    w2: torch.Tensor  # [L_t, 2, H, hidden, hidden]
+    b2: torch.Tensor
+    w3: torch.Tensor  # [L_t, 2, H, hidden, d_t]
+    b3: torch.Tensor  # [L_t, 2, H, d_t]
+    x_mean: torch.Tensor  # [L_t, 2, p]
+    x_std: torch.Tensor
+    y_mean: torch.Tensor  # [L_t, 2, q]
+    y_std: torch.Tensor
+    kind = "mlp"
+
+    _NAMES = ("w1", "b1", "w2", "b2", "w3", "b3", "x_mean", "x_std", "y_mean", "y_std")
+
+    def map_features(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """x [2, rows, p] -> [2, rows, q] through this layer's per-head MLPs."""
+        return _forward(self.layer_params(layer), x)
+
+    def layer_params(self, layer: int) -> dict[str, torch.Tensor]:
+        """The tensors of one target layer (views)."""
+        return {name: getattr(self, name)[layer] for name in self._NAMES}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name).float() for name in self._NAMES} | {"selected_layers": self.selected_layers}
+
+    @property
+    def n_parameters(self) -> int:
+        return sum(getattr(self, n).numel() for n in ("w1", "b1", "w2", "b2", "w3", "b3"))
+
+    def to(self, device=None, dtype=None) -> "MLPMapper":
+        for name in self._NAMES:
+            setattr(self, name, getattr(self, name).to(device=device, dtype=dtype))
+        return self
+
+    def extra_manifest(self) -> dict:
+        return {"hidden": self.w1.shape[-1]}
+
+    @classmethod
+    def from_tensors(cls, tensors, common, manifest) -> "MLPMapper":
+        return cls(**{name: tensors[name] for name in cls._NAMES}, **common)
+
+
+def _forward(p: dict, x: torch.Tensor, denormalise: bool = True) -> torch.Tensor:
+    """Batched per-head MLP: x [2, rows, p] -> [2, rows, H * d] (standardised if not `denormalise`)."""
+    z = (x - p["x_mean"][:, None]) / p["x_std"][:, None]
+    h = torch.relu(torch.einsum("krp,khpo->khro", z, p["w1"]) + p["b1"][:, :, None])
+    h = torch.relu(h @ p["w2"] + p["b2"][:, :, None])
+    out = h @ p["w3"] + p["b3"][:, :, None]  # [2, H, rows, d]
+    out = out.permute(0, 2, 1, 3).flatten(2)  # [2, rows, H * d]
+    return out * p["y_std"][:, None] + p["y_mean"][:, None] if denormalise else out
+
+
+def fit_mlp(sample: dict[str, torch.Tensor], selected_layers: list[list[int]], source_model, target_model, *,
+            source_width: int, target_heads: int, hidden: int = 1024, lr: float = 1e-3, epochs: int = 20,
+            batch_tokens: int = 4096, device: str = "cpu", seed: int = 0, key_space: str = "stripped",
+            calibration: dict | None = None, progress=None) -> MLPMapper:
+    """Train per-head MLPs for every target layer on a `FeatureSampler` sample.
+
+    sample: {"xk", "xv": [n, L_s * source_width], "yk", "yv": [n, L_t * target_heads * d_t]}.
+    Returns an MLPMapper (float32) with train R² per head in `r2["train"]`.
+    """
+    torch.manual_seed(seed)
+    n = sample["xk"].shape[0]
+    n_t = len(selected_layers)
+    q = sample["yk"].shape[1] // n_t
+    d_t = q // target_heads
+    wrap = progress or (lambda it, **_: it)
+    layers, r2 = [], {"k": [], "v": []}
+    for t in wrap(range(n_t), desc="mlp fit"):
+        cols = torch.cat([torch.arange(source_width) + s * source_width for s in selected_layers[t]])
+        x = torch.stack([sample["xk"][:, cols], sample["xv"][:, cols]]).to(device)  # [2, n, p]
+        y = torch.stack([sample["yk"][:, t * q:(t + 1) * q], sample["yv"][:, t * q:(t + 1) * q]]).to(device)
+        params = _init(x, y, target_heads, d_t, hidden, device)
+        trainable = [params[name] for name in ("w1", "b1", "w2", "b2", "w3", "b3")]
+        opt = torch.optim.Adam(trainable, lr=lr)
+        g = torch.Generator().manual_seed(seed + t)
+        y_norm = (y - params["y_mean"][:, None]) / params["y_std"][:, None]
+        for _ in range(epochs):
+            for idx in torch.randperm(n, generator=g).split(batch_tokens):
+                idx = idx.to(device)
+                pred = _forward(params, x[:, idx], denormalise=False)
+                loss = torch.mean((pred - y_norm[:, idx]) ** 2)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        with torch.no_grad():
+            pred = _forward(params, x)
+            for i, kind in enumerate(("k", "v")):
+                sse = ((pred[i] - y[i]) ** 2).view(n, target_heads, d_t).sum((0, 2))
+                sst = ((y[i] - y[i].mean(0)) ** 2).view(n, target_heads, d_t).sum((0, 2))
+                r2[kind].append((1 - sse / sst).tolist())
+        layers.append({name: t_.detach().cpu() for name, t_ in params.items()})
+    stacked = {name: torch.stack([layer[name] for layer in layers]) for name in MLPMapper._NAMES}
+    return MLPMapper(**stacked, selected_layers=torch.tensor(selected_layers, dtype=torch.long),
+                     source=model_identity(source_model), target=model_identity(target_model), key_space=key_space,
+                     calibration=dict(calibration or {}, observations=n), r2={"train": r2})
+
+
+def _init(x: torch.Tensor, y: torch.Tensor, heads: int, d_t: int, hidden: int, device) -> dict:
+    """PyTorch-Linear-style uniform init, plus standardisation statistics of x and y."""
+    p = x.shape[-1]
+
+    def linear(fan_in, fan_out):
+        bound = 1 / math.sqrt(fan_in)
+        w = torch.empty(2, heads, fan_in, fan_out, device=device).uniform_(-bound, bound).requires_grad_()
+        b = torch.empty(2, heads, fan_out, device=device).uniform_(-bound, bound).requires_grad_()
+        return w, b
+
+    w1, b1 = linear(p, hidden)
+    w2, b2 = linear(hidden, hidden)
+    w3, b3 = linear(hidden, d_t)
+    return {"w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3,
+            "x_mean": x.mean(1), "x_std": x.std(1).clamp_min(1e-6),
+            "y_mean": y.mean(1), "y_std": y.std(1).clamp_min(1e-6)}

@@ -1,0 +1,371 @@
+"""The stages of a run -- calibrate -> fit -> eval -> bench -> report -- with cached artifacts.
+
+Takes a plain dict config (run.py resolves the Hydra config into one), so this module has no Hydra
+import. Every stage artifact lives under `cache_dir` in a directory named by a hash of exactly the
+config that produced it, so changing lambda or k reuses the moments, changing tasks reuses the
+mapper, and an interrupted calibration resumes from its checkpoint. A stage asked for pulls the
+artifacts it needs, computing the missing ones.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .calibrate import collect_moments, split_heldout
+from .data import read_documents, stream_hf_documents, token_sequences
+from .io import atomic_save_tensors, atomic_write_json, load_tensors
+from .mapper import Mapper, load_mapper
+from .models import check_same_tokenizer, config_hash, kv_shape, load_model
+from .moments import Moments
+from .ridge import UnderdeterminedFit, fit_ridge
+from .select import r2_matrix, select_greedy, select_topk
+
+STAGES = ("calibrate", "fit", "eval", "bench", "report")
+
+
+def parse_stages(stage: str) -> list[str]:
+    """'all' or a comma list of stage names -> ordered list of stages."""
+    names = STAGES if stage == "all" else [s.strip() for s in str(stage).split(",") if s.strip()]
+    unknown = [s for s in names if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}: use one of {', '.join(STAGES)} or all")
+    return [s for s in STAGES if s in names]
+
+
+def artifact_key(*parts) -> str:
+    """16-hex-digit key of JSON-able parts (the config that produced an artifact)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return lambda it, **kw: tqdm(it, **kw)
+
+
+class Run:
+    """One configured run: lazily loads models and computes or reuses each stage's artifact."""
+
+    def __init__(self, cfg: dict, out_dir: str | Path):
+        self.cfg = cfg
+        self.out_dir = Path(out_dir)
+        self.cache_dir = Path(cfg.get("cache_dir", "artifacts"))
+        self.progress = _progress(cfg.get("progress", True))
+        self._models: dict = {}
+        self._memo: dict = {}
+        ablation = cfg.get("ablation") or {}
+        mapper = cfg["mapper"]
+        self.key_space = ablation.get("key_space", "stripped")
+        self.rope_at_inference = ablation.get("rope_at_inference", True)
+        self.k = ablation.get("k") if ablation.get("k") is not None else mapper["k"]
+        self.lam = ablation.get("lam") if ablation.get("lam") is not None else mapper["lam"]
+
+    # -- models -----------------------------------------------------------------------------------
+    def model_ref(self, side: str) -> str:
+        """Local path (if set) or hub id of the source/target, after applying pair.direction."""
+        pair = self.cfg["pair"]
+        if pair.get("direction", "forward") not in ("forward", "reverse"):
+            raise ValueError(f"pair.direction must be forward or reverse, got {pair['direction']!r}")
+        if pair.get("direction", "forward") == "reverse":
+            side = {"source": "target", "target": "source"}[side]
+        spec = pair[side]
+        ref = spec.get("path") or spec.get("id")
+        if not ref:
+            raise ValueError(f"pair.{side} has neither path nor id: set pair.{side}.path=/local/dir")
+        return str(ref)
+
+    def model(self, side: str):
+        """(model, tokenizer) for "source" or "target", loaded once."""
+        if side not in self._models:
+            self._models[side] = load_model(
+                self.model_ref(side), dtype=self.cfg["pair"].get("dtype", "auto"), device=self.device,
+                device_map=self.cfg.get("device_map"), trust_remote_code=self.cfg.get("trust_remote_code", False),
+                attn_implementation=self.cfg.get("attn_implementation"))
+            if len(self._models) == 2:
+                check_same_tokenizer(self._models["source"][1], self._models["target"][1])
+        return self._models[side]
+
+    @property
+    def device(self) -> str:
+        """Resolved compute device."""
+        device = self.cfg.get("device", "auto")
+        return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+    def pair_identity(self) -> dict:
+        """Model refs + architecture hashes (read from configs only, no weights)."""
+        from transformers import AutoConfig
+
+        if "pair" not in self._memo:
+            out = {}
+            for side in ("source", "target"):
+                ref = self.model_ref(side)
+                cfg = AutoConfig.from_pretrained(ref, trust_remote_code=self.cfg.get("trust_remote_code", False))
+                out[side] = {"ref": ref, "config_hash": config_hash(cfg)}
+            out["dtype"] = self.cfg["pair"].get("dtype", "auto")
+            self._memo["pair"] = out
+        return self._memo["pair"]
+
+    # -- calibration ------------------------------------------------------------------------------
+    def _calib_settings(self) -> dict:
+        calib = dict(self.cfg["calib"])
+        calib.pop("checkpoint_every", None)
+        calib.pop("store_device", None)
+        calib.pop("mlp_samples", None)
+        return calib
+
+    def moments_dir(self, key_space: str) -> Path:
+        """Artifact directory of the calibration moments for `key_space`."""
+        return self.cache_dir / "moments" / artifact_key(self.pair_identity(), self._calib_settings(), key_space)
+
+    def token_ids(self) -> torch.Tensor:
+        """Calibration sequences [n_sequences, seq_len] from calib.files or calib.dataset."""
+        if "token_ids" not in self._memo:
+            calib = self.cfg["calib"]
+            if calib.get("files"):
+                docs = read_documents(calib["files"], calib.get("text_field", "text"))
+            elif calib.get("dataset"):
+                docs = stream_hf_documents(calib["dataset"], calib.get("dataset_name"), calib.get("split", "train"),
+                                           calib.get("text_field", "text"))
+            else:
+                raise ValueError("set calib.files=[...] or calib.dataset=... to calibrate")
+            self._memo["token_ids"] = token_sequences(docs, self.model("source")[1], calib["n_sequences"],
+                                                      calib["seq_len"])
+        return self._memo["token_ids"]
+
+    def moments(self, key_space: str | None = None) -> tuple[Moments, Moments, dict]:
+        """(train, heldout, provenance) calibration moments, computed once per config."""
+        key_space = key_space or self.key_space
+        directory = self.moments_dir(key_space)
+        done = directory / "calibration.json"
+        if not done.exists():
+            self._calibrate(directory, key_space)
+        info = json.loads(done.read_text())
+        return Moments.load(directory / "train.safetensors"), Moments.load(directory / "heldout.safetensors"), info
+
+    def _calibrate(self, directory: Path, key_space: str) -> None:
+        calib = self.cfg["calib"]
+        directory.mkdir(parents=True, exist_ok=True)
+        ids = self.token_ids()
+        sampler = None
+        if self.cfg["mapper"]["kind"] == "mlp" and calib.get("mlp_samples", 0) and key_space == self.key_space:
+            from .mlp import FeatureSampler
+
+            n_train = len(split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))[0])
+            sampler = FeatureSampler(calib["mlp_samples"], -(-n_train // calib["batch_size"]), self.cfg.get("seed", 0))
+        dtype = getattr(torch, calib.get("dtype", "float64"))
+        compute = getattr(torch, calib["compute_dtype"]) if calib.get("compute_dtype") else None
+        if calib.get("capture", "co-resident") == "sequential":
+            source = lambda: self.model("source")[0]  # noqa: E731
+            target = lambda: self._release("source") or self.model("target")[0]  # noqa: E731
+        else:
+            source, target = self.model("source")[0], self.model("target")[0]
+        started = time.perf_counter()
+        result = collect_moments(
+            source, target, ids, stride=calib["stride"], batch_size=calib["batch_size"],
+            heldout_fraction=calib["heldout_fraction"], seed=self.cfg.get("seed", 0), key_space=key_space,
+            capture=calib.get("capture", "co-resident"), feature_dir=directory / "features",
+            checkpoint_path=directory / "checkpoint.safetensors", checkpoint_every=calib.get("checkpoint_every", 64),
+            dtype=dtype, compute_dtype=compute, store_device=calib.get("store_device", "cpu"),
+            feature_sink=sampler, progress=self.progress)
+        seconds = time.perf_counter() - started
+        result.train.save(directory / "train.safetensors")
+        result.heldout.save(directory / "heldout.safetensors")
+        if sampler is not None:
+            sampler.save(directory / "mlp_sample.safetensors")
+        info = {"sequences": result.train.info["sequences"], "heldout_sequences": result.heldout.info["heldout_sequences"],
+                "tokens_per_seq": calib["seq_len"], "stride": calib["stride"], "observations": result.train.n,
+                "heldout_observations": result.heldout.n, "features": result.train.source_width,
+                "source_layers": len(result.train.source_layers), "key_space": key_space,
+                "data": calib.get("files") or f"{calib.get('dataset')}/{calib.get('dataset_name')}",
+                "seconds": round(seconds, 2)}
+        atomic_write_json(directory / "calibration.json", info)
+        (directory / "checkpoint.safetensors").unlink(missing_ok=True)
+        shutil.rmtree(directory / "features", ignore_errors=True)
+
+    def _release(self, side: str) -> None:
+        self._models.pop(side, None)
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def r2(self, key_space: str | None = None) -> dict:
+        """Single-source R² matrices {"train"|"heldout": {"k"|"v": [L_t, L_s]}} (cached)."""
+        key_space = key_space or self.key_space
+        path = self.moments_dir(key_space) / "r2_matrix.safetensors"
+        if not path.exists():
+            train, heldout, _ = self.moments(key_space)
+            r2 = r2_matrix(train, heldout=heldout, head_dim=self.target_head_dim(), progress=self.progress)
+            atomic_save_tensors(path, {f"{s}.{k}": t for s, per in r2.items() for k, t in per.items()})
+        tensors, _ = load_tensors(path)
+        out: dict = {}
+        for name, t in tensors.items():
+            split, kind = name.split(".")
+            out.setdefault(split, {})[kind] = t
+        return out
+
+    def target_head_dim(self) -> int:
+        """Target head size, from its config (no weights needed)."""
+        from transformers import AutoConfig
+
+        return kv_shape(AutoConfig.from_pretrained(self.model_ref("target"),
+                                                   trust_remote_code=self.cfg.get("trust_remote_code", False))).head_dim
+
+    # -- fit ----------------------------------------------------------------------------------------
+    def mapper_dir(self) -> Path:
+        """Artifact directory of the mapper this config fits."""
+        mapper = dict(self.cfg["mapper"], k=self.k, lam=self.lam)
+        moments_key = self.moments_dir(self.key_space).name
+        return self.cache_dir / "mappers" / artifact_key(moments_key, mapper, self.cfg["calib"].get("mlp_samples"),
+                                                         self.cfg.get("seed", 0))
+
+    def mapper(self):
+        """The fitted mapper (ridge or mlp), loaded from cache or fitted now."""
+        directory = self.mapper_dir()
+        if not (directory / "mapper.json").exists():
+            self._fit(directory)
+        return load_mapper(directory)
+
+    def selected_layers(self) -> list[list[int]]:
+        """Source layers per target layer by the configured rule (top-k or greedy)."""
+        if self.cfg["mapper"].get("selection", "topk") == "greedy":
+            train, _, _ = self.moments()
+            return select_greedy(train, self.k, lam=self.lam, head_dim=self.target_head_dim(), progress=self.progress)
+        return select_topk(self.r2()["train"], self.k)
+
+    def _fit(self, directory: Path) -> None:
+        train, heldout, info = self.moments()
+        selected = self.selected_layers()
+        source, target = self.model("source")[0], self.model("target")[0]
+        mcfg = self.cfg["mapper"]
+        started = time.perf_counter()
+        if mcfg["kind"] == "ridge":
+            fit = fit_ridge(train, selected, lam=self.lam, heldout=heldout, head_dim=self.target_head_dim(),
+                            force=mcfg.get("force", False), stride=info["stride"], progress=self.progress)
+            mapper = Mapper.from_ridge(fit, source, target, key_space=self.key_space, calibration=info)
+        elif mcfg["kind"] == "mlp":
+            from .mlp import FeatureSampler, fit_mlp
+
+            sample_path = self.moments_dir(self.key_space) / "mlp_sample.safetensors"
+            if not sample_path.exists():
+                raise FileNotFoundError(f"{sample_path} is missing: the MLP trains on features kept during "
+                                        "calibration; rerun with calib.mlp_samples>0 and a fresh cache_dir")
+            tgt = kv_shape(target)
+            device = self.device if mcfg.get("device", "auto") == "auto" else mcfg["device"]
+            mapper = fit_mlp(FeatureSampler.load(sample_path), selected, source, target,
+                             source_width=train.source_width, target_heads=tgt.n_kv, hidden=mcfg["hidden"],
+                             lr=mcfg["lr"], epochs=mcfg["epochs"], batch_tokens=mcfg["batch_tokens"], device=device,
+                             seed=self.cfg.get("seed", 0), key_space=self.key_space, calibration=info,
+                             progress=self.progress)
+        else:
+            raise ValueError(f"mapper.kind must be ridge or mlp, got {mcfg['kind']!r}")
+        mapper.calibration["fit_seconds"] = round(time.perf_counter() - started, 2)
+        mapper.save(directory)
+
+    # -- variance explained vs k (Table 7) --------------------------------------------------------
+    def variance_vs_k(self) -> list[dict]:
+        """Mean R² (train, held-out; K and V) of top-k ridge fits for each k in report.variance_k."""
+        train, heldout, info = self.moments()
+        r2m = self.r2()["train"]
+        rows = []
+        for k in self.cfg.get("report", {}).get("variance_k", []):
+            k_eff = len(train.source_layers) if k == "all" else int(k)
+            if k_eff > len(train.source_layers):
+                continue
+            try:
+                fit = fit_ridge(train, select_topk(r2m, k_eff), lam=self.lam, heldout=heldout,
+                                head_dim=self.target_head_dim(), stride=info["stride"])
+            except UnderdeterminedFit as err:
+                rows.append({"k": k, "skipped": str(err)})
+                continue
+            row = {"k": k, "features": k_eff * train.source_width, "p_over_n": k_eff * train.source_width / train.n}
+            for split, per in fit.r2.items():
+                for kind, t in per.items():
+                    row[f"{kind}_{split}"] = float(t.mean())
+            rows.append(row)
+        return rows
+
+
+def environment() -> dict:
+    """Versions and device of this process, for summary.json."""
+    import transformers
+
+    env = {"kvtransfer": __version__, "python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "platform": platform.platform(),
+           "cpu_count": __import__("os").cpu_count()}
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(0)
+        env["cuda"] = torch.version.cuda
+        env["gpus"] = torch.cuda.device_count()
+    else:
+        env["device"] = "cpu"
+    return env
+
+
+def _mean_r2(mapper_r2: dict) -> dict:
+    """{split: {kind: [[...]]}} -> {kind: {split: mean}}."""
+    out: dict = {}
+    for split, per in mapper_r2.items():
+        for kind, values in per.items():
+            flat = torch.tensor(values, dtype=torch.float64)
+            out.setdefault(kind, {})[split] = float(flat.mean())
+    return out
+
+
+def execute(cfg: dict, out_dir: str | Path) -> dict:
+    """Run the configured stages; write summary.json (+ tables/figures in the report stage).
+
+    Returns the summary dict. Refuses an out_dir that already holds a summary (never overwrites).
+    """
+    out_dir = Path(out_dir)
+    if (out_dir / "summary.json").exists():
+        raise FileExistsError(f"{out_dir} already holds a run; choose another out_dir")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stages = parse_stages(cfg.get("stage", "all"))
+    run = Run(cfg, out_dir)
+    summary: dict = {"pair": cfg["pair"]["name"], "direction": cfg["pair"].get("direction", "forward"),
+                     "source": run.model_ref("source"), "target": run.model_ref("target"), "stages": stages,
+                     "ablation": cfg.get("ablation", {}), "environment": environment()}
+    r2_figure: dict = {}
+    if "calibrate" in stages or "report" in stages:
+        _, _, info = run.moments()
+        summary["calibration"] = info
+        if "report" in stages and cfg.get("report", {}).get("rotated_heatmap"):
+            other = "rotated" if run.key_space == "stripped" else "stripped"
+            r2_figure = {f"{run.key_space} keys": run.r2()["train"], f"{other} keys": run.r2(other)["train"]}
+    if any(s in stages for s in ("fit", "eval", "report")):
+        mapper = run.mapper()
+        summary["mapper"] = {"kind": mapper.kind, "k": mapper.k, "lambda": mapper.lam,
+                             "selection": cfg["mapper"].get("selection", "topk"),
+                             "selected_layers": mapper.selected_layers.tolist(), "key_space": mapper.key_space,
+                             "n_parameters": mapper.n_parameters, "path": str(run.mapper_dir()),
+                             "fit_seconds": mapper.calibration.get("fit_seconds")}
+        summary["calibration"] = {k: v for k, v in mapper.calibration.items() if k != "fit_seconds"}
+        summary["r2"] = _mean_r2(mapper.r2)
+    else:
+        summary["mapper"] = {"kind": cfg["mapper"]["kind"], "k": run.k, "lambda": run.lam}
+    if "eval" in stages:
+        from .eval_stage import evaluate
+
+        summary.update(evaluate(run))
+    if "bench" in stages:
+        from .bench_stage import benchmark
+
+        summary["speed"] = benchmark(run)
+    if "report" in stages:
+        summary["variance_explained"] = run.variance_vs_k()
+        from .report.outputs import write_outputs
+
+        summary["outputs"] = write_outputs(cfg, summary, out_dir, r2_figure)
+    atomic_write_json(out_dir / "summary.json", summary)
+    return summary

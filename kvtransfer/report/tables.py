@@ -1,0 +1,91 @@
+"""Paper-layout tables from run summaries, written as CSV and Markdown (atomic, never overwriting)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from ..io import atomic_write_bytes
+
+TASK_ORDER = ["arc_challenge", "hellaswag", "winogrande", "mmlu", "gsm8k"]
+
+
+def write_table(df: pd.DataFrame, directory: str | Path, name: str) -> list[Path]:
+    """Write `df` to directory/name.csv and directory/name.md; returns the paths."""
+    directory = Path(directory)
+    paths = [directory / f"{name}.csv", directory / f"{name}.md"]
+    for path in paths:
+        if path.exists():
+            raise FileExistsError(f"{path} exists; tables are never overwritten (use a new out_dir)")
+    atomic_write_bytes(paths[0], df.to_csv(index=False).encode())
+    atomic_write_bytes(paths[1], (df.to_markdown(index=False, floatfmt=".4g") + "\n").encode())
+    return paths
+
+
+def _ordered_tasks(tasks: dict) -> list[str]:
+    return [t for t in TASK_ORDER if t in tasks] + sorted(t for t in tasks if t not in TASK_ORDER)
+
+
+def retention_table(summaries: list[dict]) -> pd.DataFrame:
+    """Table-1 layout: one row per run (pair), retention % per task, average, floor-normalised average."""
+    rows = []
+    for s in summaries:
+        tasks = s.get("tasks", {})
+        row = {"pair": s["pair"], "k": s["mapper"]["k"]}
+        rets, floors = [], []
+        for task in _ordered_tasks(tasks):
+            r = tasks[task]
+            if r.get("retention") is not None:
+                row[task] = 100 * r["retention"]
+                rets.append(r["retention"])
+            if r.get("floor_normalized") is not None:
+                floors.append(r["floor_normalized"])
+        row["avg_retention"] = 100 * sum(rets) / len(rets) if rets else None
+        row["avg_floor_normalized"] = 100 * sum(floors) / len(floors) if floors else None
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def task_table(summary: dict) -> pd.DataFrame:
+    """Per task: metric, target / transfer / source / native_injected scores, retention, gap closed, n."""
+    rows = []
+    for task in _ordered_tasks(summary.get("tasks", {})):
+        r = summary["tasks"][task]
+        rows.append({"task": task, **{k: r.get(k) for k in (
+            "metric", "target", "transfer", "source", "native_injected", "retention", "floor_normalized",
+            "gap_closed", "n", "transfer_stderr", "mcnemar_p")}})
+    return pd.DataFrame(rows)
+
+
+def ablation_table(summaries: list[dict]) -> pd.DataFrame:
+    """Table-2 layout: one row per ablation variant, transfer score per task (+ PPL if present)."""
+    rows = []
+    for s in summaries:
+        row = {"variant": s.get("ablation", {}).get("name", "full"), "k": s["mapper"]["k"]}
+        for task in _ordered_tasks(s.get("tasks", {})):
+            row[task] = s["tasks"][task].get("transfer")
+        if s.get("ppl"):
+            longest = max(s["ppl"], key=lambda r: r["prefix"])
+            row[f"ppl@P={longest['prefix']}"] = longest.get("transfer")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def variance_table(summary: dict) -> pd.DataFrame:
+    """Table-7 layout: mean stripped-K / V R² (train = in-sample, held-out) per k."""
+    return pd.DataFrame(summary.get("variance_explained", []))
+
+
+def speed_table(summary: dict) -> pd.DataFrame:
+    """Table-5 layout: tokens, mapper ms, re-prefill ms, speedup (+ floors when measured)."""
+    return pd.DataFrame(summary.get("speed", []))
+
+
+def ppl_table(summary: dict) -> pd.DataFrame:
+    """Prefix-conditioned perplexity vs prefix length P, per mode."""
+    return pd.DataFrame(summary.get("ppl", []))
+
+
+def drift_table(summary: dict) -> pd.DataFrame:
+    """Multi-turn F1 per turn and protocol."""
+    return pd.DataFrame(summary.get("drift", []))

@@ -30,9 +30,12 @@ from .select import r2_matrix, select_greedy, select_topk
 STAGES = ("calibrate", "fit", "eval", "bench", "report")
 
 
-def parse_stages(stage: str) -> list[str]:
-    """'all' or a comma list of stage names -> ordered list of stages."""
-    names = STAGES if stage == "all" else [s.strip() for s in str(stage).split(",") if s.strip()]
+def parse_stages(stage) -> list[str]:
+    """'all', a comma string or a list of stage names -> ordered list of stages."""
+    if isinstance(stage, (list, tuple)):
+        names = list(stage)
+    else:
+        names = STAGES if stage == "all" else [s.strip() for s in str(stage).split(",") if s.strip()]
     unknown = [s for s in names if s not in STAGES]
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}: use one of {', '.join(STAGES)} or all")

@@ -1,0 +1,152 @@
+"""Runner: config composition for every pair/ablation, staged pipeline, artifact reuse, outputs."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from kvtransfer.pipeline import Run, artifact_key, execute, parse_stages
+
+ROOT = Path(__file__).resolve().parents[1]
+PAIRS = sorted(p.stem for p in (ROOT / "conf" / "pair").glob("*.yaml"))
+ABLATIONS = sorted(p.stem for p in (ROOT / "conf" / "ablation").glob("*.yaml"))
+PAPER_K = {"qwen3_14b_32b": 8, "qwen3_8b_32b": 12, "llama31_8b_70b": 20, "ministral3_3b_8b": "all",
+           "ministral3_3b_14b": 20, "ministral3_8b_14b": 12}
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["out_dir=unused", *overrides])
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_all_paper_pairs_and_laptop_pairs_exist():
+    assert set(PAPER_K) | {"qwen3_0.6b_1.7b", "qwen25coder_0.5b_1.5b", "tiny"} <= set(PAPERS := PAIRS), PAPERS
+    assert set(ABLATIONS) == {"full", "no_rerotation", "no_rope", "no_rope_k1", "no_rope_k1_no_ridge"}
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("ablation", ABLATIONS)
+def test_config_composes_for_every_pair_and_ablation(pair, ablation):
+    cfg = _compose(f"pair={pair}", f"ablation={ablation}")
+    run = Run(cfg, "unused")
+    assert cfg["pair"]["name"] == pair
+    if pair in PAPER_K:
+        assert cfg["pair"]["k"] == PAPER_K[pair] and cfg["calib"]["n_sequences"] == 500
+        assert cfg["calib"]["seq_len"] == 1024 and cfg["calib"]["stride"] == 4 and cfg["mapper"]["lam"] == 0.01
+        assert run.model_ref("source").count("/") == 1  # an HF id
+    expected = {"full": ("stripped", True, cfg["pair"]["k"], 0.01), "no_rerotation": ("stripped", False, cfg["pair"]["k"], 0.01),
+                "no_rope": ("rotated", True, cfg["pair"]["k"], 0.01), "no_rope_k1": ("rotated", True, 1, 0.01),
+                "no_rope_k1_no_ridge": ("rotated", True, 1, 0.0)}[ablation]
+    assert (run.key_space, run.rope_at_inference, run.k, run.lam) == expected
+
+
+def test_reverse_direction_and_local_paths_swap_sides():
+    cfg = _compose("pair=qwen3_14b_32b", "pair.direction=reverse", "pair.target.path=/models/q32")
+    run = Run(cfg, "unused")
+    assert run.model_ref("source") == "/models/q32" and run.model_ref("target") == "Qwen/Qwen3-14B"
+    with pytest.raises(ValueError, match="forward or reverse"):
+        Run(_compose("pair=tiny", "pair.direction=sideways"), "x").model_ref("source")
+
+
+def test_stage_parsing():
+    assert parse_stages("all") == ["calibrate", "fit", "eval", "bench", "report"]
+    assert parse_stages("report,fit") == ["fit", "report"]
+    with pytest.raises(ValueError, match="unknown stage"):
+        parse_stages("train")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair_dirs(tmp_path_factory):
+    """Two small Qwen3 models with a BPE tokenizer trained on the tiny calibration text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tiny_models import tiny_model
+
+    texts = [json.loads(line)["text"] for line in (ROOT / "data/tiny/calib.jsonl").open()][:100]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=96, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    vocab = len(hf_tok)
+    dirs = {}
+    for name, layers, hidden in (("small", 2, 32), ("large", 3, 48)):
+        model = tiny_model("qwen3", layers=layers, hidden=hidden, heads=hidden // 8, seed=layers)
+        model.resize_token_embeddings(vocab, mean_resizing=False)
+        model.config.vocab_size = vocab
+        d = tmp_path_factory.mktemp(name)
+        model.save_pretrained(d)
+        hf_tok.save_pretrained(d)
+        dirs[name] = str(d)
+    return dirs
+
+
+def _tiny_cfg(dirs, tmp_path, *extra):
+    cfg = _compose("pair=tiny", f"pair.source.path={dirs['small']}", f"pair.target.path={dirs['large']}",
+                   "pair.k=2", "calib.n_sequences=24", "calib.seq_len=32", "calib.batch_size=8",
+                   "report.variance_k=[1,2,all]", f"cache_dir={tmp_path / 'artifacts'}", "progress=false", *extra)
+    return cfg
+
+
+def test_pipeline_calibrate_fit_report_and_artifact_reuse(tiny_pair_dirs, tmp_path, monkeypatch):
+    cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "stage=[calibrate,fit,report]")
+    summary = execute(cfg, tmp_path / "run1")
+    # summary schema
+    assert summary["pair"] == "tiny" and summary["source"] == tiny_pair_dirs["small"]
+    assert summary["mapper"]["kind"] == "ridge" and summary["mapper"]["k"] == 2 and summary["mapper"]["lambda"] == 0.01
+    assert len(summary["mapper"]["selected_layers"]) == 3 and all(len(s) == 2 for s in summary["mapper"]["selected_layers"])
+    cal = summary["calibration"]
+    assert cal["tokens_per_seq"] == 32 and cal["stride"] == 2 and cal["observations"] > 0 and cal["features"] == 16
+    for kind in ("k", "v"):
+        assert set(summary["r2"][kind]) == {"train", "heldout"}
+        assert all(-10 < v <= 1 for v in summary["r2"][kind].values())
+    assert [r["k"] for r in summary["variance_explained"]] == [1, 2, "all"]
+    assert summary["variance_explained"][0]["k_train"] <= summary["variance_explained"][-1]["k_train"] + 1e-9
+    out = tmp_path / "run1"
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["mapper"] == summary["mapper"]
+    for name in ("variance_explained.csv", "variance_explained.md"):
+        assert (out / "tables" / name).stat().st_size > 0
+    for name in ("r2_heatmap.png", "r2_vs_k.png"):
+        assert (out / "figures" / name).read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        execute(cfg, out)
+
+    # a second run with another lambda reuses the moments (no calibration) and fits a new mapper
+    import kvtransfer.pipeline as pipeline
+
+    def no_calibration(*a, **k):
+        raise AssertionError("moments should have been reused")
+
+    monkeypatch.setattr(pipeline, "collect_moments", no_calibration)
+    cfg2 = _tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", "mapper.lam=1.0")
+    s2 = execute(cfg2, tmp_path / "run2")
+    assert s2["mapper"]["lambda"] == 1.0 and s2["mapper"]["path"] != summary["mapper"]["path"]
+    # the same config again reuses the mapper too
+    fitted = []
+    monkeypatch.setattr(pipeline, "fit_ridge", lambda *a, **k: fitted.append(1))
+    s3 = execute(cfg2, tmp_path / "run3")
+    assert not fitted and s3["mapper"]["path"] == s2["mapper"]["path"]
+
+
+def test_artifact_keys_follow_the_config(tiny_pair_dirs, tmp_path):
+    base = Run(_tiny_cfg(tiny_pair_dirs, tmp_path), "x")
+    lam = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "mapper.lam=0.5"), "x")
+    rot = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "ablation=no_rope"), "x")
+    assert base.moments_dir("stripped") == lam.moments_dir("stripped") and base.mapper_dir() != lam.mapper_dir()
+    assert rot.moments_dir(rot.key_space) != base.moments_dir(base.key_space)
+    assert artifact_key({"a": 1, "b": 2}) == artifact_key({"b": 2, "a": 1})
+
+
+def test_mlp_mapper_through_the_pipeline(tiny_pair_dirs, tmp_path):
+    cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "mapper=mlp", "mapper.hidden=32", "mapper.epochs=2",
+                    "calib.mlp_samples=256", "stage=fit")
+    summary = execute(cfg, tmp_path / "mlp")
+    assert summary["mapper"]["kind"] == "mlp" and summary["mapper"]["n_parameters"] > 0
+    assert set(summary["r2"]["k"]) == {"train"}

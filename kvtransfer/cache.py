@@ -46,6 +46,9 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
 
     Left padding is supported through `attention_mask`; positions count real tokens only.
     """
+    if input_ids.shape[-1] == 0:
+        raise ValueError("prefill needs at least one token: an empty prefix has no cache; run the model on "
+                         "the whole input instead")
     mask = _ones_mask(input_ids) if attention_mask is None else attention_mask
     cache = DynamicCache(config=model.config)
     decoder(model)(input_ids=input_ids, attention_mask=mask, position_ids=positions_from_mask(mask),

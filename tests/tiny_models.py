@@ -16,15 +16,15 @@ def _common(layers, hidden, heads, kv_heads, head_dim):
 
 def qwen3_config(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, **kw):
     """Qwen3 (k_norm before RoPE, default RoPE)."""
-    return Qwen3Config(**_common(layers, hidden, heads, kv_heads, head_dim), tie_word_embeddings=False,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **kw)
+    return Qwen3Config(**(_common(layers, hidden, heads, kv_heads, head_dim) | kw), tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
 def llama3_config(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, **kw):
     """Llama 3.1 style: llama3 RoPE scaling."""
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    return LlamaConfig(**_common(layers, hidden, heads, kv_heads, head_dim), rope_parameters=rope, **kw)
+    return LlamaConfig(**(_common(layers, hidden, heads, kv_heads, head_dim) | kw), rope_parameters=rope)
 
 
 def ministral3_config(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, **kw):
@@ -32,8 +32,8 @@ def ministral3_config(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, **kw
     rope = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
             "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
             "attention_factor": 1.25, "llama_4_scaling_beta": 0.1}
-    common = _common(layers, hidden, heads, kv_heads, head_dim) | {"max_position_embeddings": 262144}
-    return Ministral3Config(**common, rope_parameters=rope, tie_word_embeddings=False, **kw)
+    common = _common(layers, hidden, heads, kv_heads, head_dim) | {"max_position_embeddings": 262144} | kw
+    return Ministral3Config(**common, rope_parameters=rope, tie_word_embeddings=False)
 
 
 _CLASSES = {"qwen3": Qwen3ForCausalLM, "llama": LlamaForCausalLM, "ministral3": Ministral3ForCausalLM}

@@ -1,0 +1,448 @@
+"""lm-eval model `kvtransfer`: the target model scores continuations on a (transferred) KV cache.
+
+Modes (what builds the cache of context[:-1], and which model scores):
+    target           target alone, one forward over context + continuation (= stock lm-eval `hf`)
+    source           source alone, the same way
+    transfer         source prefills context[:-1], the mapper maps it, the target runs the last
+                     context token + the continuation (so it scores the first continuation token)
+    native_injected  as transfer, but the cache is the target's own prefill round-tripped through
+                     cache I/O (a plumbing check: must equal `target`)
+    identity         the source cache given to the target unmapped (needs equal cache shapes)
+
+Tokenization is lm-eval's (`TemplateLM._encode_pair`: context + continuation encoded jointly and
+split on the context's length; empty context -> BOS/EOS). Inputs longer than `max_length` are
+left-truncated exactly as HFLM does. Loglikelihood requests are grouped by their cached prefix:
+one source prefill + one mapping per unique context, shared by all of its continuations.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from collections import defaultdict
+
+import torch
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
+                                  postprocess_generated_text, resolve_max_length)
+
+from ..cache import cache_to_layers, continuation_logprobs, forward_on_cache, layers_to_cache, prefill
+from ..mapper import MapperBase, load_mapper
+from ..models import check_same_tokenizer, kv_shape, load_model
+from ..transfer import transfer
+
+log = logging.getLogger(__name__)
+
+MODES = ("target", "source", "transfer", "native_injected", "identity")
+SPLIT_MODES = ("transfer", "native_injected", "identity")  # the cache is built apart from the scorer
+
+
+def _chunks(items: list, n: int):
+    for i in range(0, len(items), max(1, n)):
+        yield items[i:i + max(1, n)]
+
+
+def _pad(rows: list[list[int]], pad_id: int, side: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows -> (ids [batch, max_len], 0/1 mask [batch, max_len]) padded on `side`."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+        ids[i, sl] = torch.tensor(r, dtype=torch.long)
+        mask[i, sl] = 1
+    return ids.to(device), mask.to(device)
+
+
+@register_model("kvtransfer")
+class KVTransferLM(TemplateLM):
+    """lm-eval LM that scores with the target model on a cache built per `mode` (see module doc).
+
+    Give paths (`source=`, `target=`, `mapper=` a saved mapper dir) or loaded objects
+    (`source_model=`, `target_model=`, `tokenizer=`, `mapper=` a Mapper). `native_sink`: the target
+    computes the first N context tokens itself (transfer mode). `rope_at_inference=False`: the
+    "no re-rotation at inference" ablation (see `map_layers`). `max_length`: token limit for
+    left-truncation (default: the scoring model's config limit, as HFLM resolves it).
+    """
+
+    def __init__(self, source: str | None = None, target: str | None = None, mapper=None, mode: str = "transfer",
+                 *, source_model=None, target_model=None, tokenizer=None, native_sink: int = 0,
+                 rope_at_inference: bool = True,
+                 batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
+                 device: str | None = None, dtype="auto", add_bos_token: bool | None = None,
+                 prefix_token_id: int | None = None, trust_remote_code: bool = False, **unused) -> None:
+        super().__init__()
+        if unused:
+            log.warning("kvtransfer ignores model_args %s", sorted(unused))
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        if str(batch_size).startswith("auto"):
+            raise ValueError("batch_size=auto is not supported by kvtransfer; give an integer")
+        self.mode = mode
+        if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+            log.warning("device=%s requested but CUDA is unavailable; using cpu (as HFLM does)", device)
+            device = "cpu"
+        needs_source = mode in ("source", "transfer", "identity")
+        needs_target = mode != "source"
+        src_tok = tgt_tok = None
+        if needs_source and source_model is None:
+            if not source:
+                raise ValueError(f"mode={mode} needs the source model: pass source=<path or hub id>")
+            source_model, src_tok = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        if needs_target and target_model is None:
+            if not target:
+                raise ValueError(f"mode={mode} needs the target model: pass target=<path or hub id>")
+            target_model, tgt_tok = load_model(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        if device is not None:
+            for m in (source_model, target_model):
+                if m is not None:
+                    m.to(device)
+        self.source_model, self.target_model = source_model, target_model
+        if src_tok is not None and tgt_tok is not None:
+            check_same_tokenizer(src_tok, tgt_tok)
+        self.tokenizer = tokenizer or tgt_tok or src_tok
+        if self.tokenizer is None:
+            raise ValueError("pass tokenizer= when giving loaded models")
+        self.mapper = None
+        if mode == "transfer":
+            if mapper is None:
+                raise ValueError("mode=transfer needs mapper=<saved mapper dir or Mapper>; fit one with "
+                                 "collect_moments -> fit_ridge -> Mapper.from_ridge(...).save(dir)")
+            self.mapper = mapper if isinstance(mapper, MapperBase) else load_mapper(mapper, source_model, target_model)
+            self.mapper.check_pair(source_model, target_model)
+            self.mapper.to(self.target_model.device)
+        if mode == "identity" and kv_shape(source_model) != kv_shape(target_model):
+            raise ValueError(f"mode=identity needs equal cache shapes, but source is {kv_shape(source_model)} and "
+                             f"target is {kv_shape(target_model)}; use mode=transfer with a fitted mapper")
+        self.native_sink = int(native_sink)
+        self.rope_at_inference = str(rope_at_inference).lower() not in ("false", "0", "no")
+        self.batch_size_per_gpu = int(batch_size)
+        self._max_length = int(max_length) if max_length else None
+        self.add_bos_token = add_bos_token
+        self.custom_prefix_token_id = prefix_token_id
+        self.batch_sizes = {}
+        self._device = self.scoring_model.device
+
+    # ------------------------------------------------------------------ properties
+    def with_mode(self, mode: str, **changes) -> "KVTransferLM":
+        """A shallow copy in another mode (same loaded models/mapper); `changes` set attributes."""
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        if mode == "transfer" and self.mapper is None:
+            raise ValueError("mode=transfer needs a mapper; construct with mapper=")
+        if mode in ("source", "identity") and self.source_model is None:
+            raise ValueError(f"mode={mode} needs the source model")
+        if mode == "identity" and kv_shape(self.source_model) != kv_shape(self.target_model):
+            raise ValueError("mode=identity needs equal cache shapes; use mode=transfer with a fitted mapper")
+        other = copy.copy(self)
+        other.mode = mode
+        for k, v in changes.items():
+            setattr(other, k, v)
+        if other.mode == "transfer":
+            other.mapper.check_pair(other.source_model, other.target_model)
+        other._device = other.scoring_model.device
+        return other
+
+    @property
+    def scoring_model(self):
+        """The model whose logits are scored: the source in `source` mode, else the target."""
+        return self.source_model if self.mode == "source" else self.target_model
+
+    @property
+    def eot_token_id(self) -> int:
+        """End-of-text id (the tokenizer's EOS)."""
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """Token used as context for an empty context (HFLM's rule: custom, else BOS, else EOS)."""
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
+        if self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        """Max tokens the scoring model sees (explicit, else its config limit, else tokenizer, else 2048)."""
+        if self._max_length:
+            return self._max_length
+        return resolve_max_length(self.scoring_model.config, self.tokenizer, default=2048)
+
+    @property
+    def max_gen_toks(self) -> int:
+        """Default generation budget when a task sets none (HFLM's 256)."""
+        return 256
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per forward (prefixes per prefill, continuations per scoring pass)."""
+        return self.batch_size_per_gpu
+
+    @property
+    def device(self):
+        """Device of the scoring model."""
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        """Tokenizer name for lm-eval's request-cache fingerprints."""
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    @property
+    def pad_token_id(self) -> int:
+        """Id used for padding (always masked): pad, else EOS, else 0."""
+        tok = self.tokenizer
+        for t in (tok.pad_token_id, tok.eos_token_id, 0):
+            if t is not None:
+                return t
+
+    def get_model_info(self) -> dict:
+        """Run metadata for lm-eval's results: mode, model ids, mapper pair and k."""
+        ident = lambda m: None if m is None else str(getattr(m, "name_or_path", ""))  # noqa: E731
+        info = {"kvtransfer_mode": self.mode, "source": ident(self.source_model), "target": ident(self.target_model),
+                "native_sink": self.native_sink, "max_length": self.max_length}
+        if self.mapper is not None:
+            info["mapper"] = {"k": self.mapper.k, "key_space": self.mapper.key_space, "lambda": self.mapper.lam,
+                              "source": self.mapper.source.get("model_id"), "target": self.mapper.target.get("model_id")}
+        return info
+
+    # ------------------------------------------------------------------ tokenization
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None,
+                   **kwargs) -> list[int]:
+        """Token ids of `string`, HFLM's rules (no second BOS when the string starts with one)."""
+        kw = {}
+        if add_special_tokens is not None:
+            kw["add_special_tokens"] = add_special_tokens
+        elif self.add_bos_token is not None:
+            kw["add_special_tokens"] = self.add_bos_token
+        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            kw["add_special_tokens"] = False
+        ids = self.tokenizer.encode(string, **kw)
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        """Text of token ids (special tokens dropped by default, as HFLM)."""
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ caches
+    @torch.no_grad()
+    def prefix_cache(self, prefixes: list[list[int]]):
+        """Target-format cache of left-padded `prefixes`, built per mode: (layers, mask [G, P]) or (None, None).
+
+        layers: per target layer (K, V) [G, n_kv, P, d]. In `target` / `source` mode this is the
+        scoring model's own prefill (used by the multi-turn protocol; lm-eval scoring runs one pass).
+        """
+        if not prefixes or max(len(p) for p in prefixes) == 0:
+            return None, None
+        if min(len(p) for p in prefixes) == 0:
+            raise ValueError("prefix_cache: mix of empty and non-empty prefixes; batch them separately")
+        ids, mask = _pad(prefixes, self.pad_token_id, "left", self.scoring_model.device)
+        if self.mode in ("target", "source"):
+            return prefill(self.scoring_model, ids, mask), mask
+        if self.mode == "native_injected":
+            layers = prefill(self.target_model, ids, mask)
+            return cache_to_layers(layers_to_cache(layers, self.target_model.config)), mask
+        src_ids, src_mask = ids.to(self.source_model.device), mask.to(self.source_model.device)
+        src = prefill(self.source_model, src_ids, src_mask)
+        if self.mode == "identity":
+            dev, dt = self.target_model.device, self.target_model.dtype
+            return [(k.to(dev, dt), v.to(dev, dt)) for k, v in src], mask
+        layers = transfer(src, self.mapper, self.source_model, self.target_model, attention_mask=src_mask,
+                          input_ids=src_ids, native_sink=self.native_sink, as_layers=True,
+                          rope_at_inference=self.rope_at_inference)
+        return layers, mask.to(self.target_model.device)
+
+    def split(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
+        """(cached prefix, tokens the scorer runs) for one request after HFLM's left-truncation.
+
+        Split modes: prefix = context[:-1], run = context[-1:] + continuation[:-1]; one-pass
+        modes: prefix = [], run = context + continuation[:-1]. Raises if the continuation alone
+        exceeds max_length.
+        """
+        if not context or not continuation:
+            raise ValueError("context and continuation must both be non-empty token lists")
+        if len(continuation) > self.max_length:
+            raise ValueError(f"continuation of {len(continuation)} tokens exceeds max_length={self.max_length}; "
+                             "raise max_length (model_args max_length=...) or shorten the continuation")
+        full = (context + continuation)[-(self.max_length + 1):]
+        ctx = full[:len(full) - len(continuation)]
+        if self.mode in SPLIT_MODES:
+            return ctx[:-1], ctx[-1:] + continuation[:-1]
+        return [], full[:-1]
+
+    # ------------------------------------------------------------------ scoring
+    @torch.no_grad()
+    def score_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[torch.Tensor, bool]]:
+        """(per-token log-probs float32 [len(continuation)] on CPU, is_greedy) per (context, continuation).
+
+        One prefix cache per unique cached prefix; continuations batched (right-padded) by batch_size.
+        """
+        out: list[tuple | None] = [None] * len(pairs)
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        runs = []
+        for i, (ctx, cont) in enumerate(pairs):
+            prefix, run = self.split(list(ctx), list(cont))
+            groups[tuple(prefix)].append(i)
+            runs.append(run)
+        n_long = sum(1 for c, k in pairs if len(c) + len(k) > self.max_length + 1)
+        if n_long:
+            log.warning("%d request(s) exceed max_length=%d; left-truncated like HFLM", n_long, self.max_length)
+        # longest first; empty prefixes (one-pass modes, 1-token contexts) batched on their own
+        keys = sorted(groups, key=lambda k: (-len(k), k))
+        for part in ([k for k in keys if k], [k for k in keys if not k]):
+            if not part:
+                continue
+            if not part[0]:  # one group holding every request with an empty prefix
+                rows = sorted(groups[()], key=lambda i: (-len(runs[i]), i))
+                for chunk in _chunks(rows, self.batch_size):
+                    self._score_batch(None, None, [0] * len(chunk), chunk, runs, pairs, out)
+                continue
+            for gchunk in _chunks(part, self.batch_size):
+                layers, pmask = self.prefix_cache([list(k) for k in gchunk])
+                rows = [(g, i) for g, k in enumerate(gchunk) for i in groups[k]]
+                for chunk in _chunks(rows, self.batch_size):
+                    self._score_batch(layers, pmask, [g for g, _ in chunk], [i for _, i in chunk], runs, pairs, out)
+        return out
+
+    def _score_batch(self, layers, pmask, gidx, idx, runs, pairs, out) -> None:
+        """Score requests `idx` (rows of prefix group `gidx`) in one forward; fill `out`."""
+        model = self.scoring_model
+        ids, mask = _pad([runs[i] for i in idx], self.pad_token_id, "right", model.device)
+        if layers is not None:
+            sel = torch.tensor(gidx, device=pmask.device)
+            layers = [(k.index_select(0, sel.to(k.device)), v.index_select(0, sel.to(v.device))) for k, v in layers]
+            pmask = pmask.index_select(0, sel)
+        logits = forward_on_cache(model, layers, pmask, ids, mask)
+        for row, i in enumerate(idx):
+            cont = torch.tensor(pairs[i][1], device=logits.device)
+            n, end = len(cont), len(runs[i])
+            lp = continuation_logprobs(logits[row:row + 1, end - n:end], cont[None])[0]
+            greedy = bool((logits[row, end - n:end].argmax(-1) == cont).all())
+            out[i] = (lp.cpu(), greedy)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """lm-eval hook: [((context, continuation), context_enc, continuation_enc)] -> [(logprob, is_greedy)]."""
+        scored = self.score_tokens([(ctx, cont) for _, ctx, cont in requests])
+        results = []
+        for (key, _, _), (lp, greedy) in zip(requests, scored):
+            answer = (float(lp.sum()), greedy)
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+            results.append(answer)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Rolling-window log-likelihood; only in `target` / `source` mode (see the PPL protocol)."""
+        if self.mode in SPLIT_MODES:
+            raise NotImplementedError(
+                "loglikelihood_rolling gives every window a 1-token context, so through a transferred cache it "
+                "silently becomes native perplexity. Use kvtransfer.eval.perplexity.prefix_conditioned_ppl "
+                "(the source prefills P tokens, the target scores a fixed continuation).")
+        results = []
+        for (string,) in [req.args for req in requests]:
+            windows = [lm_utils.make_disjoint_window(w) for w in lm_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length, context_len=1)]
+            total = float(sum(lp.sum() for lp, _ in self.score_tokens(windows)))
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+            results.append(total)
+        return results
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate_tokens(self, contexts: list[list[int]], *, until: list[str], max_gen_toks: int) -> list[list[int]]:
+        """Greedy continuation token ids of each context (stops at EOS, a stop string or max_gen_toks)."""
+        out: list[list[int] | None] = [None] * len(contexts)
+        order = sorted(range(len(contexts)), key=lambda i: (-len(contexts[i]), i))
+        split = self.mode in SPLIT_MODES
+        parts = ([i for i in order if len(contexts[i]) > 1], [i for i in order if len(contexts[i]) <= 1]) if split \
+            else (order,)
+        for part in parts:
+            for chunk in _chunks(part, self.batch_size):
+                ctxs = [contexts[i] for i in chunk]
+                for i, toks in zip(chunk, self._generate_batch(ctxs, until, max_gen_toks)):
+                    out[i] = toks
+        return out
+
+    def _eos_ids(self) -> set[int]:
+        """Ids that end a generation: the scoring model's generation_config EOS(s) plus the tokenizer's."""
+        eos = getattr(getattr(self.scoring_model, "generation_config", None), "eos_token_id", None)
+        ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _generate_batch(self, ctxs: list[list[int]], until: list[str], max_gen_toks: int) -> list[list[int]]:
+        model = self.scoring_model
+        if self.mode in SPLIT_MODES:
+            layers, pmask = self.prefix_cache([c[:-1] for c in ctxs])
+            ids, mask = _pad([c[-1:] for c in ctxs], self.pad_token_id, "left", model.device)
+        else:
+            layers, pmask = None, None
+            ids, mask = _pad(ctxs, self.pad_token_id, "left", model.device)
+        return greedy_decode(model, layers, pmask, ids, mask, max_gen_toks=max_gen_toks,
+                             eos_ids=self._eos_ids(), is_done=lambda toks: _hit_stop(self.tokenizer, toks, until))
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """lm-eval hook: greedy generation per (context, gen_kwargs); text cut at the first stop string."""
+        results: list[str | None] = [None] * len(requests)
+        by_kwargs: dict[str, list[int]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            by_kwargs[repr(sorted(req.args[1].items()))].append(i)
+        eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        for idx in by_kwargs.values():
+            kwargs = normalize_gen_kwargs(requests[idx[0]].args[1], self.max_gen_toks)
+            if kwargs.get("do_sample"):
+                raise ValueError("kvtransfer generates greedily; set do_sample=False")
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_gen_toks = kwargs.pop("max_gen_toks")
+            max_ctx = self.max_length - max_gen_toks
+            if max_ctx <= 0:
+                raise ValueError(f"max_gen_toks={max_gen_toks} must be below max_length={self.max_length}")
+            contexts = [self.tok_encode(requests[i].args[0], left_truncate_len=max_ctx) for i in idx]
+            gens = self.generate_tokens(contexts, until=until, max_gen_toks=max_gen_toks)
+            for i, toks in zip(idx, gens):
+                text = postprocess_generated_text(self.tok_decode(toks), stop=until, think_end_token=None)
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                results[i] = text
+        return results
+
+
+def _hit_stop(tokenizer, tokens: list[int], until: list[str]) -> bool:
+    """True once the decoded generation contains any non-empty stop string."""
+    text = tokenizer.decode(tokens)
+    return any(s and s in text for s in until)
+
+
+@torch.no_grad()
+def greedy_decode(model, layers, prefix_mask, input_ids, attention_mask, *, max_gen_toks: int, eos_ids: set[int],
+                  is_done) -> list[list[int]]:
+    """Greedy decoding on a cache: feed input_ids [B, T] (left-padded) after `layers`, then one token
+    at a time, reusing the returned cache. Rows stop at an EOS id (not returned) or when
+    `is_done(tokens)`; returns the generated ids per row (at most max_gen_toks each).
+    """
+    batch = input_ids.shape[0]
+    gen: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    ids, mask = input_ids, attention_mask
+    for _ in range(max_gen_toks):
+        logits, cache = forward_on_cache(model, layers, prefix_mask, ids, mask, return_cache=True)
+        layers = cache_to_layers(cache)
+        prefix_mask = mask if prefix_mask is None else torch.cat([prefix_mask, mask], dim=-1)
+        nxt = logits[:, -1].argmax(-1)
+        for r in range(batch):
+            if done[r]:
+                continue
+            tok = int(nxt[r])
+            if tok in eos_ids:
+                done[r] = True
+                continue
+            gen[r].append(tok)
+            done[r] = bool(is_done(gen[r]))
+        if all(done):
+            break
+        ids = nxt[:, None]
+        mask = torch.ones_like(ids)
+    return gen

@@ -1,0 +1,164 @@
+"""CoQA multi-turn drift (lm-eval's built-in `coqa` task does not import under transformers 5).
+
+Prompt format is lm-eval's coqa: story + "\\n\\n", then per turn "Q: {q}\\n\\nA:" and the answer
+" {a}\\n\\n"; turn t's context holds the gold Q/A pairs of turns < t. Text is tokenized segment by
+segment (first segment with special tokens), so both protocols see identical token streams:
+  (a) `per_turn_transfer`: every turn the whole history is prefilled by the cache builder of the
+      LM's mode (transfer: the source prefills, the mapper maps) and the target answers.
+  (b) `transfer_once`: the cache is built once after the story; the scoring model then extends its
+      own cache with each question, answers, and appends the gold answer (native continuation).
+Answers are greedy, stopped at "\\nQ:" / max_gen_toks, post-processed like lm-eval (strip, first
+line). F1 is the official CoQA score (normalize; token-overlap F1; with several gold answers, the
+average over leave-one-out maxima).
+"""
+from __future__ import annotations
+
+import json
+import re
+import string
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from ..cache import cache_to_layers, forward_on_cache
+from .adapter import greedy_decode
+
+UNTIL = ["\nQ:"]
+
+
+def load_conversations(path: str | Path) -> list[dict]:
+    """CoQA records (EleutherAI/coqa layout) from JSONL; raises if missing or empty."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: point to coqa.jsonl (shared/benchmarks)")
+    docs = [json.loads(line) for line in path.open() if line.strip()]
+    if not docs:
+        raise ValueError(f"{path} holds no conversations")
+    return docs
+
+
+def normalize_answer(s: str) -> str:
+    """Lowercase, drop punctuation and articles (a/an/the), collapse whitespace (SQuAD/CoQA rule)."""
+    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def f1_score(pred: str, gold: str) -> float:
+    """Token-overlap F1 of normalized answers; 1.0 if both are empty, 0.0 if exactly one is."""
+    p, g = normalize_answer(pred).split(), normalize_answer(gold).split()
+    if not p or not g:
+        return float(p == g)
+    common = sum((Counter(p) & Counter(g)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(p), common / len(g)
+    return 2 * precision * recall / (precision + recall)
+
+
+def coqa_f1(pred: str, golds: list[str]) -> float:
+    """Official CoQA turn F1: max over golds; with n > 1 golds, mean over the n leave-one-out maxima."""
+    if len(golds) == 1:
+        return f1_score(pred, golds[0])
+    return sum(max(f1_score(pred, g) for g in golds[:i] + golds[i + 1:]) for i in range(len(golds))) / len(golds)
+
+
+def turn_golds(doc: dict, t: int) -> list[str]:
+    """Gold answers of turn t (0-based): the main answer plus the additional annotators' answers."""
+    golds = [doc["answers"]["input_text"][t]]
+    for extra in (doc.get("additional_answers") or {}).values():
+        if extra and t < len(extra["input_text"]):
+            golds.append(extra["input_text"][t])
+    return golds
+
+
+def turn_segments(doc: dict, t: int) -> list[str]:
+    """Text segments of turn t's context: story, gold Q/A of turns < t, and "Q: {q_t}\\n\\nA:"."""
+    qs, ans = doc["questions"]["input_text"], doc["answers"]["input_text"]
+    segs = [doc["story"] + "\n\n"]
+    for i in range(t):
+        segs += [f"Q: {qs[i]}\n\nA:", f" {ans[i]}\n\n"]
+    return segs + [f"Q: {qs[t]}\n\nA:"]
+
+
+def turn_context(doc: dict, t: int) -> str:
+    """Turn t's prompt string (equals lm-eval coqa's doc_to_text for that turn)."""
+    return "".join(turn_segments(doc, t))
+
+
+def encode_segments(lm, segments: list[str]) -> list[int]:
+    """Token ids of the segments, tokenized one by one (only the first gets special tokens)."""
+    ids = lm.tok_encode(segments[0])
+    for seg in segments[1:]:
+        ids += lm.tok_encode(seg, add_special_tokens=False)
+    return ids
+
+
+def _answer(lm, tokens: list[int]) -> str:
+    text = lm.tok_decode(tokens)
+    for stop in UNTIL:
+        text = text.split(stop)[0]
+    return text.strip().split("\n")[0]
+
+
+def _n_turns(doc: dict, max_turns: int | None) -> int:
+    n = len(doc["questions"]["input_text"])
+    return n if max_turns is None else min(n, max_turns)
+
+
+def per_turn_transfer(lm, docs: list[dict], *, max_turns: int | None = 10, max_gen_toks: int = 24) -> list[list[dict]]:
+    """Protocol (a): per conversation, per turn {turn, pred, golds, f1}; the cache is rebuilt every turn."""
+    jobs = [(c, t) for c, doc in enumerate(docs) for t in range(_n_turns(doc, max_turns))]
+    contexts = [encode_segments(lm, turn_segments(docs[c], t)) for c, t in jobs]
+    gens = lm.generate_tokens(contexts, until=UNTIL, max_gen_toks=max_gen_toks)
+    out = [[] for _ in docs]
+    for (c, t), toks in zip(jobs, gens):
+        pred, golds = _answer(lm, toks), turn_golds(docs[c], t)
+        out[c].append({"turn": t + 1, "pred": pred, "golds": golds, "f1": coqa_f1(pred, golds)})
+    return out
+
+
+@torch.no_grad()
+def transfer_once(lm, docs: list[dict], *, max_turns: int | None = 10, max_gen_toks: int = 24) -> list[list[dict]]:
+    """Protocol (b): cache built once after the story (per the LM's mode), then native turns."""
+    model = lm.scoring_model
+    eos_ids = lm._eos_ids()
+    out = []
+    for doc in docs:
+        story = lm.tok_encode(doc["story"] + "\n\n")
+        layers, pmask = lm.prefix_cache([story[:-1]])
+        pending = story[-1:]  # tokens not yet in the cache
+        turns = []
+        for t in range(_n_turns(doc, max_turns)):
+            q = lm.tok_encode(f"Q: {doc['questions']['input_text'][t]}\n\nA:", add_special_tokens=False)
+            layers, pmask = _extend(model, layers, pmask, pending + q[:-1])
+            last = torch.tensor([q[-1:]], device=model.device)
+            toks = greedy_decode(model, layers, pmask, last, torch.ones_like(last), max_gen_toks=max_gen_toks,
+                                 eos_ids=eos_ids, is_done=lambda g: any(s in lm.tok_decode(g) for s in UNTIL))[0]
+            pred, golds = _answer(lm, toks), turn_golds(doc, t)
+            turns.append({"turn": t + 1, "pred": pred, "golds": golds, "f1": coqa_f1(pred, golds)})
+            pending = q[-1:] + lm.tok_encode(f" {doc['answers']['input_text'][t]}\n\n", add_special_tokens=False)
+        out.append(turns)
+    return out
+
+
+def _extend(model, layers, pmask, ids: list[int]):
+    """Append `ids` to a batch-1 cache with the model's own forward; returns (layers, mask)."""
+    x = torch.tensor([ids], device=model.device)
+    _, cache = forward_on_cache(model, layers, pmask, x, return_cache=True)
+    mask = torch.ones_like(x) if pmask is None else torch.cat([pmask, torch.ones_like(x)], dim=-1)
+    return cache_to_layers(cache), mask
+
+
+def drift_curve(reference: list[list[dict]], mapped: list[list[dict]], max_turn: int = 10) -> list[dict]:
+    """Per turn 1..max_turn: mean F1 of both runs over conversations that reach it, and the gap."""
+    rows = []
+    for turn in range(1, max_turn + 1):
+        ref = [c[turn - 1]["f1"] for c in reference if len(c) >= turn]
+        got = [c[turn - 1]["f1"] for c in mapped if len(c) >= turn]
+        if not ref:
+            break
+        r, m = sum(ref) / len(ref), sum(got) / len(got)
+        rows.append({"turn": turn, "n": len(ref), "target_f1": r, "transfer_f1": m, "gap": r - m})
+    return rows

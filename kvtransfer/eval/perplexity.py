@@ -1,0 +1,91 @@
+"""WikiText-2 prefix-conditioned perplexity (the paper's PPL column, done the safe way).
+
+lm-eval's `loglikelihood_rolling` gives every window a 1-token context, so through a transferred
+cache it silently measures native perplexity. Here each window of `max_prefix + cont_len` tokens
+is drawn once; for every prefix length P the context is [BOS] + the P tokens just before the
+continuation, and the scored text is always the same last `cont_len` tokens. In split modes the
+source prefills [BOS] + prefix[:-1] (mapped), the target runs the last prefix token and the
+continuation; at P = 0 nothing is transferred, so every split mode equals `target` there.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+
+def load_pages(path: str | Path) -> list[str]:
+    """WikiText-2 document-level pages (`{"page": ...}` per JSONL line); raises if missing/empty."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: point to wikitext2.jsonl (shared/benchmarks)")
+    pages = [json.loads(line)["page"] for line in path.open() if line.strip()]
+    if not pages:
+        raise ValueError(f"{path} holds no pages")
+    return pages
+
+
+def draw_windows(tokenizer, pages: list[str], *, max_prefix: int, cont_len: int = 256, n_windows: int = 8,
+                 seed: int = 0) -> list[list[int]]:
+    """`n_windows` token windows of max_prefix + cont_len ids, drawn once (seeded) from the pages.
+
+    Pages are tokenized without special tokens; a window never crosses pages. Raises if no page is
+    long enough.
+    """
+    size = max_prefix + cont_len
+    streams = [tokenizer.encode(p, add_special_tokens=False) for p in pages]
+    spans = [(i, len(s) - size) for i, s in enumerate(streams) if len(s) >= size]
+    if not spans:
+        raise ValueError(f"no page has {size} tokens (max_prefix={max_prefix} + cont_len={cont_len}); "
+                         "lower them or add text")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_windows):
+        i, last = rng.choice(spans)
+        start = rng.randint(0, last)
+        out.append(streams[i][start:start + size])
+    return out
+
+
+def prefix_pairs(windows: list[list[int]], prefix_len: int, max_prefix: int, bos_id: int):
+    """(context, continuation) per window: context = [bos] + the prefix_len tokens before max_prefix."""
+    if not 0 <= prefix_len <= max_prefix:
+        raise ValueError(f"prefix length {prefix_len} must be in 0..{max_prefix}")
+    return [([bos_id] + w[max_prefix - prefix_len:max_prefix], w[max_prefix:]) for w in windows]
+
+
+def prefix_conditioned_ppl(lm, windows: list[list[int]], prefix_lengths: list[int], *,
+                           max_prefix: int | None = None) -> dict[int, dict]:
+    """{P: {"ppl", "nll" (mean nats/token), "tokens", "continuation"}} for one KVTransferLM mode.
+
+    The continuation (window[max_prefix:]) is identical for every P; `continuation` holds its ids
+    so callers can check that. max_prefix defaults to max(prefix_lengths).
+    """
+    max_prefix = max(prefix_lengths) if max_prefix is None else max_prefix
+    if lm.max_length < len(windows[0]) + 1:
+        raise ValueError(f"max_length={lm.max_length} cannot hold BOS + {len(windows[0])} tokens; "
+                         "lower max_prefix/cont_len or raise max_length")
+    out = {}
+    for p in prefix_lengths:
+        pairs = prefix_pairs(windows, p, max_prefix, lm.prefix_token_id)
+        scored = lm.score_tokens(pairs)
+        total = sum(float(lp.sum()) for lp, _ in scored)
+        n = sum(len(c) for _, c in pairs)
+        out[p] = {"ppl": math.exp(-total / n), "nll": -total / n, "tokens": n,
+                  "continuation": [c for _, c in pairs]}
+    return out
+
+
+def ppl_curve(lm, windows: list[list[int]], prefix_lengths: list[int],
+              modes: tuple[str, ...] = ("target", "transfer", "source", "native_injected")) -> dict[str, dict[int, float]]:
+    """{mode: {P: perplexity}} for each mode the LM can run (modes lacking a model/mapper skipped)."""
+    curve = {}
+    for mode in modes:
+        try:
+            other = lm.with_mode(mode)
+        except ValueError:
+            continue
+        res = prefix_conditioned_ppl(other, windows, prefix_lengths)
+        curve[mode] = {p: r["ppl"] for p, r in res.items()}
+    return curve

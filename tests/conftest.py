@@ -1,0 +1,92 @@
+"""Shared fixtures for the evaluation tests: a tiny offline tokenizer trained on the benchmark text,
+tiny models with that vocabulary, and a self-calibrated (near-identity) mapper."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
+
+
+@pytest.fixture(scope="session")
+def bench_dir() -> Path:
+    """The offline benchmark samples (../shared/benchmarks relative to the repo root)."""
+    if not (BENCH / "arc_challenge.jsonl").is_file():
+        pytest.skip(f"benchmark samples not found at {BENCH} (expected ../shared/benchmarks next to the repo)")
+    return BENCH
+
+
+@pytest.fixture(scope="session")
+def eval_tokenizer(bench_dir):
+    return build_tokenizer(bench_dir)
+
+
+def build_tokenizer(bench_dir):
+    """Byte-level BPE (vocab 320, BOS prepended like Llama) trained on the benchmark text itself."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    def texts():
+        for f in sorted(bench_dir.glob("*.jsonl")):
+            for line in f.open():
+                yield " ".join(str(v) for v in json.loads(line).values())
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts(), trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   name_or_path="tiny-bpe")
+
+
+def make_model(tokenizer, family="qwen3", seed=0, name=None, init=0.5, **shape):
+    """A tiny float32 model (tests/tiny_models configs) with the tokenizer's vocab and special ids."""
+    from tiny_models import _CLASSES, CONFIGS
+
+    config = CONFIGS[family](**shape)
+    config.vocab_size = len(tokenizer)
+    config.initializer_range = init  # peaky logits: fewer exact ties in argmax / multiple choice
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (tokenizer.bos_token_id, tokenizer.eos_token_id,
+                                                                     tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = _CLASSES[config.model_type](config).float().eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.name_or_path = name or f"tiny-{family}-{seed}"
+    return model
+
+
+def self_mapper(model, tokenizer, bench_dir, k="all", lam=1e-4):
+    """Near-identity mapper model -> model, fitted on benchmark text (the calibration recipe)."""
+    from kvtransfer import Mapper, collect_moments, fit_ridge, kv_shape, r2_matrix, select_topk
+
+    text = "\n".join(json.loads(line)["page"] for line in (bench_dir / "wikitext2.jsonl").open())
+    ids = torch.tensor(tokenizer.encode(text)[: 24 * 128]).view(24, 128)
+    d = kv_shape(model).head_dim
+    cm = collect_moments(model, model, ids, stride=2, heldout_fraction=0.2)
+    r2 = r2_matrix(cm.train, heldout=cm.heldout, head_dim=d)
+    fit = fit_ridge(cm.train, select_topk(r2["train"], k), heldout=cm.heldout, head_dim=d, lam=lam)
+    return Mapper.from_ridge(fit, model, model)
+
+
+@pytest.fixture(scope="session")
+def eval_model(eval_tokenizer):
+    return make_model(eval_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def eval_mapper(eval_model, eval_tokenizer, bench_dir):
+    return self_mapper(eval_model, eval_tokenizer, bench_dir)
+
+
+@pytest.fixture(scope="session")
+def local_tasks(bench_dir, tmp_path_factory):
+    """lm-eval TaskManager over the local benchmark files (built-in tasks not indexed: fast)."""
+    from kvtransfer.eval.tasks import task_manager
+
+    return task_manager(bench_dir, include_defaults=False, out_dir=tmp_path_factory.mktemp("tasks"))

@@ -1,0 +1,68 @@
+"""Retention maths: ratios, floor normalisation, gap closed, bootstrap errors, McNemar."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvtransfer.eval.retention import mcnemar_p, per_item_scores, retention_table, task_summary
+
+
+def test_hand_example():
+    row = task_summary({"target": [1, 1, 1, 0], "transfer": [1, 1, 0, 0], "source": [1, 0, 0, 0],
+                        "native_injected": [1, 1, 1, 0]}, chance=0.25, metric="acc_norm")
+    assert (row["target"], row["transfer"], row["source"]) == (0.75, 0.5, 0.25)
+    assert row["retention"] == pytest.approx(2 / 3)
+    assert row["floor_normalized"] == pytest.approx(0.5) and row["gap_closed"] == pytest.approx(0.5)
+    assert row["n"] == 4 and row["metric"] == "acc_norm" and row["mcnemar_p"] == 1.0
+
+
+def test_table_uses_paper_chance_levels_and_averages():
+    items = {"winogrande": {"target": [1] * 8 + [0] * 2, "transfer": [1] * 7 + [0] * 3},
+             "gsm8k": {"target": [1] * 5 + [0] * 5, "transfer": [1] * 4 + [0] * 6}}
+    table = retention_table(items, n_boot=200)
+    assert table["winogrande"]["floor_normalized"] == pytest.approx((0.7 - 0.5) / (0.8 - 0.5))
+    assert table["gsm8k"]["floor_normalized"] == pytest.approx(0.8) == table["gsm8k"]["retention"]
+    assert table["average"]["retention"] == pytest.approx((0.7 / 0.8 + 0.8) / 2)
+    assert table["gsm8k"]["gap_closed"] is None  # no source run given
+
+
+def test_bootstrap_is_seeded_and_sane():
+    rng = np.random.default_rng(1)
+    t, x = (rng.random(400) < 0.6).astype(float), (rng.random(400) < 0.5).astype(float)
+    a = task_summary({"target": t, "transfer": x}, seed=3)
+    b = task_summary({"target": t, "transfer": x}, seed=3)
+    assert a == b
+    assert a["stderr_target"] == pytest.approx(math.sqrt(0.6 * 0.4 / 400), rel=0.15)
+    assert a["stderr_retention"] > 0
+
+
+def test_mcnemar():
+    assert mcnemar_p([1] * 5 + [0] * 5, [0] * 5 + [0] * 5) == pytest.approx(2 / 32)  # exact binomial
+    a = [1] * 30 + [0] * 10 + [1] * 50
+    b = [0] * 30 + [1] * 10 + [1] * 50
+    assert mcnemar_p(a, b) == pytest.approx(0.002663, rel=1e-3)  # chi2 (|30-10|-1)^2/40 = 9.025, 1 df
+    assert task_summary({"target": [0.5, 1.0], "transfer": [0.2, 1.0]})["mcnemar_p"] is None  # F1 scores
+
+
+def test_bad_input():
+    with pytest.raises(KeyError, match="transfer"):
+        task_summary({"target": [1, 0]})
+    with pytest.raises(ValueError, match="no items"):
+        task_summary({"target": [], "transfer": []})
+    with pytest.raises(ValueError, match="different item counts"):
+        task_summary({"target": [1, 0], "transfer": [1]})
+
+
+def test_per_item_scores_from_lm_eval_samples():
+    """Items ordered by doc_id; filters selected by 'metric,filter'; groups concatenate subtasks."""
+    res = {"samples": {"gsm8k": [{"doc_id": 1, "filter": "strict-match", "exact_match": 0.0},
+                                 {"doc_id": 0, "filter": "strict-match", "exact_match": 1.0},
+                                 {"doc_id": 0, "filter": "flexible-extract", "exact_match": 0.0}],
+                       "mmlu_a": [{"doc_id": 0, "acc": 1.0}], "mmlu_b": [{"doc_id": 0, "acc": 0.0}]},
+           "group_subtasks": {"mmlu": ["mmlu_b", "mmlu_a"]}}
+    assert per_item_scores(res, "gsm8k", "exact_match,strict-match") == [1.0, 0.0]
+    assert per_item_scores(res, "mmlu", "acc") == [1.0, 0.0]
+    with pytest.raises(KeyError, match="log_samples"):
+        per_item_scores(res, "arc_challenge", "acc_norm")

@@ -358,7 +358,7 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
     else:
         summary["mapper"] = {"kind": cfg["mapper"]["kind"], "k": run.k, "lambda": run.lam}
     if "eval" in stages:
-        from .eval_stage import evaluate
+        from .eval.stage import evaluate
 
         summary.update(evaluate(run))
     if "bench" in stages:

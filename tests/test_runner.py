@@ -150,3 +150,43 @@ def test_mlp_mapper_through_the_pipeline(tiny_pair_dirs, tmp_path):
     summary = execute(cfg, tmp_path / "mlp")
     assert summary["mapper"]["kind"] == "mlp" and summary["mapper"]["n_parameters"] > 0
     assert set(summary["r2"]["k"]) == {"train"}
+
+
+def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
+    cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "stage=[eval,report]", "eval.limit=6", "eval.max_gen_toks=4",
+                    "eval.ppl.prefixes=[0,16,48]", "eval.ppl.continuation=16", "eval.ppl.windows=3",
+                    "eval.coqa.conversations=2", "eval.coqa.turns=3", "eval.coqa.max_gen_toks=4",
+                    "eval.bootstrap=50", "report.rotated_heatmap=false")
+    summary = execute(cfg, tmp_path / "eval")
+    tasks = summary["tasks"]
+    assert set(tasks) == {"tiny_cloze", "tiny_completion"}
+    for row in tasks.values():
+        assert row["n"] == 6
+        assert {"target", "transfer", "source", "native_injected", "retention", "floor_normalized", "gap_closed"} <= set(row)
+        assert row["native_injected"] == row["target"]  # the built-in control
+    assert tasks["tiny_cloze"]["metric"] == "acc_norm" and tasks["tiny_cloze"]["chance"] == 0.25
+    ppl = {r["prefix"]: r for r in summary["ppl"]}
+    assert set(ppl) == {0, 16, 48}
+    # at P=0 nothing is transferred; with a prefix the mapped cache is used, native_injected == target
+    assert ppl[0]["transfer"] == pytest.approx(ppl[0]["target"], rel=1e-5)
+    for p in (16, 48):
+        assert ppl[p]["native_injected"] == pytest.approx(ppl[p]["target"], rel=1e-5)
+        assert ppl[p]["transfer"] != pytest.approx(ppl[p]["target"], rel=1e-4)
+    turns = {(r["series"], r["turn"]) for r in summary["drift"]}
+    assert ("transfer (once)", 3) in turns and ("target (every_turn)", 1) in turns
+    out = tmp_path / "eval"
+    assert (out / "tables" / "retention.md").exists() and (out / "tables" / "ppl.csv").exists()
+    assert (out / "figures" / "retention.png").exists() and (out / "figures" / "drift.png").exists()
+    # cached per mode: a rerun with the same config evaluates nothing
+    import kvtransfer.eval.stage as stage
+
+    def no_eval(*a, **k):
+        raise AssertionError("eval results should have been reused")
+
+    original = stage._benchmarks
+    stage._benchmarks = no_eval
+    try:
+        again = execute(cfg, tmp_path / "eval2")
+    finally:
+        stage._benchmarks = original
+    assert again["tasks"] == summary["tasks"]

@@ -1,0 +1,162 @@
+"""The eval stage of a run: benchmarks, prefix-conditioned PPL and multi-turn drift per mode.
+
+Results are cached per mode under cache_dir/eval/<key>/ (key = mapper + eval config), so an
+interrupted evaluation resumes at the next mode and a rerun with the same config costs nothing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import warnings
+from pathlib import Path
+
+from ..io import atomic_write_json
+from ..models import kv_shape
+from ..pipeline import artifact_key
+from .adapter import KVTransferLM
+from .coqa import drift_curve, load_conversations, per_turn_transfer, transfer_once
+from .perplexity import draw_windows, prefix_conditioned_ppl
+from .retention import CHANCE, per_item_scores, retention_table
+from .tasks import PAPER_TASKS, task_manager
+from .tiny_suite import TINY_TASKS, write_tiny_yamls
+
+
+def _task_setup(ecfg: dict, work_dir: Path):
+    """(TaskManager, {task: (lm-eval name, metric, chance)}) for the configured tasks."""
+    from lm_eval.tasks import TaskManager
+
+    tasks = list(ecfg["tasks"])
+    if not tasks:
+        raise ValueError("eval.tasks is empty: name at least one task (e.g. eval.tasks=[arc_challenge])")
+    spec = {}
+    tiny = [t for t in tasks if t in TINY_TASKS]
+    paper = [t for t in tasks if t not in TINY_TASKS]
+    for t in paper:
+        if t not in PAPER_TASKS:
+            raise KeyError(f"unknown task {t!r}: use {sorted(PAPER_TASKS) + sorted(TINY_TASKS)}")
+        name, metric, chance, _ = PAPER_TASKS[t]
+        spec[t] = (name, metric, chance)
+    for t in tiny:
+        metric, chance = TINY_TASKS[t]
+        spec[t] = (t, metric, chance)
+    data_dir = ecfg.get("data_dir")
+    if paper:
+        manager = task_manager(data_dir, include_defaults=data_dir is None, out_dir=work_dir / "tasks")
+        if tiny:
+            write_tiny_yamls(work_dir / "tasks", data_dir, max_gen_toks=ecfg.get("max_gen_toks", 16))
+            manager = TaskManager(include_path=str(work_dir / "tasks"), include_defaults=data_dir is None)
+    else:
+        if data_dir is None:
+            raise ValueError("the tiny suite reads local files: set eval.data_dir=data/tiny")
+        write_tiny_yamls(work_dir / "tasks", data_dir, max_gen_toks=ecfg.get("max_gen_toks", 16))
+        manager = TaskManager(include_path=str(work_dir / "tasks"), include_defaults=False)
+    return manager, spec
+
+
+def _benchmarks(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:
+    """{task: per-item scores} for one mode through lm-eval's simple_evaluate."""
+    from lm_eval import simple_evaluate
+
+    with tempfile.TemporaryDirectory(prefix="kvtransfer_eval_") as tmp:
+        manager, spec = _task_setup(ecfg, Path(tmp))
+        results = simple_evaluate(model=lm.with_mode(mode), tasks=[name for name, _, _ in spec.values()],
+                                  task_manager=manager, limit=ecfg.get("limit"), num_fewshot=ecfg.get("num_fewshot"),
+                                  log_samples=True, bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
+                                  torch_random_seed=seed, fewshot_random_seed=seed)
+    return {task: per_item_scores(results, name, metric) for task, (name, metric, _) in spec.items()}
+
+
+def _ppl(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:
+    """{P: perplexity} for one mode on windows drawn once at max(P)."""
+    pcfg = ecfg["ppl"]
+    path = Path(ecfg["data_dir"] or ".") / pcfg["file"]
+    if not path.is_file():
+        raise FileNotFoundError(f"perplexity text {path} is missing: set eval.data_dir / eval.ppl.file, "
+                                "or eval.ppl.enabled=false")
+    pages = []
+    for line in path.open():
+        if line.strip():
+            record = json.loads(line)
+            pages.append(record.get("page") or record.get("text") or "")
+    windows = draw_windows(lm.tokenizer, pages, max_prefix=max(pcfg["prefixes"]), cont_len=pcfg["continuation"],
+                           n_windows=pcfg["windows"], seed=seed)
+    result = prefix_conditioned_ppl(lm.with_mode(mode), windows, list(pcfg["prefixes"]))
+    return {str(p): r["ppl"] for p, r in result.items()}
+
+
+def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
+    """{protocol: per-conversation turn records} for one mode."""
+    ccfg = ecfg["coqa"]
+    path = Path(ecfg["data_dir"] or ".") / ccfg["file"]
+    docs = load_conversations(path)[: ccfg["conversations"]]
+    out = {}
+    other = lm.with_mode(mode)
+    for protocol in ccfg["protocols"]:
+        run = {"every_turn": per_turn_transfer, "once": transfer_once}[protocol]
+        out[protocol] = run(other, docs, max_turns=ccfg["turns"], max_gen_toks=ccfg["max_gen_toks"])
+    return out
+
+
+def evaluate(run) -> dict:
+    """{"tasks": {task: row}, "ppl": [rows], "drift": [rows]} for a pipeline `Run` (see module doc)."""
+    ecfg = run.cfg["eval"]
+    seed = run.cfg.get("seed", 0)
+    directory = run.cache_dir / "eval" / artifact_key(run.mapper_dir().name, ecfg, run.rope_at_inference)
+    directory.mkdir(parents=True, exist_ok=True)
+    source, tokenizer = run.model("source")
+    target, _ = run.model("target")
+    lm = KVTransferLM(source_model=source, target_model=target, tokenizer=tokenizer, mapper=run.mapper(),
+                      mode="transfer", batch_size=ecfg["batch_size"], native_sink=ecfg.get("native_sink", 0),
+                      rope_at_inference=run.rope_at_inference)
+    modes = list(ecfg["modes"])
+    if "identity" in modes and kv_shape(source) != kv_shape(target):
+        warnings.warn("eval mode 'identity' skipped: source and target caches differ in shape", stacklevel=2)
+        modes.remove("identity")
+    per_mode = {}
+    for mode in modes:
+        path = directory / f"{mode}.json"
+        if not path.exists():
+            result = {"tasks": _benchmarks(lm, mode, ecfg, seed) if ecfg["tasks"] else {}}
+            if ecfg["ppl"].get("enabled"):
+                result["ppl"] = _ppl(lm, mode, ecfg, seed)
+            if ecfg["coqa"].get("enabled") and mode in ("target", "transfer"):
+                result["coqa"] = _coqa(lm, mode, ecfg)
+            atomic_write_json(path, result)
+        per_mode[mode] = json.loads(path.read_text())
+    return summarise(per_mode, ecfg, seed)
+
+
+def _finite(row: dict) -> dict:
+    """NaN/inf (e.g. a ratio with a zero denominator) -> None, so summaries stay strict JSON."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+
+def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
+    """Turn per-mode raw results into summary rows (retention table, PPL vs P, drift per turn)."""
+    out: dict = {}
+    tasks = sorted({t for r in per_mode.values() for t in r.get("tasks", {})})
+    if tasks and "target" in per_mode and "transfer" in per_mode:
+        per_item = {t: {m: per_mode[m]["tasks"][t] for m in per_mode if t in per_mode[m].get("tasks", {})}
+                    for t in tasks}
+        chance = {t: TINY_TASKS[t][1] if t in TINY_TASKS else CHANCE.get(t, 0.0) for t in tasks}
+        metrics = {t: TINY_TASKS[t][0] if t in TINY_TASKS else PAPER_TASKS[t][1] for t in tasks}
+        table = retention_table(per_item, metrics=metrics, chance=chance, n_boot=ecfg.get("bootstrap", 1000),
+                                seed=seed)
+        out["tasks"] = {t: _finite(dict(row, transfer_stderr=row.get("stderr_transfer"))) for t, row in table.items()
+                        if t != "average"}
+        out["tasks_average"] = _finite(table["average"])
+    if any("ppl" in r for r in per_mode.values()):
+        prefixes = sorted({int(p) for r in per_mode.values() for p in r.get("ppl", {})})
+        out["ppl"] = [{"prefix": p, **{m: r["ppl"][str(p)] for m, r in per_mode.items() if "ppl" in r}}
+                      for p in prefixes]
+    if "coqa" in per_mode.get("target", {}) and "coqa" in per_mode.get("transfer", {}):
+        rows = []
+        for protocol, mapped in per_mode["transfer"]["coqa"].items():
+            for r in drift_curve(per_mode["target"]["coqa"][protocol], mapped, max_turn=ecfg["coqa"]["turns"]):
+                rows.append({"protocol": protocol, "turn": r["turn"], "series": f"target ({protocol})",
+                             "f1": r["target_f1"], "n": r["n"]})
+                rows.append({"protocol": protocol, "turn": r["turn"], "series": f"transfer ({protocol})",
+                             "f1": r["transfer_f1"], "n": r["n"], "gap": r["gap"]})
+        out["drift"] = rows
+    return out

@@ -190,3 +190,17 @@ def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
     finally:
         stage._benchmarks = original
     assert again["tasks"] == summary["tasks"]
+
+
+def test_bench_stage_times_the_run_models(tiny_pair_dirs, tmp_path):
+    cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "stage=[bench,report]", "bench.tokens=[16,64]", "bench.warmup=1",
+                    "bench.repeats=3", "report.rotated_heatmap=false", "report.variance_k=[1]")
+    summary = execute(cfg, tmp_path / "bench")
+    rows = summary["speed"]
+    assert [r["tokens"] for r in rows] == [16, 64]
+    for r in rows:
+        assert r["mapper_ms_min"] <= r["mapper_ms"] <= r["mapper_ms_max"] and r["prefill_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["prefill_ms"] / r["mapper_ms"])
+        assert r["mapper_floor_ms"] > 0 and r["flop_ratio"] > 0
+    assert (tmp_path / "bench" / "tables" / "speed.md").exists()
+    assert (tmp_path / "bench" / "figures" / "speedup.png").exists()

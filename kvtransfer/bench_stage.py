@@ -1,0 +1,100 @@
+"""The bench stage of a run: mapper vs target re-prefill on the run's own models (or shapes only).
+
+With the pair's real loaded models, the source cache is a real source prefill (random tokens, a
+few distinct inputs rotated), the mapper is the run's fitted mapper, and the prefill side is the
+target's decoder body. `bench.shapes_only=true` instead times random-weight models with the real
+configs of a paper pair (see kvtransfer.bench). Rows are cached by config and device.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from . import bench
+from .cache import layers_to_cache, prefill
+from .io import atomic_write_json
+from .models import kv_shape
+from .pipeline import artifact_key
+from .transfer import codec_for, map_layers
+
+
+def _dtype(name: str, device: str) -> torch.dtype:
+    if name in (None, "auto"):
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def bench_loaded(source, target, mapper, tokens, *, warmup: int = 3, repeats: int = 10, n_inputs: int = 3,
+                 log=print) -> list[dict]:
+    """Table-5 rows for loaded models: mapper ms vs target body prefill ms per token count.
+
+    Token counts beyond the target's max_position_embeddings are skipped. Times in ms (median and
+    spread over `repeats`), FLOPs/bytes of both sides and their floors on this device.
+    """
+    device, dtype = target.device, target.dtype
+    caps = bench.measure_device(device, dtype)
+    mapper.to(device, dtype)
+    s_shape, t_shape = kv_shape(source), kv_shape(target)
+    used = len(set(mapper.selected_layers.flatten().tolist()))
+    limit = getattr(target.config, "max_position_embeddings", None) or 10**9
+    rows = []
+    for n_tok in tokens:
+        row = {"tokens": n_tok, "mode": "loaded", "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+               "k": mapper.k, "load_avg": bench.load_average()}
+        if n_tok > limit:
+            rows.append(dict(row, skipped=f"beyond max_position_embeddings={limit}"))
+            continue
+        g = torch.Generator().manual_seed(n_tok)
+        ids = [torch.randint(1, source.config.vocab_size, (1, n_tok), generator=g).to(device) for _ in range(n_inputs)]
+        caches = [prefill(source, i) for i in ids]
+        pos = torch.arange(n_tok, device=device)
+        s_codec, t_codec = codec_for(source), codec_for(target)
+
+        def run_mapper(layers):
+            mapped = map_layers(layers, mapper, pos, source_codec=s_codec, target_codec=t_codec,
+                                target_n_kv=t_shape.n_kv, out_dtype=dtype)
+            return layers_to_cache(mapped, target.config)
+
+        m = bench.time_fn(run_mapper, caches, warmup=warmup, repeats=repeats, device=device)
+        p = bench.time_fn(lambda i: prefill(target, i), ids, warmup=warmup, repeats=repeats, device=device)
+        es = torch.empty((), dtype=dtype).element_size()
+        mc = bench.mapper_cost(source.config, target.config, mapper.k, n_tok, n_target_layers=t_shape.n_layers,
+                               n_source_used=used, weight_bytes=es, cache_bytes=es, out_bytes=es)
+        pc = bench.prefill_cost(target.config, n_tok, dtype_bytes=es)
+        row.update(mapper_ms=m["median_ms"], mapper_ms_min=m["min_ms"], mapper_ms_max=m["max_ms"],
+                   prefill_ms=p["median_ms"], prefill_ms_min=p["min_ms"], prefill_ms_max=p["max_ms"],
+                   speedup=p["median_ms"] / m["median_ms"], mapper_flops=mc["flops"], prefill_flops=pc["flops"],
+                   flop_ratio=pc["flops"] / mc["flops"], mapper_floor_ms=bench.floor_ms(mc["flops"], mc["bytes"], caps),
+                   prefill_floor_ms=bench.floor_ms(pc["flops"], pc["bytes"], caps), repeats=m["n"],
+                   source_kv=[s_shape.n_layers, s_shape.n_kv, s_shape.head_dim])
+        log(f"[bench] {n_tok} tokens: mapper {m['median_ms']:.2f} ms, prefill {p['median_ms']:.2f} ms, "
+            f"speedup {row['speedup']:.1f}x (FLOP ratio {row['flop_ratio']:.1f}x)")
+        rows.append(row)
+    return rows
+
+
+def benchmark(run) -> list[dict]:
+    """Speed rows for a pipeline `Run` (cached under cache_dir/bench/)."""
+    bcfg = run.cfg["bench"]
+    device = run.device
+    shapes_only = bool(bcfg.get("shapes_only"))
+    identity = {"pair": run.cfg["pair"]["name"]} if shapes_only else {"pair": run.pair_identity(),
+                                                                       "mapper": run.mapper_dir().name}
+    device_name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
+    path = run.cache_dir / "bench" / f"{artifact_key(identity, bcfg, device_name, torch.__version__)}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    dtype = _dtype(bcfg.get("dtype"), device)
+    if shapes_only:
+        name = run.cfg["pair"]["name"]
+        if name not in bench.PAIRS:
+            raise ValueError(f"bench.shapes_only knows the paper pairs {sorted(bench.PAIRS)}, not {name!r}")
+        rows = bench.bench_pair(name, bcfg["tokens"], layers=bcfg.get("layers"), device=device, dtype=dtype,
+                                warmup=bcfg["warmup"], repeats=bcfg["repeats"])
+    else:
+        source, target = run.model("source")[0], run.model("target")[0]
+        rows = bench_loaded(source, target, run.mapper(), bcfg["tokens"], warmup=bcfg["warmup"],
+                            repeats=bcfg["repeats"])
+    atomic_write_json(path, rows)
+    return rows

@@ -27,18 +27,6 @@ def codec_for(model) -> RopeCodec:
     return codec
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """[batch, heads, seq, dim] -> [batch * seq, heads * dim]."""
-    b, h, s, d = t.shape
-    return t.permute(0, 2, 1, 3).reshape(b * s, h * d)
-
-
-def _unflat(t: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
-    """[batch * seq, heads * dim] -> [batch, heads, seq, dim]."""
-    seq = t.shape[0] // batch
-    return t.view(batch, seq, heads, -1).permute(0, 2, 1, 3)
-
-
 @torch.no_grad()
 def map_layers(source_layers: KVLayers, mapper: Mapper, positions: torch.Tensor, *,
                source_codec: RopeCodec | None, target_codec: RopeCodec | None, target_n_kv: int,
@@ -52,30 +40,15 @@ def map_layers(source_layers: KVLayers, mapper: Mapper, positions: torch.Tensor,
     rotated keys and its output stored unrotated). Returns [batch, n_kv_t, seq, d_t] per target
     layer in `out_dtype` (default: the source cache dtype). Raises FloatingPointError on NaN/Inf.
     """
-    def _rope_into(dst: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   den: torch.Tensor | None = None) -> None:
-        """dst [b, h, s, d] <- RopeCodec.apply(keys) (den None) or RopeCodec.strip(keys) (den = cos²+sin²).
-
-        Same arithmetic as RopeCodec: float32, rounded to `keys.dtype`, then stored in `dst.dtype`; all
-        float32 keys and dst are written in place half by half, without rotate_half's temporaries.
-        """
-        h = keys.shape[-1] // 2
-        # strip: (k1 c + k2 s, k2 c - k1 s) / den;  apply: (k1 c - k2 s, k2 c + k1 s)
-        sign = 1.0 if den is not None else -1.0
-        if keys.dtype == torch.float32 and dst.dtype == torch.float32:
-            k1, k2, o1, o2 = keys[..., :h], keys[..., h:], dst[..., :h], dst[..., h:]
-            torch.mul(k1, cos[..., :h], out=o1)
-            o1.addcmul_(k2, sin[..., :h], value=sign)
-            torch.mul(k2, cos[..., h:], out=o2)
-            o2.addcmul_(k1, sin[..., h:], value=-sign)
-            if den is not None:
-                dst.div_(den)
-            return
-        k = keys.float()
-        rot = torch.cat((-k[..., h:], k[..., :h]), dim=-1)
-        res = k * cos + rot * sin if den is None else (k * cos - rot * sin) / den
-        dst.copy_(res.to(keys.dtype))
-
+    # Fast path. Per chunk of tokens: the source layers any target reads are copied once into a
+    # buffer [2, batch, chunk, U, W] (U used layers ascending, W = n_kv_s * d_s; never zero-filled)
+    # and their keys stripped in one batched pass (cos/sin looked up once per chunk). Each target
+    # layer's selection is split into runs of consecutive buffer slots; with at most two runs the
+    # ridge map is one baddbmm per run on strided views of the buffer (no gather copy; a band of
+    # layers is one GEMM), otherwise the runs are gathered and mapped in one GEMM. Results are
+    # written into one preallocated output [L_t, 2, batch, n_kv_t, seq, d_t] (keys re-rotated on
+    # the way) and checked for NaN/Inf once at the end. Memory-bound steps run single-threaded on
+    # small CPU hosts (see _serial_elementwise).
     batch, _, seq, _ = source_layers[0][0].shape
     if positions.dim() == 1:
         positions = positions[None].expand(batch, -1)
@@ -83,67 +56,137 @@ def map_layers(source_layers: KVLayers, mapper: Mapper, positions: torch.Tensor,
     if rotate and (source_codec is None or target_codec is None):
         raise ValueError("content-space mapping needs source_codec and target_codec")
     out_dtype = out_dtype or source_layers[0][0].dtype
-    w, b = mapper.weight, mapper.bias
-    device, dtype = w.device, w.dtype
-    n_t, _, p, q = w.shape
-    rows_sel = mapper.selected_layers.tolist()
-    # Only the source layers some target reads are stripped, once per chunk, into a buffer
-    # [2, batch, chunk, U, W] (U used layers in ascending order, W = n_kv_s * d_s; fully written, never zeroed).
-    used = sorted({s for row in rows_sel for s in row})
+    ref = next(v for v in vars(mapper).values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    device, dtype = ref.device, ref.dtype
+    ridge = getattr(mapper, "kind", "ridge") == "ridge" and hasattr(mapper, "weight")
+    sel = mapper.selected_layers.tolist()
+    n_t = len(sel)
+    used = sorted({s for row in sel for s in row})
     slot = {s: i for i, s in enumerate(used)}
+    src_dtype = source_layers[used[0]][0].dtype
     n_kv_s, d_s = source_layers[used[0]][0].shape[1], source_layers[used[0]][0].shape[3]
-    width = n_kv_s * d_s
-    d_t = q // target_n_kv
-    # a target whose sources are consecutive slots reads a strided view of the buffer (no gather copy)
-    runs = [slot[row[0]] if [slot[s] for s in row] == list(range(slot[row[0]], slot[row[0]] + len(row))) else None
-            for row in rows_sel]
-    gather_idx = [None if r is not None else torch.tensor([slot[s] for s in row], device=device)
-                  for r, row in zip(runs, rows_sel)]
-    outputs = [(torch.empty(batch, target_n_kv, seq, d_t, device=device, dtype=out_dtype),
-                torch.empty(batch, target_n_kv, seq, d_t, device=device, dtype=out_dtype)) for _ in range(n_t)]
+    width, n_used = n_kv_s * d_s, len(used)
+    runs = []  # per target: [(first slot, first feature block, n layers)] maximal consecutive runs
+    for row in sel:
+        r = []
+        for j, s in enumerate(row):
+            if r and slot[s] == r[-1][0] + r[-1][2]:
+                r[-1] = (r[-1][0], r[-1][1], r[-1][2] + 1)
+            else:
+                r.append((slot[s], j, 1))
+        runs.append(r)
+    out = None  # [L_t, 2, batch, n_kv_t, seq, d_t], allocated once q is known
     chunk = max(1, chunk_tokens // batch)
-    bad = torch.zeros((), dtype=torch.bool, device=device)
     for start in range(0, seq, chunk):
         sl = slice(start, min(seq, start + chunk))
         c = sl.stop - sl.start
         rows = batch * c
-        pos = positions[:, sl]
-        if rotate:  # cos/sin once per chunk, shared by every layer
-            cs, ss = (t.to(device) for t in source_codec.cos_sin(pos))
-            den = cs * cs + ss * ss
-            ct, st = (t.to(device) for t in target_codec.cos_sin(pos))
-        feats = torch.empty(2, batch, c, len(used), width, device=device, dtype=dtype)
-        for s in used:
-            k, v = source_layers[s][0][:, :, sl], source_layers[s][1][:, :, sl]
-            dst_k, dst_v = (feats[i, :, :, slot[s]].view(batch, c, n_kv_s, d_s).transpose(1, 2) for i in (0, 1))
+        with _serial_elementwise(device):  # memory-bound: copy used source layers, strip keys
+            feats = torch.empty(2, batch, c, n_used, n_kv_s, d_s, device=device, dtype=dtype)
+            in_place = rotate and dtype == torch.float32 and src_dtype == torch.float32
+            raw_k = feats[0] if (in_place or not rotate) else torch.empty(feats.shape[1:], device=device)
+            for s in used:
+                raw_k[:, :, slot[s]].copy_(source_layers[s][0][:, :, sl].transpose(1, 2))
+                feats[1, :, :, slot[s]].copy_(source_layers[s][1][:, :, sl].transpose(1, 2))
+            pos = positions[:, sl]
             if rotate:
-                _rope_into(dst_k, k.to(device), cs, ss, den)
-            else:
-                dst_k.copy_(k)
-            dst_v.copy_(v)
-        flat = feats.view(2, rows, len(used) * width)
+                cs, ss = (x.to(device)[:, 0, :, None, None, :] for x in source_codec.cos_sin(pos))  # [B|1, c, 1, 1, d]
+                den = cs * cs + ss * ss
+                if in_place:
+                    _rope_(raw_k, cs, ss, den)
+                else:  # RopeCodec.strip's rounding: float32, then the source dtype, then the mapper dtype
+                    feats[0].copy_(_rope(raw_k, cs, ss, den).to(src_dtype))
+                ct, st = (x.to(device) for x in target_codec.cos_sin(pos))  # [B|1, 1, c, d_t]
+        flat = feats.view(2, rows, n_used * width)
         gathered = None
         for t in range(n_t):
-            if runs[t] is not None:
-                x = flat[:, :, runs[t] * width: runs[t] * width + p]
+            r = runs[t]
+            if ridge and len(r) <= 2:  # one baddbmm per run, straight on the buffer
+                w, b = mapper.weight[t], mapper.bias[t]
+                y = None
+                for s0, j0, n in r:
+                    x, wj = flat[:, :, s0 * width:(s0 + n) * width], w[:, j0 * width:(j0 + n) * width]
+                    y = torch.baddbmm(b[:, None, :], x, wj) if y is None else y.baddbmm_(x, wj)
             else:
-                if gathered is None:
-                    gathered = torch.empty(2, rows, p // width, width, device=device, dtype=dtype)
-                torch.index_select(feats.view(2, rows, len(used), width), 2, gather_idx[t], out=gathered)
-                x = gathered.view(2, rows, p)
-            y = torch.baddbmm(b[t][:, None, :], x, w[t])  # [2, rows, q]
-            if check_finite:
-                bad |= ~torch.isfinite(y).all()
+                if len(r) == 1:
+                    x = flat[:, :, r[0][0] * width:(r[0][0] + r[0][2]) * width]
+                else:  # scattered selection: gather run by run, then one GEMM (faster than many thin ones)
+                    if gathered is None:
+                        gathered = torch.empty(2, rows, len(sel[t]) * width, device=device, dtype=dtype)
+                    with _serial_elementwise(device):
+                        for s0, j0, n in r:
+                            gathered[:, :, j0 * width:(j0 + n) * width].copy_(flat[:, :, s0 * width:(s0 + n) * width])
+                    x = gathered
+                y = (torch.baddbmm(mapper.bias[t][:, None, :], x, mapper.weight[t]) if ridge
+                     else mapper.map_features(t, x))  # [2, rows, q]
+            if out is None:
+                d_t = y.shape[-1] // target_n_kv
+                out = torch.empty(n_t, 2, batch, target_n_kv, seq, d_t, device=device, dtype=out_dtype)
             k_t, v_t = y.view(2, batch, c, target_n_kv, d_t).transpose(2, 3)  # [batch, n_kv_t, c, d_t] each
-            if rotate:
-                _rope_into(outputs[t][0][:, :, sl], k_t, ct, st)
-            else:
-                outputs[t][0][:, :, sl].copy_(k_t)
-            outputs[t][1][:, :, sl].copy_(v_t)
-    if check_finite and bool(bad):
+            with _serial_elementwise(device):
+                _store(out[t], sl, k_t, v_t, ct if rotate else None, st if rotate else None)
+    with _serial_elementwise(device):
+        finite = not check_finite or bool(torch.isfinite(out).all())
+    if not finite:
         raise FloatingPointError("mapped cache contains NaN/Inf: check the mapper (refit with larger lambda) "
                                  "and the source cache dtype")
-    return outputs
+    return [(out[t, 0], out[t, 1]) for t in range(n_t)]
+
+
+def _store(out: torch.Tensor, sl: slice, k: torch.Tensor, v: torch.Tensor, cos, sin) -> None:
+    """out [2, batch, n_kv, seq, d][:, :, :, sl] <- (RopeCodec.apply(k) if cos is given else k, v)."""
+    if cos is None:
+        out[0, :, :, sl].copy_(k)
+    elif k.dtype == torch.float32 and out.dtype == torch.float32:
+        _rope_(k, cos, sin, out=out[0, :, :, sl])
+    else:  # RopeCodec.apply's rounding: float32, then the mapper dtype, then the cache dtype
+        out[0, :, :, sl].copy_(_rope(k.float(), cos, sin).to(k.dtype))
+    out[1, :, :, sl].copy_(v)
+
+
+class _serial_elementwise:
+    """On small CPU hosts run memory-bound steps on one thread: there a copy or RoPE pass is
+    bandwidth-bound, and fork/join of the thread pool costs more than it gains (a 2 MB copy took
+    12 ms on 2 threads vs 0.6 ms on 1 on a loaded 2-core host). No-op elsewhere."""
+
+    def __init__(self, device):
+        self.active = torch.device(device).type == "cpu" and 1 < torch.get_num_threads() <= 4
+
+    def __enter__(self):
+        if self.active:
+            self.threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            torch.set_num_threads(self.threads)
+
+
+def _rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, den: torch.Tensor | None = None) -> torch.Tensor:
+    """RopeCodec.apply (den None) or .strip (den = cos^2 + sin^2) on float32 keys [..., d], same formula."""
+    h = k.shape[-1] // 2
+    rot = torch.cat((-k[..., h:], k[..., :h]), dim=-1)
+    return k * cos + rot * sin if den is None else (k * cos - rot * sin) / den
+
+
+def _rope_(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, den: torch.Tensor | None = None, *,
+           out: torch.Tensor | None = None) -> None:
+    """`_rope` on float32 keys [..., d] written into `out` (default: in place into k), half by half:
+    strip (k1 c + k2 s, k2 c - k1 s) / den; apply (k1 c - k2 s, k2 c + k1 s). No rotate_half temporaries."""
+    h = k.shape[-1] // 2
+    sign = 1.0 if den is not None else -1.0
+    k1, k2 = k[..., :h], k[..., h:]
+    if out is None:
+        k1_orig = k1.clone()
+        k1.mul_(cos[..., :h]).addcmul_(k2, sin[..., :h], value=sign)
+        k2.mul_(cos[..., h:]).addcmul_(k1_orig, sin[..., h:], value=-sign)
+        out = k
+    else:
+        torch.mul(k1, cos[..., :h], out=out[..., :h]).addcmul_(k2, sin[..., :h], value=sign)
+        torch.mul(k2, cos[..., h:], out=out[..., h:]).addcmul_(k1, sin[..., h:], value=-sign)
+    if den is not None:
+        out.div_(den)
 
 
 @torch.no_grad()

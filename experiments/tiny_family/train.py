@@ -15,17 +15,31 @@
 3. Models are saved in fp16 safetensors together with the tokenizer files to
    ``<outdir>/qwen3-tiny-<name>/``; loss curves go to ``<logdir>/<name>.csv``;
    held-out perplexity (all of data/tiny/heldout.jsonl, same packing, computed
-   with the saved fp16 weights upcast to fp32) goes to ``<logdir>/summary.json``.
+   with the saved fp16 weights upcast to fp32) goes to ``<logdir>/<name>.json``.
 
-Usage (the committed models):
-  python experiments/tiny_family/train.py --corpus /tmp/kvt_tiny/train.jsonl \
-      --steps 1m=1200,3m=1000,7m=900
+Usage -- exactly how the committed models were made.  Phase 1 ran the three
+models as parallel single-thread processes (the 2-core box was shared with
+other jobs); after it the 3m/7m models were still WORSE than 1m on held-out
+text (undertrained), so they got a phase 2: continue from the saved phase-1
+weights with a fresh AdamW, peak LR x0.5, new 5 % warm-up + cosine, on the
+next windows of the same data order (--resume-step):
+  python experiments/tiny_family/train.py --steps ""          # tokenizer only
+  for m in 1m=500 3m=450 7m=400; do
+    python experiments/tiny_family/train.py --threads 1 --steps $m > /tmp/train_${m%%=*}.log 2>&1 &
+  done; wait
+  python experiments/tiny_family/train.py --threads 1 --steps 3m=350 --resume-from models/tiny/qwen3-tiny-3m \
+      --resume-step 450 --lr-scale 0.5 --suffix .phase2
+  python experiments/tiny_family/train.py --threads 1 --steps 7m=450 --resume-from models/tiny/qwen3-tiny-7m \
+      --resume-step 400 --lr-scale 0.5 --suffix .phase2
+Results are deterministic for a given CPU / thread count (fixed seeds and data
+order); other CPUs or thread counts give float-level differences.
 """
 import argparse
 import csv
 import json
 import math
 import os
+import shutil
 import time
 
 import numpy as np
@@ -35,8 +49,8 @@ SPECIAL = "<|endoftext|>"
 # name -> (hidden, layers, attention heads, intermediate, peak lr)
 SPECS = {
     "1m": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=512, lr=3e-3),
-    "3m": dict(hidden_size=192, num_hidden_layers=6, num_attention_heads=6, intermediate_size=704, lr=2e-3),
-    "7m": dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=8, intermediate_size=896, lr=1.5e-3),
+    "3m": dict(hidden_size=192, num_hidden_layers=6, num_attention_heads=6, intermediate_size=704, lr=2.5e-3),
+    "7m": dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=8, intermediate_size=896, lr=2e-3),
 }
 KV_HEADS, HEAD_DIM = 2, 32
 
@@ -59,6 +73,11 @@ def train_tokenizer(texts, vocab_size, out_dir):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL, eos_token=SPECIAL,
                                    pad_token=SPECIAL, unk_token=SPECIAL, model_max_length=2048)
     fast.save_pretrained(out_dir)
+    # name the generic fast-tokenizer class (transformers 5 writes its alias "TokenizersBackend")
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    json.dump(cfg, open(cfg_path, "w"), indent=2)
     return fast
 
 
@@ -66,9 +85,9 @@ def pack(tok, texts, seq_len):
     """<eot> doc <eot> doc ... cut into non-overlapping seq_len windows (remainder dropped)."""
     eot = tok.convert_tokens_to_ids(SPECIAL)
     ids = []
-    for enc in tok(texts, add_special_tokens=False)["input_ids"]:
+    for enc in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False):
         ids.append(eot)
-        ids.extend(enc)
+        ids.extend(enc.ids)
     n = len(ids) // seq_len
     return np.asarray(ids[: n * seq_len], dtype=np.int64).reshape(n, seq_len), len(ids)
 
@@ -111,7 +130,10 @@ def train_one(name, spec, steps, train_w, held_w, tok, args):
 
     eot = tok.convert_tokens_to_ids(SPECIAL)
     torch.manual_seed(args.seed)
-    model = Qwen3ForCausalLM(build_config(spec, len(tok), eot))
+    if args.resume_from:  # phase 2: continue from saved weights with a fresh optimizer and schedule
+        model = AutoModelForCausalLM.from_pretrained(args.resume_from, dtype=torch.float32)
+    else:
+        model = Qwen3ForCausalLM(build_config(spec, len(tok), eot))
     model.config._attn_implementation = "sdpa"
     total, non_emb = count_params(model)
     print(f"[{name}] params total {total:,} non-embedding {non_emb:,}; {steps} steps", flush=True)
@@ -129,13 +151,13 @@ def train_one(name, spec, steps, train_w, held_w, tok, args):
 
     held_small = held_w[:: max(1, len(held_w) // 64)][:64]  # fixed subset for the running curve
     os.makedirs(args.logdir, exist_ok=True)
-    log = open(os.path.join(args.logdir, f"{name}.csv"), "w", newline="")
+    log = open(os.path.join(args.logdir, f"{name}{args.suffix}.csv"), "w", newline="")
     wr = csv.writer(log)
     wr.writerow(["step", "tokens", "lr", "train_loss", "heldout_loss_subset", "elapsed_s"])
     t0, run = time.time(), []
     model.train()
     for s in range(steps):
-        idx = [(s * args.batch + j) % len(train_w) for j in range(args.batch)]
+        idx = [((args.resume_step + s) * args.batch + j) % len(train_w) for j in range(args.batch)]
         x = torch.from_numpy(train_w[idx])
         for g in opt.param_groups:
             g["lr"] = lr_at(s)
@@ -159,13 +181,15 @@ def train_one(name, spec, steps, train_w, held_w, tok, args):
     model.generation_config.bos_token_id = model.generation_config.eos_token_id = eot
     model.generation_config.pad_token_id = eot
     model.to(torch.float16).save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(args.tokdir, f), os.path.join(out, f))
     # held-out perplexity of what was saved (fp16 weights, computed in fp32)
     saved = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     nll = mean_nll(saved, held_w)
     res = dict(name=name, dir=out, total_params=total, non_embedding_params=non_emb, steps=steps,
                tokens=steps * args.batch * args.seq_len, train_seconds=round(train_s, 1),
                heldout_nll=round(nll, 4), heldout_ppl=round(math.exp(nll), 3), lr=spec["lr"],
+               resume_from=args.resume_from, resume_step=args.resume_step,
                **{k: v for k, v in spec.items() if k != "lr"})
     print(json.dumps(res), flush=True)
     return res
@@ -178,13 +202,18 @@ def main():
     ap.add_argument("--outdir", default="models/tiny")
     ap.add_argument("--logdir", default="experiments/tiny_family/logs")
     ap.add_argument("--tokdir", default="/tmp/kvt_tiny/tokenizer")
-    ap.add_argument("--steps", default="1m=1200,3m=1000,7m=900", help="name=steps,... (subset allowed)")
+    ap.add_argument("--steps", default="1m=500,3m=450,7m=400",
+                    help="name=steps,... (subset allowed; empty: train/load the tokenizer only)")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--resume-from", default=None, help="phase 2: start from this saved model (one name in --steps)")
+    ap.add_argument("--resume-step", type=int, default=0, help="phase 2: steps already taken (data continues there)")
+    ap.add_argument("--lr-scale", type=float, default=1.0, help="multiply the SPECS peak LR (phase 2 uses 0.5)")
+    ap.add_argument("--suffix", default="", help="suffix for the log/result file names (e.g. .phase2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -196,21 +225,19 @@ def main():
         t = time.time()
         tok = train_tokenizer(texts, args.vocab, args.tokdir)
         print(f"tokenizer trained in {time.time() - t:.0f}s", flush=True)
+    if not args.steps:
+        return  # tokenizer only
     train_w, n_tok = pack(tok, texts, args.seq_len)
     train_w = train_w[np.random.default_rng(args.seed).permutation(len(train_w))]
     held_w, n_held = pack(tok, read_texts(args.heldout), args.seq_len)
     print(f"train tokens {n_tok:,} ({len(train_w)} windows); heldout tokens {n_held:,} ({len(held_w)} windows)")
-    results = []
-    for item in args.steps.split(","):
+    data = dict(train_tokens=n_tok, train_windows=len(train_w), heldout_tokens=n_held, heldout_windows=len(held_w),
+                seq_len=args.seq_len, batch=args.batch, seed=args.seed, vocab=len(tok), threads=args.threads)
+    for item in filter(None, args.steps.split(",")):
         name, steps = item.split("=")
-        results.append(train_one(name, SPECS[name], int(steps), train_w, held_w, tok, args))
-    summ = os.path.join(args.logdir, "summary.json")
-    old = json.load(open(summ)) if os.path.exists(summ) else {}
-    old.update({r["name"]: r for r in results})
-    old["_data"] = dict(train_tokens=n_tok, train_windows=len(train_w), heldout_tokens=n_held,
-                        heldout_windows=len(held_w), seq_len=args.seq_len, batch=args.batch, seed=args.seed,
-                        vocab=len(tok), threads=args.threads)
-    json.dump(old, open(summ, "w"), indent=1)
+        spec = {**SPECS[name], "lr": SPECS[name]["lr"] * args.lr_scale}
+        res = train_one(name, spec, int(steps), train_w, held_w, tok, args)
+        json.dump({**res, "data": data}, open(os.path.join(args.logdir, f"{name}{args.suffix}.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,13 @@ Public API (the numerical core; no Hydra, lm-eval or W&B imports here):
     collect_moments(source, target, ids, ...) -> CalibrationMoments(train, heldout)
     r2_matrix / select_topk / select_greedy   source-layer selection
     fit_ridge(moments, selected_layers, ...)  -> RidgeFit
-    Mapper.from_ridge / Mapper.save / Mapper.load
+    Mapper.from_ridge / Mapper.save / Mapper.load; load_mapper (any kind: ridge or mlp)
     transfer(source_cache, mapper, source_model, target_model, ...) -> DynamicCache
 """
 from .cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
 from .calibrate import CalibrationMoments, collect_moments, kv_features
 from .diagnostics import compare_caches
-from .mapper import Mapper
+from .mapper import Mapper, MapperBase, load_mapper
 from .models import check_same_tokenizer, kv_shape, load_model, model_identity
 from .moments import Moments
 from .ridge import RidgeFit, UnderdeterminedFit, fit_ridge
@@ -24,5 +24,5 @@ __all__ = [
     "load_model", "check_same_tokenizer", "kv_shape", "model_identity", "RopeCodec", "prefill",
     "forward_on_cache", "cache_to_layers", "layers_to_cache", "collect_moments", "kv_features",
     "CalibrationMoments", "Moments", "r2_matrix", "select_topk", "select_greedy", "fit_ridge", "RidgeFit",
-    "UnderdeterminedFit", "Mapper", "transfer", "map_layers", "codec_for", "compare_caches",
+    "UnderdeterminedFit", "Mapper", "MapperBase", "load_mapper", "transfer", "map_layers", "codec_for", "compare_caches",
 ]

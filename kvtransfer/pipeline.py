@@ -147,12 +147,15 @@ class Run:
     def moments(self, key_space: str | None = None) -> tuple[Moments, Moments, dict]:
         """(train, heldout, provenance) calibration moments, computed once per config."""
         key_space = key_space or self.key_space
-        directory = self.moments_dir(key_space)
-        done = directory / "calibration.json"
-        if not done.exists():
-            self._calibrate(directory, key_space)
-        info = json.loads(done.read_text())
-        return Moments.load(directory / "train.safetensors"), Moments.load(directory / "heldout.safetensors"), info
+        memo = f"moments/{key_space}"
+        if memo not in self._memo:  # the full moments of a big pair are tens of GB: read them once
+            directory = self.moments_dir(key_space)
+            done = directory / "calibration.json"
+            if not done.exists():
+                self._calibrate(directory, key_space)
+            self._memo[memo] = (Moments.load(directory / "train.safetensors"),
+                                Moments.load(directory / "heldout.safetensors"), json.loads(done.read_text()))
+        return self._memo[memo]
 
     def _calibrate(self, directory: Path, key_space: str) -> None:
         calib = self.cfg["calib"]
@@ -237,7 +240,7 @@ class Run:
         directory = self.mapper_dir()
         if not (directory / "mapper.json").exists():
             self._fit(directory)
-        return load_mapper(directory)
+        return load_mapper(directory)  # a fresh copy each call: callers move it to their device/dtype
 
     def selected_layers(self) -> list[list[int]]:
         """Source layers per target layer by the configured rule (top-k or greedy)."""

@@ -337,6 +337,7 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
     if (out_dir / "summary.json").exists():
         raise FileExistsError(f"{out_dir} already holds a run; choose another out_dir")
     out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_dir / "config.json", cfg)  # the resolved config that made this run
     stages = parse_stages(cfg.get("stage", "all"))
     run = Run(cfg, out_dir)
     summary: dict = {"pair": cfg["pair"]["name"], "direction": cfg["pair"].get("direction", "forward"),

@@ -110,6 +110,7 @@ def test_pipeline_calibrate_fit_report_and_artifact_reuse(tiny_pair_dirs, tmp_pa
     assert summary["variance_explained"][0]["k_train"] <= summary["variance_explained"][-1]["k_train"] + 1e-9
     out = tmp_path / "run1"
     on_disk = json.loads((out / "summary.json").read_text())
+    assert json.loads((out / "config.json").read_text())["mapper"]["lam"] == 0.01
     assert on_disk["mapper"] == summary["mapper"]
     for name in ("variance_explained.csv", "variance_explained.md"):
         assert (out / "tables" / name).stat().st_size > 0
@@ -204,3 +205,21 @@ def test_bench_stage_times_the_run_models(tiny_pair_dirs, tmp_path):
         assert r["mapper_floor_ms"] > 0 and r["flop_ratio"] > 0
     assert (tmp_path / "bench" / "tables" / "speed.md").exists()
     assert (tmp_path / "bench" / "figures" / "speedup.png").exists()
+
+
+def test_sweep_collection_writes_one_table(tmp_path):
+    from kvtransfer.report.sweep import collect
+
+    for i, (k, ret) in enumerate(((1, 0.5), (4, 0.9))):
+        run = tmp_path / f"{i}_mapper.k={k}"
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({
+            "pair": "tiny", "ablation": {"name": "full"}, "mapper": {"kind": "ridge", "k": k, "lambda": 0.01},
+            "r2": {"k": {"train": 0.8, "heldout": 0.7}},
+            "tasks": {"tiny_cloze": {"target": 0.4, "transfer": 0.4 * ret, "retention": ret, "floor_normalized": ret}}}))
+    paths = collect(tmp_path)
+    assert {"sweep.csv", "sweep.md", "sweep_retention.md", "sweep_ablation.md"} <= set(paths)
+    import pandas as pd
+
+    sweep = pd.read_csv(tmp_path / "sweep.csv")
+    assert list(sweep["k"]) == [1, 4] and list(sweep["tiny_cloze_retention"]) == [0.5, 0.9]

@@ -8,14 +8,23 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
+from skip_guard import pytest_addoption, pytest_sessionfinish, pytest_terminal_summary  # noqa: F401 (hooks)
+
+pytest_plugins = ("pytester",)  # test_repo.py runs the skip guard on throwaway suites
+
+BENCH = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
 
 
 @pytest.fixture(scope="session")
 def bench_dir() -> Path:
-    """The offline benchmark samples (../shared/benchmarks relative to the repo root)."""
-    if not (BENCH / "arc_challenge.jsonl").is_file():
-        pytest.skip(f"benchmark samples not found at {BENCH} (expected ../shared/benchmarks next to the repo)")
+    """The offline benchmark samples shipped in the repo (data/benchmarks, see its README).
+
+    They are part of the repository, so a missing file is an error, never a reason to skip.
+    """
+    missing = [f for f in ("arc_challenge.jsonl", "wikitext2.jsonl", "coqa.jsonl") if not (BENCH / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{BENCH} lacks {missing}: the benchmark samples are part of the repository "
+                                "(restore data/benchmarks from git)")
     return BENCH
 
 

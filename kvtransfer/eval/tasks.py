@@ -3,7 +3,8 @@
 `task_manager(data_dir)` writes small task YAMLs into a directory: each `include`s the built-in
 lm-eval task YAML by absolute path (so prompts, `process_docs`, filters and metrics stay stock) and
 overrides only the dataset (`dataset_path: json`, `data_files` per split) and the paper's few-shot
-counts. lm-eval itself is not modified. Local files (see shared/benchmarks/README.md):
+counts. lm-eval itself is not modified. Local files (the repo ships them in data/benchmarks, see
+its README):
 
     arc_challenge  test: arc_challenge.jsonl   few-shot (train): arc_challenge_train.jsonl
     hellaswag      validation: hellaswag.jsonl (0-shot; no train split shipped)
@@ -60,8 +61,8 @@ def _builtin_dir() -> Path:
 def _check_jsonl(path: Path) -> int:
     """Number of records in a JSONL file; raises with the fix if it is missing or empty."""
     if not path.is_file():
-        raise FileNotFoundError(f"benchmark file {path} is missing: put the benchmark samples (see "
-                                "shared/benchmarks/README.md) in that directory or pass data_dir=None to use "
+        raise FileNotFoundError(f"benchmark file {path} is missing: point data_dir at the benchmark samples "
+                                "(the repo's data/benchmarks, see its README) or pass data_dir=None to use "
                                 "the Hugging Face datasets")
     n = sum(1 for line in path.open() if line.strip())
     if n == 0:

@@ -10,8 +10,10 @@ its README):
     hellaswag      validation: hellaswag.jsonl (0-shot; no train split shipped)
     winogrande     validation: winogrande.jsonl (0-shot; no train split shipped)
     mmlu           test: mmlu.jsonl split per subject, few-shot (dev): mmlu_dev.jsonl   5-shot
-    gsm8k          test: gsm8k.jsonl   few-shot (train): gsm8k_train.jsonl          8-shot CoT
-    gsm8k_cot      test: gsm8k.jsonl   (lm-eval's fixed 8 CoT exemplars)
+    gsm8k_cot      test: gsm8k.jsonl   8-shot CoT, lm-eval's fixed exemplars (in its YAML; no
+                   train file needed). The paper's protocol and the default GSM8K.
+    gsm8k          test: gsm8k.jsonl   8-shot, exemplars drawn from train (gsm8k_train.jsonl)
+                   with the run's few-shot seed; selectable as eval.tasks=[..., gsm8k]
 
 MMLU is a group of 57 subject tasks in lm-eval; the local sample has 10 subjects, so with a
 data_dir the `mmlu` group is redefined over those 10 (`MMLU_SUBJECTS`), aggregated by size.
@@ -30,11 +32,16 @@ MMLU_SUBJECTS = ("abstract_algebra", "anatomy", "astronomy", "college_biology", 
                  "world_religions")
 
 # benchmark -> (lm-eval task or group, metric as reported, chance level, few-shot count)
+# GSM8K comes in two variants, named by their lm-eval task so that every table says which ran:
+# gsm8k_cot (the paper's 8-shot CoT with fixed exemplars, the default) and gsm8k (8 exemplars
+# sampled from train). Both score the strict-match answer ("The answer is N." / "#### N").
+# Table headers name the variant (report/tables.TASK_LABELS).
 PAPER_TASKS = {
     "arc_challenge": ("arc_challenge", "acc_norm", 0.25, 0),
     "hellaswag": ("hellaswag", "acc_norm", 0.25, 0),
     "winogrande": ("winogrande", "acc", 0.50, 0),
     "mmlu": ("mmlu", "acc", 0.25, 5),
+    "gsm8k_cot": ("gsm8k_cot", "exact_match,strict-match", 0.0, 8),
     "gsm8k": ("gsm8k", "exact_match,strict-match", 0.0, 8),
 }
 
@@ -48,7 +55,8 @@ _LOCAL = {
                    {"dataset_name": None, "training_split": None}),
     "gsm8k": ("gsm8k/gsm8k.yaml", {"test": "gsm8k.jsonl", "train": "gsm8k_train.jsonl"},
               {"dataset_name": None, "num_fewshot": 8}),
-    "gsm8k_cot": ("gsm8k/gsm8k-cot.yaml", {"test": "gsm8k.jsonl"}, {"dataset_name": None}),
+    # the 8 CoT exemplars are fixed in lm-eval's YAML (fewshot_config.samples): no train file
+    "gsm8k_cot": ("gsm8k/gsm8k-cot.yaml", {"test": "gsm8k.jsonl"}, {"dataset_name": None, "num_fewshot": 8}),
 }
 
 
@@ -75,7 +83,7 @@ def write_task_yamls(out_dir: str | Path, data_dir: str | Path | None = None,
                                                "gsm8k_cot")) -> Path:
     """Write override YAMLs for `tasks` into `out_dir`; local data when `data_dir` is given.
 
-    Without data_dir only the paper's few-shot counts are set (mmlu 5, gsm8k 8) and the normal HF
+    Without data_dir only the paper's few-shot counts are set (mmlu 5, gsm8k/gsm8k_cot 8) and the normal HF
     datasets are used. Raises FileNotFoundError / ValueError naming a missing or empty data file.
     """
     out_dir = Path(out_dir)

@@ -7,7 +7,15 @@ import pandas as pd
 
 from ..io import atomic_write_bytes
 
-TASK_ORDER = ["arc_challenge", "hellaswag", "winogrande", "mmlu", "gsm8k"]
+TASK_ORDER = ["arc_challenge", "hellaswag", "winogrande", "mmlu", "gsm8k_cot", "gsm8k"]
+# Column / row labels of tasks whose name alone does not say the protocol: both GSM8K variants
+# (kvtransfer.eval.tasks.PAPER_TASKS) name how their few-shot exemplars were chosen.
+TASK_LABELS = {"gsm8k_cot": "gsm8k_cot (CoT, fixed exemplars)", "gsm8k": "gsm8k (train exemplars, sampled)"}
+
+
+def task_label(task: str) -> str:
+    """The header a task gets in every table (its name, plus the variant for GSM8K)."""
+    return TASK_LABELS.get(task, task)
 
 
 def write_table(df: pd.DataFrame, directory: str | Path, name: str) -> list[Path]:
@@ -36,7 +44,7 @@ def retention_table(summaries: list[dict]) -> pd.DataFrame:
         for task in _ordered_tasks(tasks):
             r = tasks[task]
             if r.get("retention") is not None:
-                row[task] = 100 * r["retention"]
+                row[task_label(task)] = 100 * r["retention"]
                 rets.append(r["retention"])
             if r.get("floor_normalized") is not None:
                 floors.append(r["floor_normalized"])
@@ -51,7 +59,7 @@ def task_table(summary: dict) -> pd.DataFrame:
     rows = []
     for task in _ordered_tasks(summary.get("tasks", {})):
         r = summary["tasks"][task]
-        rows.append({"task": task, **{k: r.get(k) for k in (
+        rows.append({"task": task_label(task), **{k: r.get(k) for k in (
             "metric", "target", "transfer", "source", "native_injected", "retention", "floor_normalized",
             "gap_closed", "n", "transfer_stderr", "mcnemar_p")}})
     return pd.DataFrame(rows)
@@ -63,7 +71,7 @@ def ablation_table(summaries: list[dict]) -> pd.DataFrame:
     for s in summaries:
         row = {"variant": s.get("ablation", {}).get("name", "full"), "k": s["mapper"]["k"]}
         for task in _ordered_tasks(s.get("tasks", {})):
-            row[task] = s["tasks"][task].get("transfer")
+            row[task_label(task)] = s["tasks"][task].get("transfer")
         if s.get("ppl"):
             longest = max(s["ppl"], key=lambda r: r["prefix"])
             row[f"ppl@P={longest['prefix']}"] = longest.get("transfer")

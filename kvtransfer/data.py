@@ -4,7 +4,9 @@ Sources: local files (.jsonl with a text field, or .txt with blank-line-separate
 an HF dataset streamed by name (e.g. FineWeb-Edu sample-10BT, the paper's calibration set).
 Documents with at least `seq_len` tokens give one sequence each (their first `seq_len` tokens, so
 every sequence starts at a document start, where the attention sink forms); if there are too few,
-the remaining documents are packed end to end, separated by EOS.
+the remaining documents are packed end to end, separated by EOS. Every sequence starts with the
+start ids of the run's position-0 convention (`kvtransfer.context`), exactly as evaluation
+contexts do.
 """
 from __future__ import annotations
 
@@ -43,24 +45,30 @@ def stream_hf_documents(dataset: str, name: str | None, split: str, text_field: 
 
 
 def token_sequences(documents: Iterable[str], tokenizer, n_sequences: int, seq_len: int,
-                    max_documents: int = 1_000_000) -> torch.Tensor:
+                    max_documents: int = 1_000_000, context_start: str = "tokenizer") -> torch.Tensor:
     """int64 [n_sequences, seq_len] token ids built from `documents` as described in the module doc.
 
-    Raises ValueError naming how much text is missing when the documents run out.
+    context_start: position-0 convention (`kvtransfer.context.CONTEXT_STARTS`); packed sequences
+    made of leftovers start with the same start ids. Raises ValueError naming how much text is
+    missing when the documents run out.
     """
+    from .context import encode, start_ids
+
+    start = start_ids(tokenizer, context_start)
     long_docs, leftovers = [], []
     for i, doc in enumerate(documents):
         if len(long_docs) >= n_sequences or i >= max_documents:
             break
-        ids = tokenizer(doc, add_special_tokens=True)["input_ids"]
+        ids = encode(tokenizer, doc, context_start)
         (long_docs if len(ids) >= seq_len else leftovers).append(ids[:seq_len] if len(ids) >= seq_len else ids)
     sequences = long_docs[:n_sequences]
     if len(sequences) < n_sequences:
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-        stream = [t for ids in leftovers for t in ids + [eos]]
-        while len(sequences) < n_sequences and len(stream) >= seq_len:
-            sequences.append(stream[:seq_len])
-            stream = stream[seq_len:]
+        stream = [t for ids in leftovers for t in ids[len(start):] + [eos]]
+        body = seq_len - len(start)
+        while len(sequences) < n_sequences and len(stream) >= body:
+            sequences.append(start + stream[:body])
+            stream = stream[body:]
     if len(sequences) < n_sequences:
         raise ValueError(f"calibration text yields only {len(sequences)} sequences of {seq_len} tokens, "
                          f"{n_sequences} requested: add text, or lower calib.n_sequences / calib.seq_len")

@@ -19,6 +19,7 @@ import torch
 
 from . import __version__
 from .calibrate import collect_moments, split_heldout
+from .context import describe as describe_context
 from .data import read_documents, stream_hf_documents, token_sequences
 from .io import atomic_save_tensors, atomic_write_json, load_tensors
 from .mapper import Mapper, load_mapper
@@ -71,6 +72,11 @@ class Run:
         self.rope_at_inference = ablation.get("rope_at_inference", True)
         self.k = ablation.get("k") if ablation.get("k") is not None else mapper["k"]
         self.lam = ablation.get("lam") if ablation.get("lam") is not None else mapper["lam"]
+
+    @property
+    def context_start(self) -> str:
+        """The run's position-0 convention (kvtransfer.context), shared by calibration and eval."""
+        return self.cfg["calib"].get("context_start", "tokenizer")
 
     # -- models -----------------------------------------------------------------------------------
     def model_ref(self, side: str) -> str:
@@ -141,7 +147,7 @@ class Run:
             else:
                 raise ValueError("set calib.files=[...] or calib.dataset=... to calibrate")
             self._memo["token_ids"] = token_sequences(docs, self.model("source")[1], calib["n_sequences"],
-                                                      calib["seq_len"])
+                                                      calib["seq_len"], context_start=self.context_start)
         return self._memo["token_ids"]
 
     def moments(self, key_space: str | None = None) -> tuple[Moments, Moments, dict]:
@@ -192,6 +198,8 @@ class Run:
                 "heldout_observations": result.heldout.n, "features": result.train.source_width,
                 "source_layers": len(result.train.source_layers), "key_space": key_space,
                 "data": calib.get("files") or f"{calib.get('dataset')}/{calib.get('dataset_name')}",
+                "domain": calib.get("domain") or _domain_name(calib),
+                **describe_context(self.model("source")[1], self.context_start),
                 "seconds": round(seconds, 2)}
         atomic_write_json(directory / "calibration.json", info)
         (directory / "checkpoint.safetensors").unlink(missing_ok=True)
@@ -278,6 +286,45 @@ class Run:
         mapper.calibration["fit_seconds"] = round(time.perf_counter() - started, 2)
         mapper.save(directory)
 
+    # -- fidelity on held-out text ------------------------------------------------------------------
+    def fidelity(self) -> dict:
+        """What the target does with the mapped cache on held-out calibration sequences.
+
+        Up to eval.fidelity.sequences held-out sequences: the first seq_len - continuation tokens
+        (continuation at most seq_len / 2) are the prefix (source prefill -> mapper, with eval.native_sink), the rest the continuation.
+        Returns {"per_layer": compare_caches(...), "per_position": position_diagnostics(...),
+        "sequences", "prefix", "continuation", "native_sink"}; cached next to the mapper.
+        """
+        from .cache import prefill
+        from .diagnostics import compare_caches, position_diagnostics
+        from .transfer import transfer
+
+        ecfg = self.cfg.get("eval", {})
+        fcfg = ecfg.get("fidelity") or {}
+        n_seq, cont = int(fcfg.get("sequences", 4)), int(fcfg.get("continuation", 32))
+        sink = int(ecfg.get("native_sink", 0))
+        path = self.mapper_dir() / f"fidelity_{artifact_key(n_seq, cont, sink, self.rope_at_inference)}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+        calib = self.cfg["calib"]
+        ids = self.token_ids()
+        _, held = split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))
+        rows = ids[held[:n_seq] or list(range(min(n_seq, ids.shape[0])))]
+        cont = min(cont, rows.shape[1] // 2)  # short calibration sequences: half prefix, half continuation
+        source, target = self.model("source")[0], self.model("target")[0]
+        prefix, continuation = rows[:, :-cont], rows[:, -cont:]
+        mapper = self.mapper().to(target.device)
+        src = prefill(source, prefix.to(source.device))
+        mapped = transfer(src, mapper, source, target, input_ids=prefix.to(source.device), native_sink=sink,
+                          rope_at_inference=self.rope_at_inference, as_layers=True)
+        native = prefill(target, prefix.to(target.device))
+        continuation = continuation.to(target.device)
+        result = {"sequences": int(rows.shape[0]), "prefix": int(prefix.shape[1]), "continuation": cont,
+                  "native_sink": sink, "per_layer": compare_caches(target, native, mapped, continuation),
+                  "per_position": position_diagnostics(target, native, mapped, continuation)}
+        atomic_write_json(path, result)
+        return result
+
     # -- variance explained vs k (Table 7) --------------------------------------------------------
     def variance_vs_k(self) -> list[dict]:
         """Mean R² (train, held-out; K and V) of top-k ridge fits for each k in report.variance_k."""
@@ -300,6 +347,13 @@ class Run:
                     row[f"{kind}_{split}"] = float(t.mean())
             rows.append(row)
         return rows
+
+
+def _domain_name(calib: dict) -> str:
+    """A short calibration-domain label: calib.dataset, else the calibration files' stems."""
+    if calib.get("files"):
+        return "+".join(Path(f).stem for f in calib["files"])
+    return str(calib.get("dataset"))
 
 
 def environment() -> dict:
@@ -364,6 +418,8 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
     if "eval" in stages:
         from .eval.stage import evaluate
 
+        if (cfg["eval"].get("fidelity") or {}).get("enabled", True):
+            summary["fidelity"] = run.fidelity()
         summary.update(evaluate(run))
     if "bench" in stages:
         from .bench_stage import benchmark

@@ -173,6 +173,12 @@ def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
     for p in (16, 48):
         assert ppl[p]["native_injected"] == pytest.approx(ppl[p]["target"], rel=1e-5)
         assert ppl[p]["transfer"] != pytest.approx(ppl[p]["target"], rel=1e-4)
+    fid = summary["fidelity"]
+    assert fid["continuation"] == 16 and fid["prefix"] == 16
+    assert set(fid["per_position"]) == {"pos0", "pos1-3", "rest", "all"}
+    for group in fid["per_position"].values():
+        assert 0 <= group["key_rel_err"] and -1 <= group["attn_cosine"] <= 1 and group["kl"] >= -1e-6
+    assert len(fid["per_layer"]["attn_cosine"]) == 3
     turns = {(r["series"], r["turn"]) for r in summary["drift"]}
     assert ("transfer (once)", 3) in turns and ("target (every_turn)", 1) in turns
     out = tmp_path / "eval"
@@ -223,3 +229,43 @@ def test_sweep_collection_writes_one_table(tmp_path):
 
     sweep = pd.read_csv(tmp_path / "sweep.csv")
     assert list(sweep["k"]) == [1, 4] and list(sweep["tiny_cloze_retention"]) == [0.5, 0.9]
+
+
+def test_k_sweep_and_sink_change_compute_baselines_once(tiny_pair_dirs, tmp_path, monkeypatch):
+    """A 3-value k sweep plus a native_sink change: target/source/native_injected/no_context are
+    computed once; only `transfer` is recomputed per mapper / sink (issue: sweeps pay once)."""
+    import kvtransfer.eval.stage as stage
+
+    computed: list[str] = []
+    target_forwards = []
+    real_evaluate = stage.evaluate
+    monkeypatch.setattr(stage, "evaluate", lambda run: real_evaluate(run, on_compute=computed.append))
+    base = ("stage=[eval]", "eval.limit=4", "eval.max_gen_toks=2", "eval.ppl.prefixes=[0,16]",
+            "eval.ppl.continuation=8", "eval.ppl.windows=2", "eval.coqa.enabled=false", "eval.bootstrap=20",
+            "eval.fidelity.enabled=false")
+    summaries = []
+    for i, extra in enumerate(("pair.k=1", "pair.k=2", "pair.k=all", "pair.k=2 eval.native_sink=1")):
+        cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, *base, *extra.split())
+        if i == 0:  # count the target's forward passes from the second run on
+            summaries.append(execute(cfg, tmp_path / f"s{i}"))
+            run = stage.KVTransferLM
+            orig = run.prefix_cache
+
+            def counting(self, prefixes, _orig=orig):
+                if self.mode in ("target", "native_injected", "no_context"):
+                    target_forwards.append(self.mode)
+                return _orig(self, prefixes)
+
+            monkeypatch.setattr(run, "prefix_cache", counting)
+            continue
+        summaries.append(execute(cfg, tmp_path / f"s{i}"))
+    modes = ["target", "source", "transfer", "native_injected", "no_context"]
+    assert computed == modes + ["transfer"] * 3, computed
+    assert target_forwards == []  # no baseline forward after the first run
+    for s in summaries[1:]:
+        for task, row in s["tasks"].items():
+            assert row["target"] == summaries[0]["tasks"][task]["target"]
+            assert row["no_context"] == summaries[0]["tasks"][task]["no_context"]
+    # the mapped mode really changed with k (else the sweep would prove nothing)
+    ppl = [{r["prefix"]: r["transfer"] for r in s["ppl"]}[16] for s in summaries]
+    assert len({round(p, 6) for p in ppl}) >= 3, ppl

@@ -8,6 +8,18 @@ Modes (what builds the cache of context[:-1], and which model scores):
     native_injected  as transfer, but the cache is the target's own prefill round-tripped through
                      cache I/O (a plumbing check: must equal `target`)
     identity         the source cache given to the target unmapped (needs equal cache shapes)
+    no_context       the floor: the target reads only the context's start ids (see below) and its
+                     last token, then the continuation -- what a mapped cache that carries nothing
+                     would give. A transfer below this floor destroys the context.
+
+`context_start` (kvtransfer.context) fixes what sits at position 0 of every context:
+"tokenizer" (what the tokenizer adds; stock HFLM) or "prefix_token" (always BOS, else EOS). A
+transfer-mode mapper must have been calibrated under the same convention (refused otherwise,
+unless `allow_context_start_mismatch`).
+
+`share_prefix=True` gives target and source modes the same grouping (one prefill of context[:-1]
+shared by all continuations of a context): equal to one pass up to float rounding, 2-3x cheaper on
+multiple-choice tasks. Off by default, so `target` equals stock lm-eval `hf` bit for bit.
 
 Tokenization is lm-eval's (`TemplateLM._encode_pair`: context + continuation encoded jointly and
 split on the context's length; empty context -> BOS/EOS). Inputs longer than `max_length` are
@@ -27,6 +39,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
                                   postprocess_generated_text, resolve_max_length)
 
+from ..context import check_mapper, check_policy, start_ids
 from ..cache import cache_to_layers, continuation_logprobs, forward_on_cache, layers_to_cache, prefill
 from ..mapper import MapperBase, load_mapper
 from ..models import check_same_tokenizer, kv_shape, load_model
@@ -34,7 +47,7 @@ from ..transfer import transfer
 
 log = logging.getLogger(__name__)
 
-MODES = ("target", "source", "transfer", "native_injected", "identity")
+MODES = ("target", "source", "transfer", "native_injected", "identity", "no_context")
 SPLIT_MODES = ("transfer", "native_injected", "identity")  # the cache is built apart from the scorer
 
 
@@ -68,7 +81,8 @@ class KVTransferLM(TemplateLM):
 
     def __init__(self, source: str | None = None, target: str | None = None, mapper=None, mode: str = "transfer",
                  *, source_model=None, target_model=None, tokenizer=None, native_sink: int = 0,
-                 rope_at_inference: bool = True,
+                 rope_at_inference: bool = True, context_start: str = "tokenizer",
+                 allow_context_start_mismatch: bool = False, share_prefix: bool = False,
                  batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  device: str | None = None, dtype="auto", add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, trust_remote_code: bool = False, **unused) -> None:
@@ -112,16 +126,22 @@ class KVTransferLM(TemplateLM):
             self.mapper = mapper if isinstance(mapper, MapperBase) else load_mapper(mapper, source_model, target_model)
             self.mapper.check_pair(source_model, target_model)
             self.mapper.to(self.target_model.device)
+        self.context_start = check_policy(context_start)
+        self.allow_context_start_mismatch = str(allow_context_start_mismatch).lower() in ("true", "1", "yes")
+        if self.mapper is not None:
+            check_mapper(self.mapper.calibration, self.context_start, strict=not self.allow_context_start_mismatch)
         if mode == "identity" and kv_shape(source_model) != kv_shape(target_model):
             raise ValueError(f"mode=identity needs equal cache shapes, but source is {kv_shape(source_model)} and "
                              f"target is {kv_shape(target_model)}; use mode=transfer with a fitted mapper")
         self.native_sink = int(native_sink)
+        self.share_prefix = str(share_prefix).lower() in ("true", "1", "yes")
         self.rope_at_inference = str(rope_at_inference).lower() not in ("false", "0", "no")
         self.batch_size_per_gpu = int(batch_size)
         self._max_length = int(max_length) if max_length else None
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self.batch_sizes = {}
+        self._start_ids = start_ids(self.tokenizer, self.context_start)
         self._device = self.scoring_model.device
 
     # ------------------------------------------------------------------ properties
@@ -141,6 +161,12 @@ class KVTransferLM(TemplateLM):
             setattr(other, k, v)
         if other.mode == "transfer":
             other.mapper.check_pair(other.source_model, other.target_model)
+        if "context_start" in changes or "mapper" in changes:
+            other.context_start = check_policy(other.context_start)
+            other._start_ids = start_ids(other.tokenizer, other.context_start)
+            if other.mapper is not None:
+                check_mapper(other.mapper.calibration, other.context_start,
+                             strict=not other.allow_context_start_mismatch)
         other._device = other.scoring_model.device
         return other
 
@@ -202,7 +228,7 @@ class KVTransferLM(TemplateLM):
         """Run metadata for lm-eval's results: mode, model ids, mapper pair and k."""
         ident = lambda m: None if m is None else str(getattr(m, "name_or_path", ""))  # noqa: E731
         info = {"kvtransfer_mode": self.mode, "source": ident(self.source_model), "target": ident(self.target_model),
-                "native_sink": self.native_sink, "max_length": self.max_length}
+                "native_sink": self.native_sink, "max_length": self.max_length, "context_start": self.context_start}
         if self.mapper is not None:
             info["mapper"] = {"k": self.mapper.k, "key_space": self.mapper.key_space, "lambda": self.mapper.lam,
                               "source": self.mapper.source.get("model_id"), "target": self.mapper.target.get("model_id")}
@@ -211,7 +237,16 @@ class KVTransferLM(TemplateLM):
     # ------------------------------------------------------------------ tokenization
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None,
                    **kwargs) -> list[int]:
-        """Token ids of `string`, HFLM's rules (no second BOS when the string starts with one)."""
+        """Token ids of `string`, HFLM's rules (no second BOS when the string starts with one).
+
+        Under context_start="prefix_token" a context (add_special_tokens not False) always starts
+        with the prefix token, whatever the tokenizer adds itself.
+        """
+        if self.context_start == "prefix_token" and add_special_tokens is not False:
+            ids = self.tokenizer.encode(string, add_special_tokens=False)
+            if ids[:len(self._start_ids)] != self._start_ids:
+                ids = self._start_ids + ids
+            return ids[-left_truncate_len:] if left_truncate_len else ids
         kw = {}
         if add_special_tokens is not None:
             kw["add_special_tokens"] = add_special_tokens
@@ -268,9 +303,21 @@ class KVTransferLM(TemplateLM):
                              "raise max_length (model_args max_length=...) or shorten the continuation")
         full = (context + continuation)[-(self.max_length + 1):]
         ctx = full[:len(full) - len(continuation)]
-        if self.mode in SPLIT_MODES:
+        if self.mode == "no_context":
+            return [], (self._floor_context(ctx) + continuation)[:-1]
+        if self._cached_prefix():
             return ctx[:-1], ctx[-1:] + continuation[:-1]
         return [], full[:-1]
+
+    def _cached_prefix(self) -> bool:
+        """Whether context[:-1] goes through a prefix cache: split modes always; target/source with
+        share_prefix (one prefill per shared context; equal to one pass up to float rounding)."""
+        return self.mode in SPLIT_MODES or (self.share_prefix and self.mode in ("target", "source"))
+
+    def _floor_context(self, ctx: list[int]) -> list[int]:
+        """no_context mode: the start ids and the last context token (the context itself if shorter)."""
+        body = ctx[len(self._start_ids):] if ctx[:len(self._start_ids)] == self._start_ids else ctx
+        return self._start_ids + body[-1:] if body else list(ctx)
 
     # ------------------------------------------------------------------ scoring
     @torch.no_grad()
@@ -356,7 +403,7 @@ class KVTransferLM(TemplateLM):
         """Greedy continuation token ids of each context (stops at EOS, a stop string or max_gen_toks)."""
         out: list[list[int] | None] = [None] * len(contexts)
         order = sorted(range(len(contexts)), key=lambda i: (-len(contexts[i]), i))
-        split = self.mode in SPLIT_MODES
+        split = self._cached_prefix()
         parts = ([i for i in order if len(contexts[i]) > 1], [i for i in order if len(contexts[i]) <= 1]) if split \
             else (order,)
         for part in parts:
@@ -376,11 +423,13 @@ class KVTransferLM(TemplateLM):
 
     def _generate_batch(self, ctxs: list[list[int]], until: list[str], max_gen_toks: int) -> list[list[int]]:
         model = self.scoring_model
-        if self.mode in SPLIT_MODES:
+        if self._cached_prefix():
             layers, pmask = self.prefix_cache([c[:-1] for c in ctxs])
             ids, mask = _pad([c[-1:] for c in ctxs], self.pad_token_id, "left", model.device)
         else:
             layers, pmask = None, None
+            if self.mode == "no_context":
+                ctxs = [self._floor_context(c) for c in ctxs]
             ids, mask = _pad(ctxs, self.pad_token_id, "left", model.device)
         return greedy_decode(model, layers, pmask, ids, mask, max_gen_toks=max_gen_toks,
                              eos_ids=self._eos_ids(), is_done=lambda toks: _hit_stop(self.tokenizer, toks, until))

@@ -2,9 +2,10 @@
 
 lm-eval's `loglikelihood_rolling` gives every window a 1-token context, so through a transferred
 cache it silently measures native perplexity. Here each window of `max_prefix + cont_len` tokens
-is drawn once; for every prefix length P the context is [BOS] + the P tokens just before the
-continuation, and the scored text is always the same last `cont_len` tokens. In split modes the
-source prefills [BOS] + prefix[:-1] (mapped), the target runs the last prefix token and the
+is drawn once; for every prefix length P the context is the run's start ids (kvtransfer.context:
+what sits at position 0) + the P tokens just before the continuation ([BOS/EOS] when that is
+empty), and the scored text is always the same last `cont_len` tokens. In split modes the
+source prefills start + prefix[:-1] (mapped), the target runs the last prefix token and the
 continuation; at P = 0 nothing is transferred, so every split mode equals `target` there.
 """
 from __future__ import annotations
@@ -48,11 +49,17 @@ def draw_windows(tokenizer, pages: list[str], *, max_prefix: int, cont_len: int 
     return out
 
 
-def prefix_pairs(windows: list[list[int]], prefix_len: int, max_prefix: int, bos_id: int):
-    """(context, continuation) per window: context = [bos] + the prefix_len tokens before max_prefix."""
+def prefix_pairs(windows: list[list[int]], prefix_len: int, max_prefix: int, bos_id: int,
+                 start: list[int] | None = None):
+    """(context, continuation) per window: context = start + the prefix_len tokens before max_prefix.
+
+    `start`: the run's position-0 ids (kvtransfer.context.start_ids; default [bos_id]). A context
+    that would be empty (P = 0 and no start ids) is [bos_id], lm-eval's empty-context rule.
+    """
     if not 0 <= prefix_len <= max_prefix:
         raise ValueError(f"prefix length {prefix_len} must be in 0..{max_prefix}")
-    return [([bos_id] + w[max_prefix - prefix_len:max_prefix], w[max_prefix:]) for w in windows]
+    start = [bos_id] if start is None else list(start)
+    return [((start + w[max_prefix - prefix_len:max_prefix]) or [bos_id], w[max_prefix:]) for w in windows]
 
 
 def prefix_conditioned_ppl(lm, windows: list[list[int]], prefix_lengths: list[int], *,
@@ -68,7 +75,7 @@ def prefix_conditioned_ppl(lm, windows: list[list[int]], prefix_lengths: list[in
                          "lower max_prefix/cont_len or raise max_length")
     out = {}
     for p in prefix_lengths:
-        pairs = prefix_pairs(windows, p, max_prefix, lm.prefix_token_id)
+        pairs = prefix_pairs(windows, p, max_prefix, lm.prefix_token_id, getattr(lm, "_start_ids", None))
         scored = lm.score_tokens(pairs)
         total = sum(float(lp.sum()) for lp, _ in scored)
         n = sum(len(c) for _, c in pairs)

@@ -5,6 +5,8 @@ For one task with per-item scores of each mode (0/1 accuracy or exact match, or 
     floor_normalized = (transfer - chance) / (target - chance)    chance: 25 % ARC-C/HellaSwag/MMLU,
                                                                    50 % WinoGrande, 0 % GSM8K
     gap_closed       = (transfer - source) / (target - source)
+    context_gap_closed = (transfer - no_context) / (target - no_context)   (when the floor mode ran;
+                       below_no_context flags a transfer below that floor by more than one paired SE)
 Standard errors are seeded paired bootstraps over items; McNemar compares transfer and target
 per-item correctness (exact binomial when the discordant count is < 25, else chi² with continuity).
 """
@@ -16,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 CHANCE = {"arc_challenge": 0.25, "hellaswag": 0.25, "mmlu": 0.25, "winogrande": 0.5, "gsm8k": 0.0, "gsm8k_cot": 0.0}
-MODES = ("target", "transfer", "source", "native_injected")
+MODES = ("target", "transfer", "source", "native_injected", "no_context")
 
 
 def per_item_scores(results: dict, task: str, metric: str) -> list[float]:
@@ -78,8 +80,10 @@ def task_summary(scores: dict[str, Sequence[float]], *, chance: float = 0.0, met
     def stats(means: dict) -> dict:
         t, x = means["target"], means["transfer"]
         s = means.get("source")
+        f = means.get("no_context")
         return {"retention": _ratio(x, t), "floor_normalized": _ratio(x - chance, t - chance),
-                "gap_closed": None if s is None else _ratio(x - s, t - s)}
+                "gap_closed": None if s is None else _ratio(x - s, t - s),
+                "context_gap_closed": None if f is None else _ratio(x - f, t - f)}
 
     point = {m: v.mean() for m, v in arrays.items()}
     row = {"metric": metric, "n": n, "chance": chance}
@@ -90,6 +94,10 @@ def task_summary(scores: dict[str, Sequence[float]], *, chance: float = 0.0, met
         row[f"stderr_{m}"] = float(boot[m].std(ddof=1)) if m in boot else None
     for key, value in stats(boot).items():
         row[f"stderr_{key}"] = None if value is None else float(np.nanstd(value, ddof=1))
+    # a transfer below the no-context floor by more than its paired SE destroys the context
+    if "no_context" in arrays:
+        diff = boot["transfer"] - boot["no_context"]
+        row["below_no_context"] = bool(point["transfer"] < point["no_context"] - float(diff.std(ddof=1)))
     binary = all(set(np.unique(arrays[m])) <= {0.0, 1.0} for m in ("target", "transfer"))
     row["mcnemar_p"] = mcnemar_p(arrays["target"], arrays["transfer"]) if binary else None
     return row

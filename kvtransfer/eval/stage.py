@@ -1,7 +1,10 @@
 """The eval stage of a run: benchmarks, prefix-conditioned PPL and multi-turn drift per mode.
 
-Results are cached per mode under cache_dir/eval/<key>/ (key = mapper + eval config), so an
-interrupted evaluation resumes at the next mode and a rerun with the same config costs nothing.
+Results are cached per mode, so an interrupted evaluation resumes at the next mode and a rerun
+with the same config costs nothing. Modes that never read a mapped cache (target, source,
+native_injected, no_context) are keyed by the models + the eval settings they depend on
+(cache_dir/eval/baseline/<key>/), so a k or lambda sweep, a native_sink change or an ablation
+computes them once; `transfer` is keyed by the mapper + eval config (cache_dir/eval/<key>/).
 """
 from __future__ import annotations
 
@@ -98,25 +101,49 @@ def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
     return out
 
 
-def evaluate(run) -> dict:
-    """{"tasks": {task: row}, "ppl": [rows], "drift": [rows]} for a pipeline `Run` (see module doc)."""
+BASELINE_MODES = ("target", "source", "native_injected", "no_context")
+# eval keys that only change how a mapped cache is built or checked: baselines ignore them
+MAPPED_ONLY_KEYS = ("native_sink", "allow_context_start_mismatch", "modes")
+
+
+def result_dirs(run) -> dict[str, Path]:
+    """{"baseline": dir, "mapped": dir}: where per-mode results of this run's config live."""
+    ecfg = run.cfg["eval"]
+    base_cfg = {k: v for k, v in ecfg.items() if k not in MAPPED_ONLY_KEYS}
+    baseline = artifact_key(run.pair_identity(), base_cfg, run.context_start, run.cfg.get("seed", 0))
+    mapped = artifact_key(run.mapper_dir().name, {k: v for k, v in ecfg.items() if k != "modes"},
+                          run.rope_at_inference, run.context_start, run.cfg.get("seed", 0))
+    return {"baseline": run.cache_dir / "eval" / "baseline" / baseline, "mapped": run.cache_dir / "eval" / mapped}
+
+
+def evaluate(run, on_compute=None) -> dict:
+    """{"tasks": {task: row}, "ppl": [rows], "drift": [rows]} for a pipeline `Run` (see module doc).
+
+    on_compute(mode): called before a mode is computed (not when its cached result is reused).
+    """
     ecfg = run.cfg["eval"]
     seed = run.cfg.get("seed", 0)
-    directory = run.cache_dir / "eval" / artifact_key(run.mapper_dir().name, ecfg, run.rope_at_inference)
-    directory.mkdir(parents=True, exist_ok=True)
+    dirs = result_dirs(run)
+    modes = list(ecfg["modes"])
     source, tokenizer = run.model("source")
     target, _ = run.model("target")
-    lm = KVTransferLM(source_model=source, target_model=target, tokenizer=tokenizer, mapper=run.mapper(),
-                      mode="transfer", batch_size=ecfg["batch_size"], native_sink=ecfg.get("native_sink", 0),
-                      rope_at_inference=run.rope_at_inference)
-    modes = list(ecfg["modes"])
     if "identity" in modes and kv_shape(source) != kv_shape(target):
         warnings.warn("eval mode 'identity' skipped: source and target caches differ in shape", stacklevel=2)
         modes.remove("identity")
+    mapper = run.mapper() if any(m not in BASELINE_MODES for m in modes) else None
+    lm = KVTransferLM(source_model=source, target_model=target, tokenizer=tokenizer, mapper=mapper,
+                      mode="transfer" if mapper is not None else "target", batch_size=ecfg["batch_size"],
+                      native_sink=ecfg.get("native_sink", 0), rope_at_inference=run.rope_at_inference,
+                      context_start=run.context_start, share_prefix=ecfg.get("share_prefix", False),
+                      allow_context_start_mismatch=ecfg.get("allow_context_start_mismatch", False))
     per_mode = {}
     for mode in modes:
+        directory = dirs["baseline" if mode in BASELINE_MODES else "mapped"]
+        directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{mode}.json"
         if not path.exists():
+            if on_compute is not None:
+                on_compute(mode)
             result = {"tasks": _benchmarks(lm, mode, ecfg, seed) if ecfg["tasks"] else {}}
             if ecfg["ppl"].get("enabled"):
                 result["ppl"] = _ppl(lm, mode, ecfg, seed)
@@ -150,6 +177,7 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
         prefixes = sorted({int(p) for r in per_mode.values() for p in r.get("ppl", {})})
         out["ppl"] = [{"prefix": p, **{m: r["ppl"][str(p)] for m, r in per_mode.items() if "ppl" in r}}
                       for p in prefixes]
+    out["warnings"] = floor_warnings(out)
     if "coqa" in per_mode.get("target", {}) and "coqa" in per_mode.get("transfer", {}):
         rows = []
         for protocol, mapped in per_mode["transfer"]["coqa"].items():
@@ -160,3 +188,20 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
                              "f1": r["transfer_f1"], "n": r["n"], "gap": r["gap"]})
         out["drift"] = rows
     return out
+
+
+def floor_warnings(summary: dict) -> list[str]:
+    """Loud lines for every place a transfer is worse than giving the target no context at all."""
+    lines = []
+    for task, row in summary.get("tasks", {}).items():
+        if row.get("below_no_context"):
+            lines.append(f"TRANSFER BELOW NO-CONTEXT FLOOR on {task}: transfer {row['transfer']:.3f} < no_context "
+                         f"{row['no_context']:.3f} (the mapped cache destroys the context)")
+    for row in summary.get("ppl", []):
+        floor = row.get("no_context")
+        if row["prefix"] > 0 and floor is not None and row.get("transfer") is not None and row["transfer"] > floor:
+            lines.append(f"TRANSFER BELOW NO-CONTEXT FLOOR on perplexity at P={row['prefix']}: transfer "
+                         f"{row['transfer']:.2f} > no_context {floor:.2f} (the mapped prefix hurts)")
+    for line in lines:
+        warnings.warn(line, stacklevel=2)
+    return lines

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -103,23 +104,26 @@ def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
 
 BASELINE_MODES = ("target", "source", "native_injected", "no_context")
 # eval keys that only change how a mapped cache is built or checked: baselines ignore them
-MAPPED_ONLY_KEYS = ("native_sink", "allow_context_start_mismatch", "modes")
+MAPPED_ONLY_KEYS = ("native_sink", "allow_context_start_mismatch")
+# keys that select what is computed, not how: results are cached per (mode, task | ppl | coqa)
+SELECTION_KEYS = ("modes", "tasks", "fidelity")
 
 
 def result_dirs(run) -> dict[str, Path]:
     """{"baseline": dir, "mapped": dir}: where per-mode results of this run's config live."""
-    ecfg = run.cfg["eval"]
+    ecfg = {k: v for k, v in run.cfg["eval"].items() if k not in SELECTION_KEYS}
     base_cfg = {k: v for k, v in ecfg.items() if k not in MAPPED_ONLY_KEYS}
     baseline = artifact_key(run.pair_identity(), base_cfg, run.context_start, run.cfg.get("seed", 0))
-    mapped = artifact_key(run.mapper_dir().name, {k: v for k, v in ecfg.items() if k != "modes"},
-                          run.rope_at_inference, run.context_start, run.cfg.get("seed", 0))
+    mapped = artifact_key(run.mapper_dir().name, ecfg, run.rope_at_inference, run.context_start,
+                          run.cfg.get("seed", 0))
     return {"baseline": run.cache_dir / "eval" / "baseline" / baseline, "mapped": run.cache_dir / "eval" / mapped}
 
 
 def evaluate(run, on_compute=None) -> dict:
     """{"tasks": {task: row}, "ppl": [rows], "drift": [rows]} for a pipeline `Run` (see module doc).
 
-    on_compute(mode): called before a mode is computed (not when its cached result is reused).
+    Each (mode, task), (mode, ppl) and (mode, coqa) result is its own cached file, so adding a task
+    computes only that task. on_compute(mode): called once per mode that computes anything.
     """
     ecfg = run.cfg["eval"]
     seed = run.cfg.get("seed", 0)
@@ -140,18 +144,33 @@ def evaluate(run, on_compute=None) -> dict:
     for mode in modes:
         directory = dirs["baseline" if mode in BASELINE_MODES else "mapped"]
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{mode}.json"
-        if not path.exists():
-            if on_compute is not None:
-                on_compute(mode)
-            result = {"tasks": _benchmarks(lm, mode, ecfg, seed) if ecfg["tasks"] else {}}
-            if ecfg["ppl"].get("enabled"):
-                result["ppl"] = _ppl(lm, mode, ecfg, seed)
-            if ecfg["coqa"].get("enabled") and mode in ("target", "transfer"):
-                result["coqa"] = _coqa(lm, mode, ecfg)
-            atomic_write_json(path, result)
-        per_mode[mode] = json.loads(path.read_text())
-    return summarise(per_mode, ecfg, seed)
+        parts = {f"task.{t}": (lambda t=t: _benchmarks(lm, mode, dict(ecfg, tasks=[t]), seed)[t])
+                 for t in ecfg["tasks"]}
+        if ecfg["ppl"].get("enabled"):
+            parts["ppl"] = lambda: _ppl(lm, mode, ecfg, seed)
+        if ecfg["coqa"].get("enabled") and mode in ("target", "transfer"):
+            parts["coqa"] = lambda: _coqa(lm, mode, ecfg)
+        result: dict = {"tasks": {}}
+        announced = False
+        for name, compute in parts.items():
+            path = directory / f"{mode}.{name}.json"
+            if not path.exists():
+                if on_compute is not None and not announced:
+                    on_compute(mode)
+                announced = True
+                started = time.perf_counter()
+                value = compute()
+                atomic_write_json(path, {"value": value, "seconds": round(time.perf_counter() - started, 2)})
+            record = json.loads(path.read_text())
+            if name.startswith("task."):
+                result["tasks"][name[5:]] = record["value"]
+            else:
+                result[name] = record["value"]
+            result.setdefault("seconds", {})[name] = record.get("seconds")
+        per_mode[mode] = result
+    out = summarise(per_mode, ecfg, seed)
+    out["eval_seconds"] = {mode: r.get("seconds", {}) for mode, r in per_mode.items()}
+    return out
 
 
 def _finite(row: dict) -> dict:

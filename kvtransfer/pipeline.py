@@ -401,9 +401,11 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
     if "calibrate" in stages or "report" in stages:
         _, _, info = run.moments()
         summary["calibration"] = info
-        if "report" in stages and cfg.get("report", {}).get("rotated_heatmap"):
-            other = "rotated" if run.key_space == "stripped" else "stripped"
-            r2_figure = {f"{run.key_space} keys": run.r2()["train"], f"{other} keys": run.r2(other)["train"]}
+        if "report" in stages:
+            r2_figure = {f"{run.key_space} keys": run.r2()["train"]}
+            if cfg.get("report", {}).get("rotated_heatmap"):
+                other = "rotated" if run.key_space == "stripped" else "stripped"
+                r2_figure[f"{other} keys"] = run.r2(other)["train"]
     if any(s in stages for s in ("fit", "eval", "report")):
         mapper = run.mapper()
         summary["mapper"] = {"kind": mapper.kind, "k": mapper.k, "lambda": mapper.lam,

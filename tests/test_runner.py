@@ -184,6 +184,8 @@ def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
     out = tmp_path / "eval"
     assert (out / "tables" / "retention.md").exists() and (out / "tables" / "ppl.csv").exists()
     assert (out / "figures" / "retention.png").exists() and (out / "figures" / "drift.png").exists()
+    assert (out / "figures" / "fidelity.png").exists() and (out / "tables" / "fidelity_positions.md").exists()
+    assert "no_context" in (out / "tables" / "tasks.csv").read_text().splitlines()[0]
     # cached per mode: a rerun with the same config evaluates nothing
     import kvtransfer.eval.stage as stage
 

@@ -144,7 +144,9 @@ def evaluate(run, on_compute=None) -> dict:
     for mode in modes:
         directory = dirs["baseline" if mode in BASELINE_MODES else "mapped"]
         directory.mkdir(parents=True, exist_ok=True)
-        parts = {f"task.{t}": (lambda t=t: _benchmarks(lm, mode, dict(ecfg, tasks=[t]), seed)[t])
+        limits = ecfg.get("limits") or {}
+        parts = {f"task.{t}": (lambda t=t: _benchmarks(lm, mode, dict(ecfg, tasks=[t], limit=limits.get(t, ecfg.get("limit"))),
+                                                       seed)[t])
                  for t in ecfg["tasks"]}
         if ecfg["ppl"].get("enabled"):
             parts["ppl"] = lambda: _ppl(lm, mode, ecfg, seed)

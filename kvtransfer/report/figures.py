@@ -29,7 +29,7 @@ def retention_bars(summary: dict, path: Path) -> Path | None:
     if not tasks:
         return None
     names = list(tasks)
-    modes = [m for m in ("target", "transfer", "source") if any(tasks[t].get(m) is not None for t in names)]
+    modes = [m for m in ("target", "transfer", "source", "no_context") if any(tasks[t].get(m) is not None for t in names)]
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(names), 3.6))
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
@@ -111,5 +111,23 @@ def drift_per_turn(rows: list[dict], path: Path) -> Path | None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
     ax.set_xlabel("turn")
     ax.set_ylabel("F1")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def fidelity_per_layer(fidelity: dict, path: Path) -> Path | None:
+    """Per target layer: attention-output cosine (mapped vs native cache) and K/V R², with KL in the title."""
+    per = fidelity.get("per_layer") or {}
+    if not per.get("attn_cosine"):
+        return None
+    layers = range(len(per["attn_cosine"]))
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    ax.plot(layers, per["attn_cosine"], marker="o", label="attention-output cosine")
+    ax.plot(layers, per["key_r2"], marker=".", label="key R² (content space)")
+    ax.plot(layers, per["value_r2"], marker=".", label="value R²")
+    ax.set_xlabel("target layer")
+    ax.set_ylim(min(0.0, min(per["key_r2"] + per["value_r2"])), 1.02)
+    ax.set_title(f"mapped vs native cache (native sink {fidelity.get('native_sink', 0)}): "
+                 f"KL {per['kl']:.3f} nats/token, top-1 {100 * per['top1_agreement']:.0f}%", fontsize=9)
     ax.legend(fontsize=8)
     return _save(fig, path)

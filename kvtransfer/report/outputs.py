@@ -20,7 +20,8 @@ def write_outputs(cfg: dict, summary: dict, out_dir: Path, r2_matrices: dict | N
               "variance_explained": tables.variance_table(summary),
               "speed": tables.speed_table(summary),
               "ppl": tables.ppl_table(summary),
-              "drift": tables.drift_table(summary)}
+              "drift": tables.drift_table(summary),
+              "fidelity_positions": tables.fidelity_table(summary)}
     for name, df in frames.items():
         if df is not None and len(df):
             for path in tables.write_table(df, tdir, name):
@@ -31,6 +32,7 @@ def write_outputs(cfg: dict, summary: dict, out_dir: Path, r2_matrices: dict | N
         "r2_vs_k": figures.r2_vs_k(summary.get("variance_explained", []), fdir / "r2_vs_k.png"),
         "speedup": figures.speedup_vs_tokens(summary.get("speed", []), fdir / "speedup.png", summary["pair"]),
         "drift": figures.drift_per_turn(summary.get("drift", []), fdir / "drift.png"),
+        "fidelity": figures.fidelity_per_layer(summary.get("fidelity") or {}, fdir / "fidelity.png"),
     }
     written_figures = {name: path for name, path in made.items() if path is not None}
     wandb_dir = log_run(cfg, summary, out_dir, written_tables, written_figures)

@@ -60,8 +60,9 @@ def task_table(summary: dict) -> pd.DataFrame:
     for task in _ordered_tasks(summary.get("tasks", {})):
         r = summary["tasks"][task]
         rows.append({"task": task_label(task), **{k: r.get(k) for k in (
-            "metric", "target", "transfer", "source", "native_injected", "retention", "floor_normalized",
-            "gap_closed", "n", "transfer_stderr", "mcnemar_p")}})
+            "metric", "target", "transfer", "source", "native_injected", "no_context", "retention",
+            "floor_normalized", "gap_closed", "context_gap_closed", "below_no_context", "n", "transfer_stderr",
+            "mcnemar_p")}})
     return pd.DataFrame(rows)
 
 
@@ -97,3 +98,12 @@ def ppl_table(summary: dict) -> pd.DataFrame:
 def drift_table(summary: dict) -> pd.DataFrame:
     """Multi-turn F1 per turn and protocol."""
     return pd.DataFrame(summary.get("drift", []))
+
+
+def fidelity_table(summary: dict) -> pd.DataFrame:
+    """Per prefix-position group (pos0 = the sink, pos1-3, rest, all): mapped K/V relative error and the
+    damage of swapping only that group into the native cache (attention-output cosine, next-token KL)."""
+    fid = summary.get("fidelity") or {}
+    rows = [{"positions": name, **{k: v for k, v in r.items() if k != "positions"}}
+            for name, r in (fid.get("per_position") or {}).items()]
+    return pd.DataFrame(rows)

@@ -1,0 +1,154 @@
+"""Collect the qwen25coder runs (experiments/qwen25coder/run.sh) into results/qwen25coder/.
+
+    python experiments/qwen25coder/collect.py [--runs results/qwen25coder/runs] [--out results/qwen25coder]
+
+Writes summary.json (the main configuration's summary), tables/*.csv|md and figures/*.png. Every
+number comes from a run's summary.json; the tables are derived, so rerunning this replaces them
+(atomically). Runs that have not finished yet are listed as missing, never invented.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+
+from kvtransfer.io import atomic_write_bytes, atomic_write_json
+
+MAIN = "main"  # the run whose summary is results/qwen25coder/summary.json (falls back to wiki_k8_sink1)
+MC = ("hellaswag", "arc_challenge", "winogrande", "mmlu", "gsm8k_cot")
+
+
+def _write(df: pd.DataFrame, directory: Path, name: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(directory / f"{name}.csv", df.to_csv(index=False).encode())
+    atomic_write_bytes(directory / f"{name}.md", (df.to_markdown(index=False, floatfmt=".4g") + "\n").encode())
+
+
+def _fmt(x, se=None, pct=False):
+    if x is None:
+        return None
+    scale = 100 if pct else 1
+    return f"{scale * x:.1f}" + (f" ± {scale * se:.1f}" if se is not None else "") if pct else \
+        f"{x:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+
+
+def variant_row(name: str, s: dict) -> dict:
+    """One row per run: calibration, map, sink, R², per-task scores, PPL, fidelity at the sink."""
+    cal, mapper = s.get("calibration", {}), s.get("mapper", {})
+    cfg = s.get("_config", {})
+    row = {"run": name, "calibration": cal.get("domain"), "context_start": cal.get("context_start"),
+           "k": mapper.get("k"), "mapper": mapper.get("kind"), "ablation": (s.get("ablation") or {}).get("name", "full"),
+           "native_sink": cfg.get("eval", {}).get("native_sink"),
+           "K R² held-out": s.get("r2", {}).get("k", {}).get("heldout"),
+           "V R² held-out": s.get("r2", {}).get("v", {}).get("heldout")}
+    for task in MC:
+        r = (s.get("tasks") or {}).get(task)
+        if r:
+            row[f"{task} transfer"] = _fmt(r.get("transfer"), r.get("stderr_transfer"))
+            row[f"{task} gap closed %"] = _fmt(r.get("gap_closed"), r.get("stderr_gap_closed"), pct=True)
+            row[f"{task} vs floor %"] = _fmt(r.get("context_gap_closed"), r.get("stderr_context_gap_closed"), pct=True)
+    for r in s.get("ppl", []):
+        if r["prefix"] > 0:
+            row[f"ppl@{r['prefix']} transfer"] = r.get("transfer")
+            t, f = r.get("target"), r.get("no_context")
+            if None not in (t, f, r.get("transfer")) and f != t:
+                row[f"ppl@{r['prefix']} gap closed %"] = round(100 * (f - r["transfer"]) / (f - t), 1)
+    pos = (s.get("fidelity") or {}).get("per_position", {})
+    for group in ("pos0", "all"):
+        if group in pos:
+            row[f"attn cos ({group} mapped)"] = pos[group]["attn_cosine"]
+            row[f"KL ({group} mapped)"] = pos[group]["kl"]
+    row["warnings"] = len(s.get("warnings", []))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", default="results/qwen25coder/runs")
+    ap.add_argument("--out", default="results/qwen25coder")
+    args = ap.parse_args()
+    runs_dir, out = Path(args.runs), Path(args.out)
+    summaries = {}
+    for d in sorted(p for p in runs_dir.iterdir() if p.is_dir()):
+        if (d / "summary.json").exists():
+            s = json.loads((d / "summary.json").read_text())
+            s["_config"] = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+            summaries[d.name] = s
+        else:
+            print(f"missing (not finished): {d.name}")
+    tdir, fdir = out / "tables", out / "figures"
+    main_name = MAIN if MAIN in summaries else "wiki_k8_sink1"
+    if main_name in summaries:
+        atomic_write_json(out / "summary.json", {k: v for k, v in summaries[main_name].items() if k != "_config"})
+        s = summaries[main_name]
+        rows = []
+        for task, r in (s.get("tasks") or {}).items():
+            rows.append({"task": task, "metric": r.get("metric"), "n": r.get("n"),
+                         **{m: _fmt(r.get(m), r.get(f"stderr_{m}")) for m in
+                            ("target", "source", "transfer", "native_injected", "no_context")},
+                         "retention %": _fmt(r.get("retention"), r.get("stderr_retention"), pct=True),
+                         "floor-normalised %": _fmt(r.get("floor_normalized"), r.get("stderr_floor_normalized"), pct=True),
+                         "gap closed %": _fmt(r.get("gap_closed"), r.get("stderr_gap_closed"), pct=True),
+                         "McNemar p (transfer vs target)": r.get("mcnemar_p")})
+        _write(pd.DataFrame(rows), tdir, "main_tasks")
+        _write(pd.DataFrame(s.get("ppl", [])), tdir, "main_ppl")
+        _write(pd.DataFrame([{"positions": g, **{k: v for k, v in r.items() if k != "positions"}}
+                             for g, r in (s.get("fidelity") or {}).get("per_position", {}).items()]),
+               tdir, "main_fidelity_positions")
+        cost = []
+        for mode, parts in (s.get("eval_seconds") or {}).items():
+            for part, sec in parts.items():
+                task = part[5:] if part.startswith("task.") else part
+                n = ((s.get("tasks") or {}).get(task) or {}).get("n")
+                cost.append({"mode": mode, "part": task, "seconds": sec, "items": n,
+                             "s/item": None if not n or sec is None else sec / n})
+        _write(pd.DataFrame(cost), tdir, "eval_cost")
+    _write(pd.DataFrame([variant_row(n, s) for n, s in summaries.items() if s.get("tasks") or s.get("ppl")]),
+           tdir, "variants")
+    for name, s in summaries.items():
+        if s.get("variance_explained"):
+            _write(pd.DataFrame(s["variance_explained"]), tdir, f"table7_{s['calibration'].get('domain', name)}")
+            for fig in ("r2_heatmap.png", "r2_vs_k.png"):
+                src = runs_dir / name / "figures" / fig
+                if src.exists():
+                    fdir.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(src, fdir / f"{Path(fig).stem}_{s['calibration'].get('domain', name)}.png")
+        if s.get("speed"):
+            _write(pd.DataFrame(s["speed"]), tdir, "speed")
+    curve = [{"run": n, "prefix": r["prefix"], **{m: r.get(m) for m in
+                                                  ("target", "source", "transfer", "native_injected", "no_context")}}
+             for n, s in summaries.items() for r in s.get("ppl", [])]
+    if curve:
+        _write(pd.DataFrame(curve), tdir, "ppl_curves")
+        _ppl_figure(curve, fdir / "ppl_vs_prefix.png")
+    print(f"wrote {out} from {len(summaries)} runs: {', '.join(summaries)}")
+
+
+def _ppl_figure(curve: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    df = pd.DataFrame(curve)
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    base = df[df.run == df.run.iloc[0]]
+    for mode, style in (("target", "k-"), ("no_context", "k:"), ("source", "k--")):
+        if base[mode].notna().any():
+            ax.plot(base.prefix, base[mode], style, label=mode)
+    for run, g in df.groupby("run"):
+        ax.plot(g.prefix, g.transfer, marker="o", label=f"transfer: {run}")
+    ax.set_yscale("log")
+    ax.set_xlabel("prefix tokens P (mapped from the source)")
+    ax.set_ylabel("perplexity of the continuation")
+    ax.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -31,7 +31,7 @@ def load_conversations(path: str | Path) -> list[dict]:
     """CoQA records (EleutherAI/coqa layout) from JSONL; raises if missing or empty."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: point to coqa.jsonl (shared/benchmarks)")
+        raise FileNotFoundError(f"{path} is missing: point to coqa.jsonl (data/benchmarks)")
     docs = [json.loads(line) for line in path.open() if line.strip()]
     if not docs:
         raise ValueError(f"{path} holds no conversations")

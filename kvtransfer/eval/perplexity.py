@@ -20,7 +20,7 @@ def load_pages(path: str | Path) -> list[str]:
     """WikiText-2 document-level pages (`{"page": ...}` per JSONL line); raises if missing/empty."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: point to wikitext2.jsonl (shared/benchmarks)")
+        raise FileNotFoundError(f"{path} is missing: point to wikitext2.jsonl (data/benchmarks)")
     pages = [json.loads(line)["page"] for line in path.open() if line.strip()]
     if not pages:
         raise ValueError(f"{path} holds no pages")

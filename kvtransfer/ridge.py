@@ -1,10 +1,12 @@
 """Closed-form per-head ridge maps and their R², straight from centred moments.
 
 For one target layer and kind, with x restricted to the selected source columns I:
-    W = (Cxx[I, I] + lam * I)^-1 Cxy[I, t],   b = mean_y[t] - mean_x[I] W      (fp64, Cholesky)
-Every target head of the layer shares X, so one solve with n_kv_t * d_t right-hand sides fits all
-of them; the per-head maps are the column blocks of W. `lam` multiplies the identity added to the
-centred *sum* of squares, as in the paper's formula.
+    W = (Cxx[I, I] + lam * I)^-1 Cxy[I, t],   b = mean_y[t] - mean_x[I] W      (fp64, `solve_spd`)
+`solve_spd` uses Cholesky, or a rank-revealing eigendecomposition (minimum-norm solution, with a
+warning) when the system is numerically singular (e.g. lam = 0). Every target head of the layer
+shares X, so one solve with n_kv_t * d_t right-hand sides fits all of them; the per-head maps are
+the column blocks of W. `lam` multiplies the identity added to the centred *sum* of squares, as in
+the paper's formula.
 
 R² per head is 1 - SSE / SST with SSE and SST summed over the head's dims:
     SSE = sum_cols [Cyy - 2 (W * Cxy) + W * (Cxx W)] + n * (mean_y - mean_x W - b)^2
@@ -47,13 +49,49 @@ def check_observations(p: int, n: int, *, stride: int | None = None, force: bool
     return ratio
 
 
-def solve_spd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Solve a X = b for symmetric positive (semi)definite `a` in fp64: Cholesky, else lstsq."""
+class IllConditionedWarning(UserWarning):
+    """A ridge system was (numerically) singular and was solved on its well-determined subspace."""
+
+
+def solve_spd(a: torch.Tensor, b: torch.Tensor, *, rcond: float | None = None) -> torch.Tensor:
+    """Solve a X = b for symmetric positive (semi)definite `a`, in fp64.
+
+    Cholesky when `a` is safely positive definite; otherwise (Cholesky fails, or its diagonal shows
+    cond(a) >= (max L_ii / min L_ii)^2 > 1 / rcond) a rank-revealing eigendecomposition: directions
+    with eigenvalue <= rcond * largest are dropped, which gives the minimum-norm least-squares
+    solution on the rest (= pinv(a) @ b), with an IllConditionedWarning that reports the condition
+    number. rcond defaults to p * eps of the dtype `a` comes in (fp32 moments: ~p * 1.2e-7), the
+    level below which an eigenvalue is indistinguishable from rounding in a's entries.
+    """
+    p = a.shape[-1]
+    rcond = p * torch.finfo(a.dtype).eps if rcond is None else rcond
     a, b = a.double(), b.double()
     factor, info = torch.linalg.cholesky_ex(a)
     if int(info) == 0:
-        return torch.cholesky_solve(b, factor)
-    return torch.linalg.lstsq(a, b, driver="gelsd" if a.device.type == "cpu" else None).solution
+        diag = factor.diagonal()
+        if float(diag.min()) ** 2 > rcond * float(diag.max()) ** 2:
+            return torch.cholesky_solve(b, factor)
+    evals, evecs = torch.linalg.eigh(a)
+    top = float(evals[-1])
+    keep = evals > rcond * top if top > 0 else torch.zeros_like(evals, dtype=torch.bool)
+    cond = top / float(evals[0]) if float(evals[0]) > 0 else float("inf")
+    warnings.warn(f"ridge system of size {p} is ill-conditioned (condition number {cond:.3g}): solved on its "
+                  f"{int(keep.sum())} directions with eigenvalue > {rcond:.2g} x the largest (minimum-norm "
+                  "solution); raise lambda, lower k, or accumulate moments in float64",
+                  IllConditionedWarning, stacklevel=2)
+    v = evecs[:, keep]
+    return v @ ((v.T @ b) / evals[keep, None])
+
+
+def moments_eps(moments: Moments) -> float:
+    """Relative precision of the moments' entries: the coarser of their storage dtype and the dtype
+    each batch's products were formed in (`info["compute_dtype"]`, as `collect_moments` records it).
+    float64 moments built from float32 batch products are only float32-accurate."""
+    eps = torch.finfo(moments.dtype).eps
+    compute = getattr(torch, str(moments.info.get("compute_dtype") or "").removeprefix("torch."), None)
+    if isinstance(compute, torch.dtype) and compute.is_floating_point:
+        eps = max(eps, torch.finfo(compute).eps)
+    return eps
 
 
 @dataclass
@@ -74,7 +112,7 @@ def fit_layer(moments: Moments, kind: str, source_layers: list[int], target_laye
     cols = moments.source_columns(source_layers).to(moments.stats[kind]["cxx"].device)
     a = moments.cov_xx(kind, cols)
     a = a + lam * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-    w = solve_spd(a, moments.cov_xy(kind, cols, target_layer))
+    w = solve_spd(a, moments.cov_xy(kind, cols, target_layer), rcond=a.shape[0] * moments_eps(moments))
     mean_x = moments.stats[kind]["mean_x"][cols].double()
     mean_y = moments.stats[kind]["mean_y"][moments.target_columns(target_layer)].double()
     return LayerFit(w, mean_y - mean_x @ w, cols)

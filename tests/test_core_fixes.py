@@ -1,0 +1,91 @@
+"""Correctness fixes of the numerical core (issue 9, §3): the rank-revealing ridge solve."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from kvtransfer.ridge import IllConditionedWarning, solve_spd
+
+
+# -- §3b rank-revealing ridge solve ---------------------------------------------------------------
+def _rank_deficient(seed: int, dtype: torch.dtype, n: int = 500, p: int = 12, dup: int = 4):
+    """Centred moments (a = XᵀX, b = XᵀY, λ = 0) of X whose last `dup` columns are combinations of
+    others (rank p), in `dtype`; and the minimum-norm least-squares solution pinv(X) Y from fp64 X."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, p, generator=g, dtype=torch.float64)
+    x = torch.cat([x, x[:, :dup] + 0.3 * x[:, dup:2 * dup]], 1)
+    y = x[:, :p] @ torch.randn(p, 3, generator=g, dtype=torch.float64) + 0.1 * torch.randn(n, 3, generator=g,
+                                                                                            dtype=torch.float64)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    min_norm = torch.linalg.pinv(xc, rtol=1e-10) @ yc
+    return (xc.T @ xc).to(dtype), (xc.T @ yc).to(dtype), min_norm
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rank_deficient_fp32_moments_give_the_minimum_norm_solution_and_warn(seed):
+    """λ=0 on fp32 moments (the ablation that broke on CUDA). The old fallback (lstsq on the fp64
+    copy, whose cut-off suits fp64 entries) kept fp32 rounding noise as signal: errors ~10 on
+    weights of size ~2. Tolerance: a's entries carry fp32 rounding (eps 1.2e-7 relative), which the
+    solve on the kept subspace amplifies by its condition number (~10 here): 1e-5 relative."""
+    a, b, min_norm = _rank_deficient(seed, torch.float32)
+    with pytest.warns(IllConditionedWarning, match=r"condition number .* 12 directions"):
+        w = solve_spd(a, b)
+    assert w.dtype == torch.float64
+    assert (w - min_norm).abs().max() <= 1e-5 * min_norm.abs().max()
+
+
+def test_numerically_singular_system_is_caught_even_when_cholesky_succeeds():
+    """fp64, p=5 with one column = a combination of two others: Cholesky runs to the end on rounding
+    noise for this seed, and the old code returned its answer, with an arbitrary null-space part
+    (0.07 off on weights of size 0.36). Tolerance: fp64 solve on a well-conditioned 4-dim
+    subspace: 1e-10 relative."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 4, generator=g, dtype=torch.float64)
+    x = torch.cat([x, x[:, :1] + 0.3 * x[:, 1:2]], 1)
+    y = torch.randn(50, 2, generator=g, dtype=torch.float64)
+    a, b = x.T @ x, x.T @ y
+    assert int(torch.linalg.cholesky_ex(a).info) == 0  # the premise: Cholesky does not notice
+    with pytest.warns(IllConditionedWarning):
+        w = solve_spd(a, b)
+    min_norm = torch.linalg.pinv(x, rtol=1e-10) @ y
+    assert (w - min_norm).abs().max() <= 1e-10 * min_norm.abs().max()
+
+
+def test_lambda_zero_fit_on_float64_moments_of_float32_products():
+    """The GPU calibration setting: float64 moments merged from float32 batch products
+    (compute_dtype, recorded in info as collect_moments does). Their entries are only float32
+    accurate, so the cut-off must follow the compute dtype; the old lstsq fallback (and an fp64
+    cut-off) kept the float32 noise: weights off by ~2.6 on a scale of 2.4. Tolerance: float32
+    products amplified by the kept subspace's condition number (~10): 1e-5 relative."""
+    from kvtransfer.moments import Moments
+    from kvtransfer.ridge import fit_layer
+
+    g = torch.Generator().manual_seed(0)
+    n = 600
+    x = torch.randn(n, 12, generator=g, dtype=torch.float64)
+    x = torch.cat([x, x[:, :4] + 0.3 * x[:, 4:8]], 1)  # two source layers of width 8, rank 12
+    y = x[:, :12] @ torch.randn(12, 4, generator=g, dtype=torch.float64) + 0.1 * torch.randn(n, 4, generator=g,
+                                                                                              dtype=torch.float64)
+    moments = Moments([0, 1], [0], 8, 4, info={"compute_dtype": "torch.float32"})
+    for i in range(0, n, 200):
+        moments.add({"k": x[i:i + 200], "v": x[i:i + 200]}, {"k": y[i:i + 200], "v": y[i:i + 200]},
+                    compute_dtype=torch.float32)
+    assert moments.dtype == torch.float64
+    with pytest.warns(IllConditionedWarning):
+        fit = fit_layer(moments, "k", [0, 1], 0, lam=0.0)
+    min_norm = torch.linalg.pinv(x - x.mean(0), rtol=1e-10) @ (y - y.mean(0))
+    assert (fit.weight - min_norm).abs().max() <= 1e-5 * min_norm.abs().max()
+
+
+def test_well_conditioned_systems_take_cholesky_silently():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(400, 16, generator=g, dtype=torch.float64)
+    a, b = x.T @ x + 0.01 * torch.eye(16, dtype=torch.float64), x.T @ torch.randn(400, 5, generator=g,
+                                                                                     dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w = solve_spd(a, b)
+    # Cholesky vs LU: different factorisations of a cond~2 system, fp64: 1e-12 relative
+    assert torch.allclose(w, torch.linalg.solve(a, b), rtol=1e-12, atol=1e-12 * w.abs().max().item())

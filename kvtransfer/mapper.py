@@ -2,8 +2,11 @@
 
 Every mapper kind holds `selected_layers` [L_t, k] (source layers feeding each target layer, in
 feature order) and maps, for target layer t, x [2, rows, p] -> y [2, rows, q] with [0] = keys,
-[1] = values, p = k * n_kv_s * d_s and q = n_kv_t * d_t. On disk: `mapper.safetensors` + a JSON
-manifest `mapper.json` (pair identity, k, lambda, selection, calibration provenance, R², sha256).
+[1] = values, p = k * n_kv_s * d_s and q = n_kv_t * d_t (`map_features`; `map_blocks` takes x as
+column blocks, which lets a kind skip the gather copy). Kinds are named in the manifest and
+resolved by `mapper_class` (ridge here, mlp in kvtransfer.mlp, imported when first needed).
+On disk: `mapper.safetensors` + a JSON manifest `mapper.json` (pair identity, k, lambda, selection,
+calibration provenance, R², sha256).
 
 The ridge kind (the paper's) stores
     weight  [L_t, 2, p, q]   bias [L_t, 2, q]        y = x @ weight[t] + bias[t]
@@ -11,9 +14,11 @@ with L_t * 2 * p * q (+ biases) parameters, as counted in the paper.
 """
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -23,7 +28,17 @@ from .ridge import RidgeFit
 
 FORMAT_VERSION = 1
 _WEIGHTS, _MANIFEST = "mapper.safetensors", "mapper.json"
-_KINDS: dict[str, type] = {}
+# kind name (as written in manifests) -> "module:class"; modules are imported on first use, so every
+# kind loads through `MapperBase.load` / `load_mapper` whatever the caller imported before.
+_KINDS = {"ridge": "kvtransfer.mapper:Mapper", "mlp": "kvtransfer.mlp:MLPMapper"}
+
+
+def mapper_class(kind: str) -> type:
+    """The class of mapper kind `kind` ("ridge", "mlp"); ValueError for an unknown kind."""
+    if kind not in _KINDS:
+        raise ValueError(f"unknown mapper kind {kind!r} (known: {sorted(_KINDS)})")
+    module, name = _KINDS[kind].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(kw_only=True)
@@ -43,10 +58,7 @@ class MapperBase:
     calibration: dict = field(default_factory=dict)
     r2: dict = field(default_factory=dict)
     kind = "base"
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        _KINDS[cls.kind] = cls
+    _FLOAT_TENSORS: ClassVar[tuple[str, ...]] = ()  # per kind: its floating-point tensor attributes
 
     @property
     def k(self) -> int:
@@ -58,18 +70,38 @@ class MapperBase:
         """Number of trainable values in the mapper."""
         return sum(t.numel() for name, t in self.tensors().items() if name != "selected_layers")
 
+    @property
+    def device(self) -> torch.device:
+        """Device of the mapper's weights."""
+        return getattr(self, self._FLOAT_TENSORS[0]).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the mapper's weights (the dtype `map_layers` computes in)."""
+        return getattr(self, self._FLOAT_TENSORS[0]).dtype
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """All tensors to save (float32 weights, int64 selected_layers)."""
+        return {name: getattr(self, name).float() for name in self._FLOAT_TENSORS} | {
+            "selected_layers": self.selected_layers}
+
+    def to(self, device=None, dtype=None) -> "MapperBase":
+        """Move floating-point weights to `device` / `dtype`; returns self."""
+        for name in self._FLOAT_TENSORS:
+            setattr(self, name, getattr(self, name).to(device=device, dtype=dtype))
+        return self
+
     # -- per kind -----------------------------------------------------------------------------
     def map_features(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Map stacked source features x [2, rows, p] to target layer `layer`'s [2, rows, q]."""
         raise NotImplementedError
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """All tensors to save (float32 weights, int64 selected_layers)."""
-        raise NotImplementedError
-
-    def to(self, device=None, dtype=None) -> "MapperBase":
-        """Move floating-point weights to `device` / `dtype`; returns self."""
-        raise NotImplementedError
+    def map_blocks(self, layer: int, blocks: list[tuple[int, torch.Tensor]], gather=None) -> torch.Tensor:
+        """`map_features` of x given as column blocks [(first column j, x[:, :, j:j + w])] in column
+        order, covering all p columns (strided views, e.g. of a buffer of source layers). A kind
+        that needs x whole calls `gather(blocks)` (default: torch.cat) -- this default does."""
+        x = blocks[0][1] if len(blocks) == 1 else (gather or _cat)(blocks)
+        return self.map_features(layer, x)
 
     def extra_manifest(self) -> dict:
         """Kind-specific manifest fields (hyper-parameters needed to rebuild the mapper)."""
@@ -134,9 +166,7 @@ class MapperBase:
         for name, shape in manifest["shapes"].items():
             if name not in tensors or list(tensors[name].shape) != shape:
                 raise ValueError(f"{weights_path}: tensor {name} missing or not of shape {shape}")
-        kind = _KINDS.get(manifest["kind"])
-        if kind is None:
-            raise ValueError(f"unknown mapper kind {manifest['kind']!r} (known: {sorted(_KINDS)})")
+        kind = mapper_class(manifest["kind"])
         common = dict(selected_layers=tensors["selected_layers"], source=manifest["source"],
                       target=manifest["target"], key_space=manifest["key_space"], lam=manifest["lambda"],
                       calibration=manifest.get("calibration", {}), r2=manifest.get("r2", {}))
@@ -153,6 +183,7 @@ class Mapper(MapperBase):
     weight: torch.Tensor
     bias: torch.Tensor
     kind = "ridge"
+    _FLOAT_TENSORS = ("weight", "bias")
 
     @classmethod
     def from_ridge(cls, fit: RidgeFit, source_model, target_model, *, key_space: str = "stripped",
@@ -171,21 +202,27 @@ class Mapper(MapperBase):
         """x [2, rows, p] -> x @ weight[layer] + bias[layer], [2, rows, q]."""
         return torch.baddbmm(self.bias[layer][:, None, :], x, self.weight[layer])
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"weight": self.weight.float(), "bias": self.bias.float(), "selected_layers": self.selected_layers}
-
-    def to(self, device=None, dtype=None) -> "Mapper":
-        self.weight = self.weight.to(device=device, dtype=dtype)
-        self.bias = self.bias.to(device=device, dtype=dtype)
-        return self
+    def map_blocks(self, layer, blocks, gather=None) -> torch.Tensor:
+        """One or two blocks: one baddbmm per block straight on the views, no gather copy (a band
+        of consecutive source layers is one block). More blocks are gathered and mapped in one
+        GEMM, which is faster than many thin ones."""
+        if len(blocks) > 2:
+            return super().map_blocks(layer, blocks, gather)
+        w, y = self.weight[layer], None
+        for j, x in blocks:
+            wj = w[:, j:j + x.shape[-1]]
+            y = torch.baddbmm(self.bias[layer][:, None, :], x, wj) if y is None else y.baddbmm_(x, wj)
+        return y
 
     @classmethod
     def from_tensors(cls, tensors, common, manifest) -> "Mapper":
         return cls(weight=tensors["weight"], bias=tensors["bias"], **common)
 
 
+def _cat(blocks: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    return torch.cat([x for _, x in blocks], dim=-1)
+
+
 def load_mapper(directory: str | Path, source_model=None, target_model=None) -> MapperBase:
     """Load a saved mapper of any kind (ridge or mlp); see `MapperBase.load`."""
-    from . import mlp  # noqa: F401  (registers the mlp kind)
-
     return MapperBase.load(directory, source_model, target_model)

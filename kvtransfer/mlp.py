@@ -73,6 +73,7 @@ class MLPMapper(MapperBase):
     kind = "mlp"
 
     _NAMES = ("w1", "b1", "w2", "b2", "w3", "b3", "x_mean", "x_std", "y_mean", "y_std")
+    _FLOAT_TENSORS = _NAMES
 
     def map_features(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """x [2, rows, p] -> [2, rows, q] through this layer's per-head MLPs."""
@@ -82,17 +83,9 @@ class MLPMapper(MapperBase):
         """The tensors of one target layer (views)."""
         return {name: getattr(self, name)[layer] for name in self._NAMES}
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name).float() for name in self._NAMES} | {"selected_layers": self.selected_layers}
-
     @property
     def n_parameters(self) -> int:
         return sum(getattr(self, n).numel() for n in ("w1", "b1", "w2", "b2", "w3", "b3"))
-
-    def to(self, device=None, dtype=None) -> "MLPMapper":
-        for name in self._NAMES:
-            setattr(self, name, getattr(self, name).to(device=device, dtype=dtype))
-        return self
 
     def extra_manifest(self) -> dict:
         return {"hidden": self.w1.shape[-1]}

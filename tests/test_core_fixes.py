@@ -1,12 +1,22 @@
-"""Correctness fixes of the numerical core (issue 9, §3): the rank-revealing ridge solve."""
+"""Correctness fixes of the numerical core (issue 9, §3): the rank-revealing ridge solve and MLP
+artifacts through the public API."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
+import kvtransfer as kt
+from kvtransfer.mlp import MLPMapper
 from kvtransfer.ridge import IllConditionedWarning, solve_spd
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 # -- §3b rank-revealing ridge solve ---------------------------------------------------------------
@@ -89,3 +99,51 @@ def test_well_conditioned_systems_take_cholesky_silently():
         w = solve_spd(a, b)
     # Cholesky vs LU: different factorisations of a cond~2 system, fp64: 1e-12 relative
     assert torch.allclose(w, torch.linalg.solve(a, b), rtol=1e-12, atol=1e-12 * w.abs().max().item())
+
+
+# -- §3c every artifact kind loads through the public API -----------------------------------------
+def _tiny_mlp_mapper() -> MLPMapper:
+    g = torch.Generator().manual_seed(0)
+    n_t, heads, p, hidden, d = 2, 2, 12, 5, 4
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    ident = {"model_id": "m", "config_hash": "abc", "n_layers": 2, "n_kv": heads, "head_dim": d}
+    return MLPMapper(w1=r(n_t, 2, heads, p, hidden), b1=r(n_t, 2, heads, hidden), w2=r(n_t, 2, heads, hidden, hidden),
+                     b2=r(n_t, 2, heads, hidden), w3=r(n_t, 2, heads, hidden, d), b3=r(n_t, 2, heads, d),
+                     x_mean=r(n_t, 2, p), x_std=r(n_t, 2, p).abs() + 0.5, y_mean=r(n_t, 2, heads * d),
+                     y_std=r(n_t, 2, heads * d).abs() + 0.5, selected_layers=torch.tensor([[0, 1], [1, 0]]),
+                     source=ident, target=ident)
+
+
+def test_mlp_artifact_loads_after_a_plain_import_kvtransfer(tmp_path):
+    """A fresh interpreter that imports only `kvtransfer` loads an MLP artifact with Mapper.load and
+    load_mapper (the old registry knew the mlp kind only after `kvtransfer.mlp` had been imported)."""
+    mapper = _tiny_mlp_mapper()
+    mapper.save(tmp_path / "mlp")
+    x = torch.randn(2, 7, 12, generator=torch.Generator().manual_seed(1))
+    torch.save(x, tmp_path / "x.pt")
+    script = f"""
+import sys, json, torch
+import kvtransfer
+assert "kvtransfer.mlp" not in sys.modules
+a = kvtransfer.Mapper.load({str(tmp_path / "mlp")!r})
+b = kvtransfer.load_mapper({str(tmp_path / "mlp")!r})
+x = torch.load({str(tmp_path / "x.pt")!r})
+torch.save(a.map_features(1, x), {str(tmp_path / "y.pt")!r})
+print(json.dumps([a.kind, type(b).__name__, a.n_parameters]))
+"""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["mlp", "MLPMapper", mapper.n_parameters]
+    # same kernels on the same shapes, but another process may use another thread count: fp32 tolerance
+    assert torch.allclose(torch.load(tmp_path / "y.pt"), mapper.map_features(1, x), rtol=1e-6, atol=1e-6)
+
+
+def test_unknown_kind_is_refused(tmp_path):
+    mapper = _tiny_mlp_mapper()
+    mapper.save(tmp_path / "m")
+    manifest = json.loads((tmp_path / "m" / "mapper.json").read_text())
+    (tmp_path / "m" / "mapper.json").write_text(json.dumps(manifest | {"kind": "conv"}))
+    with pytest.raises(ValueError, match="unknown mapper kind 'conv'"):
+        kt.load_mapper(tmp_path / "m")

@@ -199,9 +199,10 @@ def transfer(source_cache, mapper: Mapper, source_model, target_model, *, attent
     source_cache: a `DynamicCache` or per-layer (keys, values) [batch, n_kv_s, seq, d_s].
     attention_mask: [batch, seq] 0/1 for left-padded batches (positions derived from it), or give
     `positions` [batch, seq] directly; default positions 0..seq-1. native_sink=N: the target
-    prefills the first N real tokens itself (needs `input_ids` [batch, seq]) and only later
-    positions are mapped. Returns a DynamicCache (or layers with `as_layers=True`) in the target
-    model's dtype on the mapper's device.
+    prefills the first N real tokens of each row itself (all of a row with fewer; needs
+    `input_ids` [batch, seq]) and only later positions keep their mapped values. Returns a
+    DynamicCache (or layers with `as_layers=True`) in the target model's dtype on the mapper's
+    device.
     """
     if check_pair:
         mapper.check_pair(source_model, target_model)
@@ -222,18 +223,30 @@ def transfer(source_cache, mapper: Mapper, source_model, target_model, *, attent
 
 
 def _with_native_sink(mapped: KVLayers, target_model, input_ids, attention_mask, n_sink: int) -> KVLayers:
-    """Overwrite the first `n_sink` real positions of each row with the target's own prefill."""
+    """Overwrite the first `n_sink` real positions of each row with the target's own prefill.
+
+    Rows are left-padded; a row with r <= n_sink real tokens gets all r of them from the target
+    (the target computed the whole row itself). One batched target prefill of each row's first
+    n_sink real tokens serves all rows: a shorter row is filled up with its last token, and under
+    causal attention those trailing fillers change nothing at its r real positions; only the r
+    real positions are written back.
+    """
     batch, seq = input_ids.shape
     n_sink = min(n_sink, seq)
-    first = torch.zeros(batch, dtype=torch.long, device=input_ids.device) if attention_mask is None \
-        else (attention_mask.shape[1] - attention_mask.long().sum(-1))  # left padding: first real index
-    idx = (first[:, None] + torch.arange(n_sink, device=input_ids.device)).clamp(max=seq - 1)
+    device = input_ids.device
+    real = (torch.full((batch,), seq, dtype=torch.long, device=device) if attention_mask is None
+            else attention_mask.to(device).long().sum(-1))
+    first = seq - real  # left padding: index of the first real token
+    j = torch.arange(n_sink, device=device)
+    idx = (first[:, None] + j).clamp(max=seq - 1)  # [batch, n_sink] cache slots of the sink tokens
     sink_cache = prefill(target_model, input_ids.gather(1, idx))
+    rows, cols = (j[None] < real[:, None]).nonzero(as_tuple=True)  # real sink tokens only
+    slots = idx[rows, cols]
     out = []
     for (k, v), (sk, sv) in zip(mapped, sink_cache):
         k, v = k.clone(), v.clone()
-        gather_idx = idx.to(k.device)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        k.scatter_(2, gather_idx, sk.to(k.device, k.dtype))
-        v.scatter_(2, gather_idx, sv.to(v.device, v.dtype))
+        r, c, sl = rows.to(k.device), cols.to(k.device), slots.to(k.device)
+        k[r, :, sl] = sk.to(k.device, k.dtype)[r, :, c]
+        v[r, :, sl] = sv.to(v.device, v.dtype)[r, :, c]
         out.append((k, v))
     return out

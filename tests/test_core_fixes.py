@@ -1,5 +1,5 @@
-"""Correctness fixes of the numerical core (issue 9, §3): the rank-revealing ridge solve and MLP
-artifacts through the public API."""
+"""Correctness fixes of the numerical core (issue 9, §3a-c): native sink on short rows, the
+rank-revealing ridge solve, and MLP artifacts through the public API."""
 from __future__ import annotations
 
 import json
@@ -15,8 +15,53 @@ import torch
 import kvtransfer as kt
 from kvtransfer.mlp import MLPMapper
 from kvtransfer.ridge import IllConditionedWarning, solve_spd
+from tiny_models import random_ids, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# -- §3a native_sink on rows shorter than the sink ------------------------------------------------
+@pytest.fixture(scope="module")
+def sink_pair():
+    source = tiny_model("qwen3", layers=2, seed=1, name="sink-src")
+    target = tiny_model("llama", layers=3, seed=2, hidden=48, heads=6, name="sink-tgt")
+    g = torch.Generator().manual_seed(0)
+    n_s, n_t = 2 * 2 * 8, 2 * 8  # k=2 source layers x 2 kv heads x head_dim 8; 2 kv heads x 8
+    mapper = kt.Mapper(weight=torch.randn(3, 2, n_s, n_t, generator=g) / n_s ** 0.5,
+                       bias=torch.randn(3, 2, n_t, generator=g), selected_layers=torch.tensor([[0, 1], [1, 0], [0, 1]]),
+                       source=kt.model_identity(source), target=kt.model_identity(target))
+    return source, target, mapper
+
+
+def test_native_sink_rows_shorter_than_the_sink_are_computed_by_the_target(sink_pair):
+    """Left-padded batch, sink N=4: row 0 has 9 real tokens, row 1 three (< N), row 2 exactly four.
+
+    Expected values are hand-built from separate, unpadded target prefills of each row. The old code
+    clamped row 1's sink indices onto its last token and scattered four results into one slot."""
+    source, target, mapper = sink_pair
+    n_sink, seq = 4, 9
+    real = [9, 3, 4]
+    ids = random_ids(3, seq, seed=7)
+    mask = torch.zeros(3, seq, dtype=torch.long)
+    for b, r in enumerate(real):
+        mask[b, seq - r:] = 1
+        ids[b, :seq - r] = 0
+    src = kt.prefill(source, ids, mask)
+    plain = kt.transfer(src, mapper, source, target, attention_mask=mask, as_layers=True)
+    sunk = kt.transfer(src, mapper, source, target, attention_mask=mask, input_ids=ids, native_sink=n_sink,
+                       as_layers=True)
+    for b, r in enumerate(real):
+        own = kt.prefill(target, ids[b:b + 1, seq - r:])  # the target alone on the row's real tokens
+        n = min(n_sink, r)
+        for (k, v), (ok, ov), (pk, pv) in zip(sunk, own, plain):
+            # fp32, and the batched sink prefill runs other shapes than the single-row one: not bitwise
+            assert torch.allclose(k[b, :, seq - r:seq - r + n], ok[0, :, :n], atol=1e-5, rtol=1e-5)
+            assert torch.allclose(v[b, :, seq - r:seq - r + n], ov[0, :, :n], atol=1e-5, rtol=1e-5)
+            # everything else in the row is untouched: the mapped values, bit for bit
+            rest = [i for i in range(seq) if not seq - r <= i < seq - r + n]
+            assert torch.equal(k[b, :, rest], pk[b, :, rest]) and torch.equal(v[b, :, rest], pv[b, :, rest])
+    # the short row really differs from its mapped version (the sink did something there)
+    assert not torch.allclose(sunk[0][0][1, :, -1], plain[0][0][1, :, -1], atol=1e-3)
 
 
 # -- §3b rank-revealing ridge solve ---------------------------------------------------------------

@@ -332,8 +332,7 @@ def test_native_sink_by_hand(lm, hand, tok):
 # Issue 9 §3a: in a left-padded batch, a row with fewer real prefix tokens than native_sink gets its
 # sink indices clamped to seq-1 (several sink positions scattered into one slot, and the target's
 # sink prefill run on repeated tokens). The row must be all native (== target). Fails on the code
-# as of c909e7c; owned by the transfer.py fix -- drop the marker when it lands.
-@pytest.mark.xfail(strict=True, reason="issue 9 §3a: native_sink on rows shorter than N in a left-padded batch")
+# as of c909e7c.
 def test_native_sink_short_row_in_padded_batch(lm, hand, tok):
     n = 4
     pairs = [encode_pair(tok, MC[0][0], MC[0][1][0]), (tok.encode(MC[1][0])[:n - 1], tok.encode(" ice"))]

@@ -7,6 +7,7 @@ Public API (the numerical core; no Hydra, lm-eval or W&B imports here):
     fit_ridge(moments, selected_layers, ...)  -> RidgeFit
     Mapper.from_ridge / Mapper.save / Mapper.load; load_mapper (any kind: ridge or mlp)
     transfer(source_cache, mapper, source_model, target_model, ...) -> DynamicCache
+    map_layers / map_layers_reference        the fast mapping path and the plain one it is tested against
 """
 from .cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
 from .calibrate import CalibrationMoments, collect_moments, kv_features
@@ -17,12 +18,13 @@ from .moments import Moments
 from .ridge import RidgeFit, UnderdeterminedFit, fit_ridge
 from .rope import RopeCodec
 from .select import r2_matrix, select_greedy, select_topk
-from .transfer import codec_for, map_layers, transfer
+from .transfer import codec_for, map_layers, map_layers_reference, transfer
 
 __version__ = "0.1.0"
 __all__ = [
     "load_model", "check_same_tokenizer", "kv_shape", "model_identity", "RopeCodec", "prefill",
     "forward_on_cache", "cache_to_layers", "layers_to_cache", "collect_moments", "kv_features",
     "CalibrationMoments", "Moments", "r2_matrix", "select_topk", "select_greedy", "fit_ridge", "RidgeFit",
-    "UnderdeterminedFit", "Mapper", "MapperBase", "load_mapper", "transfer", "map_layers", "codec_for", "compare_caches",
+    "UnderdeterminedFit", "Mapper", "MapperBase", "load_mapper", "transfer", "map_layers", "map_layers_reference",
+    "codec_for", "compare_caches",
 ]

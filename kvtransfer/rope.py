@@ -4,6 +4,8 @@ HF rotary modules return `cos = cos(pos * inv_freq) * a` and `sin = sin(pos * in
 `a = attention_scaling` (1 for default/llama3 RoPE, != 1 for YaRN). Applying is
 `k_rot = k * cos + rotate_half(k) * sin`, i.e. multiplying each pair by (cI + sJ) with J^2 = -I.
 Its inverse is (cI - sJ) / (c^2 + s^2): the division by a^2 is what makes YaRN models come out right.
+`rotate` is the one implementation of both formulas in this package (RopeCodec and the transfer
+fast path use it).
 """
 from __future__ import annotations
 
@@ -18,6 +20,29 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[..., d] -> [..., d]: (x1, x2) -> (-x2, x1) on the two halves, as in HF Llama-family models."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE on float32 keys [..., d] with HF-layout cos/sin (broadcastable to k); returns `out`.
+
+    With halves (k1, k2) of the last dim:
+        apply   (inverse=False):  (k1 c - k2 s,  k2 c + k1 s)            = k c + rotate_half(k) s
+        strip   (inverse=True):   (k1 c + k2 s,  k2 c - k1 s) / (c² + s²)  = (k c - rotate_half(k) s) / (c² + s²)
+    `out` defaults to a new tensor; `out=k` rotates in place (no rotate_half temporaries either way).
+    """
+    h = k.shape[-1] // 2
+    if out is None:
+        out = torch.empty(torch.broadcast_shapes(k.shape, cos.shape), dtype=k.dtype, device=k.device)
+    k1, k2 = k[..., :h], k[..., h:]
+    if out.data_ptr() == k.data_ptr():
+        k1 = k1.clone()  # in place: the first half is overwritten before the second half reads it
+    sign = 1.0 if inverse else -1.0
+    torch.mul(k1, cos[..., :h], out=out[..., :h]).addcmul_(k2, sin[..., :h], value=sign)
+    torch.mul(k2, cos[..., h:], out=out[..., h:]).addcmul_(k1, sin[..., h:], value=-sign)
+    if inverse:
+        out.div_(cos * cos + sin * sin)
+    return out
 
 
 def find_rotary(model) -> torch.nn.Module:
@@ -74,13 +99,9 @@ class RopeCodec:
     def apply(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate content-space keys [batch, heads, seq, head_dim] to their positions."""
         cos, sin = self.cos_sin(positions)
-        k = keys.float()
-        cos, sin = cos.to(k.device), sin.to(k.device)
-        return (k * cos + rotate_half(k) * sin).to(keys.dtype)
+        return rotate(keys.float(), cos.to(keys.device), sin.to(keys.device)).to(keys.dtype)
 
     def strip(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Undo `apply`: rotated keys [batch, heads, seq, head_dim] -> content-space keys."""
         cos, sin = self.cos_sin(positions)
-        k = keys.float()
-        cos, sin = cos.to(k.device), sin.to(k.device)
-        return ((k * cos - rotate_half(k) * sin) / (cos * cos + sin * sin)).to(keys.dtype)
+        return rotate(keys.float(), cos.to(keys.device), sin.to(keys.device), inverse=True).to(keys.dtype)

@@ -2,8 +2,10 @@
 
     K_t = RoPE_t( RoPE_s^-1(K_s) @ W_K + b_K ),   V_t = V_s @ W_V + b_V
 with the source features of every target layer's selected source layers concatenated (layer,
-head, dim). Per target layer K and V are one batched GEMM. Tokens are mapped in chunks so long
-contexts fit in memory. Optionally the target computes the first `native_sink` positions itself.
+head, dim). `map_layers_reference` says it plainly (gather -> strip -> map -> rotate, per target
+layer); `map_layers` is the fast path tested against it: one pass over the used source layers per
+chunk of tokens, the map itself dispatched to the mapper kind's `map_blocks`. RoPE comes from
+`rope.rotate` only. Optionally the target computes the first `native_sink` positions itself.
 """
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import weakref
 
 import torch
 
+from . import rope
 from .cache import KVLayers, layers_to_cache, positions_from_mask, prefill
-from .mapper import Mapper
+from .mapper import MapperBase
 from .models import kv_shape
 from .rope import RopeCodec
 
@@ -28,7 +31,38 @@ def codec_for(model) -> RopeCodec:
 
 
 @torch.no_grad()
-def map_layers(source_layers: KVLayers, mapper: Mapper, positions: torch.Tensor, *,
+def map_layers_reference(source_layers: KVLayers, mapper: MapperBase, positions: torch.Tensor, *,
+                         source_codec: RopeCodec | None, target_codec: RopeCodec | None, target_n_kv: int,
+                         out_dtype: torch.dtype | None = None, rope_at_inference: bool = True) -> KVLayers:
+    """What `map_layers` computes, written plainly (its tests compare against this); same arguments.
+
+    Per target layer t: gather its selected source layers in feature order, strip the source RoPE
+    from their keys, map the [K | V] features through the mapper, re-apply the target RoPE to the
+    mapped keys. Rounding follows calibration: stripped keys come back in the cache dtype
+    (`RopeCodec.strip`), features are mapped in the mapper's dtype, outputs are stored in `out_dtype`.
+    """
+    batch, _, seq, _ = source_layers[0][0].shape
+    rotate = mapper.key_space == "stripped" and rope_at_inference
+    out_dtype = out_dtype or source_layers[0][0].dtype
+    out = []
+    for t, row in enumerate(mapper.selected_layers.tolist()):
+        keys, values = [], []
+        for s in row:  # gather (and strip)
+            k, v = source_layers[s]
+            keys.append(source_codec.strip(k, positions) if rotate else k)
+            values.append(v)
+        # [batch, n_kv_s, seq, d_s] per layer -> features [batch * seq, (layer, head, dim)]
+        x = torch.stack([torch.cat(part, dim=1).transpose(1, 2).reshape(batch * seq, -1) for part in (keys, values)])
+        y = mapper.map_features(t, x.to(mapper.device, mapper.dtype))  # GEMM: [2, batch * seq, n_kv_t * d_t]
+        k_t, v_t = y.view(2, batch, seq, target_n_kv, -1).transpose(2, 3)  # [batch, n_kv_t, seq, d_t] each
+        if rotate:
+            k_t = target_codec.apply(k_t, positions)  # rotate
+        out.append((k_t.to(out_dtype).contiguous(), v_t.to(out_dtype).contiguous()))
+    return out
+
+
+@torch.no_grad()
+def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Tensor, *,
                source_codec: RopeCodec | None, target_codec: RopeCodec | None, target_n_kv: int,
                out_dtype: torch.dtype | None = None, rope_at_inference: bool = True,
                chunk_tokens: int = 8192, check_finite: bool = True) -> KVLayers:
@@ -39,16 +73,14 @@ def map_layers(source_layers: KVLayers, mapper: Mapper, positions: torch.Tensor,
     (False = the "no re-rotation at inference" ablation: the content-space map is applied to
     rotated keys and its output stored unrotated). Returns [batch, n_kv_t, seq, d_t] per target
     layer in `out_dtype` (default: the source cache dtype). Raises FloatingPointError on NaN/Inf.
+
+    Computes what `map_layers_reference` computes (to rounding), faster: per chunk of tokens the
+    source layers any target reads are copied once into a buffer [2, rows, used layers * n_kv_s *
+    d_s] and their keys stripped in one pass; each target's selection goes to the mapper as column
+    blocks of that buffer (runs of consecutive used layers), so a kind can map straight from the
+    views (`MapperBase.map_blocks`); results go into one preallocated [L_t, 2, batch, n_kv_t, seq,
+    d_t] output, keys re-rotated on the way.
     """
-    # Fast path. Per chunk of tokens: the source layers any target reads are copied once into a
-    # buffer [2, batch, chunk, U, W] (U used layers ascending, W = n_kv_s * d_s; never zero-filled)
-    # and their keys stripped in one batched pass (cos/sin looked up once per chunk). Each target
-    # layer's selection is split into runs of consecutive buffer slots; with at most two runs the
-    # ridge map is one baddbmm per run on strided views of the buffer (no gather copy; a band of
-    # layers is one GEMM), otherwise the runs are gathered and mapped in one GEMM. Results are
-    # written into one preallocated output [L_t, 2, batch, n_kv_t, seq, d_t] (keys re-rotated on
-    # the way) and checked for NaN/Inf once at the end. Memory-bound steps run single-threaded on
-    # small CPU hosts (see _serial_elementwise).
     batch, _, seq, _ = source_layers[0][0].shape
     if positions.dim() == 1:
         positions = positions[None].expand(batch, -1)
@@ -56,92 +88,93 @@ def map_layers(source_layers: KVLayers, mapper: Mapper, positions: torch.Tensor,
     if rotate and (source_codec is None or target_codec is None):
         raise ValueError("content-space mapping needs source_codec and target_codec")
     out_dtype = out_dtype or source_layers[0][0].dtype
-    ref = next(v for v in vars(mapper).values() if isinstance(v, torch.Tensor) and v.is_floating_point())
-    device, dtype = ref.device, ref.dtype
-    ridge = getattr(mapper, "kind", "ridge") == "ridge" and hasattr(mapper, "weight")
+    device, dtype = mapper.device, mapper.dtype
     sel = mapper.selected_layers.tolist()
-    n_t = len(sel)
     used = sorted({s for row in sel for s in row})
     slot = {s: i for i, s in enumerate(used)}
-    src_dtype = source_layers[used[0]][0].dtype
-    n_kv_s, d_s = source_layers[used[0]][0].shape[1], source_layers[used[0]][0].shape[3]
-    width, n_used = n_kv_s * d_s, len(used)
-    runs = []  # per target: [(first slot, first feature block, n layers)] maximal consecutive runs
-    for row in sel:
-        r = []
-        for j, s in enumerate(row):
-            if r and slot[s] == r[-1][0] + r[-1][2]:
-                r[-1] = (r[-1][0], r[-1][1], r[-1][2] + 1)
-            else:
-                r.append((slot[s], j, 1))
-        runs.append(r)
-    out = None  # [L_t, 2, batch, n_kv_t, seq, d_t], allocated once q is known
+    width = source_layers[used[0]][0].shape[1] * source_layers[used[0]][0].shape[3]  # n_kv_s * d_s
+    runs = [_runs([slot[s] for s in row]) for row in sel]  # per target: [(first slot, first feature, n layers)]
+    out = None  # [L_t, 2, batch, n_kv_t, seq, d_t], allocated once d_t is known
     chunk = max(1, chunk_tokens // batch)
     for start in range(0, seq, chunk):
         sl = slice(start, min(seq, start + chunk))
-        c = sl.stop - sl.start
-        rows = batch * c
-        with _serial_elementwise(device):  # memory-bound: copy used source layers, strip keys
-            feats = torch.empty(2, batch, c, n_used, n_kv_s, d_s, device=device, dtype=dtype)
-            in_place = rotate and dtype == torch.float32 and src_dtype == torch.float32
-            raw_k = feats[0] if (in_place or not rotate) else torch.empty(feats.shape[1:], device=device)
-            for s in used:
-                raw_k[:, :, slot[s]].copy_(source_layers[s][0][:, :, sl].transpose(1, 2))
-                feats[1, :, :, slot[s]].copy_(source_layers[s][1][:, :, sl].transpose(1, 2))
-            pos = positions[:, sl]
-            if rotate:
-                cs, ss = (x.to(device)[:, 0, :, None, None, :] for x in source_codec.cos_sin(pos))  # [B|1, c, 1, 1, d]
-                den = cs * cs + ss * ss
-                if in_place:
-                    _rope_(raw_k, cs, ss, den)
-                else:  # RopeCodec.strip's rounding: float32, then the source dtype, then the mapper dtype
-                    feats[0].copy_(_rope(raw_k, cs, ss, den).to(src_dtype))
-                ct, st = (x.to(device) for x in target_codec.cos_sin(pos))  # [B|1, 1, c, d_t]
-        flat = feats.view(2, rows, n_used * width)
-        gathered = None
-        for t in range(n_t):
-            r = runs[t]
-            if ridge and len(r) <= 2:  # one baddbmm per run, straight on the buffer
-                w, b = mapper.weight[t], mapper.bias[t]
-                y = None
-                for s0, j0, n in r:
-                    x, wj = flat[:, :, s0 * width:(s0 + n) * width], w[:, j0 * width:(j0 + n) * width]
-                    y = torch.baddbmm(b[:, None, :], x, wj) if y is None else y.baddbmm_(x, wj)
-            else:
-                if len(r) == 1:
-                    x = flat[:, :, r[0][0] * width:(r[0][0] + r[0][2]) * width]
-                else:  # scattered selection: gather run by run, then one GEMM (faster than many thin ones)
-                    if gathered is None:
-                        gathered = torch.empty(2, rows, len(sel[t]) * width, device=device, dtype=dtype)
-                    with _serial_elementwise(device):
-                        for s0, j0, n in r:
-                            gathered[:, :, j0 * width:(j0 + n) * width].copy_(flat[:, :, s0 * width:(s0 + n) * width])
-                    x = gathered
-                y = (torch.baddbmm(mapper.bias[t][:, None, :], x, mapper.weight[t]) if ridge
-                     else mapper.map_features(t, x))  # [2, rows, q]
+        pos, rows = positions[:, sl], batch * (sl.stop - sl.start)
+        with _serial_elementwise(device):  # memory-bound: copy the used source layers, strip keys
+            flat = _gather_stripped(source_layers, used, sl, pos, source_codec if rotate else None, device, dtype)
+        gather = _Gather(2, rows, len(sel[0]) * width, device=device, dtype=dtype)  # one buffer per chunk
+        if rotate:
+            cos, sin = (x.to(device) for x in target_codec.cos_sin(pos))  # [batch|1, 1, chunk, d_t]
+        for t, r in enumerate(runs):
+            blocks = [(j * width, flat[:, :, s * width:(s + n) * width]) for s, j, n in r]
+            y = mapper.map_blocks(t, blocks, gather)  # [2, rows, n_kv_t * d_t]
             if out is None:
                 d_t = y.shape[-1] // target_n_kv
-                out = torch.empty(n_t, 2, batch, target_n_kv, seq, d_t, device=device, dtype=out_dtype)
-            k_t, v_t = y.view(2, batch, c, target_n_kv, d_t).transpose(2, 3)  # [batch, n_kv_t, c, d_t] each
-            with _serial_elementwise(device):
-                _store(out[t], sl, k_t, v_t, ct if rotate else None, st if rotate else None)
+                out = torch.empty(len(sel), 2, batch, target_n_kv, seq, d_t, device=device, dtype=out_dtype)
+            k_t, v_t = y.view(2, batch, -1, target_n_kv, d_t).transpose(2, 3)  # [batch, n_kv_t, chunk, d_t]
+            dest = out[t, :, :, :, sl]
+            with _serial_elementwise(device):  # memory-bound: re-rotate keys, store
+                if not rotate:
+                    dest[0].copy_(k_t)
+                elif k_t.dtype == out_dtype == torch.float32:
+                    rope.rotate(k_t, cos, sin, out=dest[0])
+                else:  # RopeCodec.apply's rounding: float32, then the mapper dtype, then out_dtype
+                    dest[0].copy_(rope.rotate(k_t.float(), cos, sin).to(k_t.dtype))
+                dest[1].copy_(v_t)
     with _serial_elementwise(device):
         finite = not check_finite or bool(torch.isfinite(out).all())
     if not finite:
         raise FloatingPointError("mapped cache contains NaN/Inf: check the mapper (refit with larger lambda) "
                                  "and the source cache dtype")
-    return [(out[t, 0], out[t, 1]) for t in range(n_t)]
+    return [(out[t, 0], out[t, 1]) for t in range(len(sel))]
 
 
-def _store(out: torch.Tensor, sl: slice, k: torch.Tensor, v: torch.Tensor, cos, sin) -> None:
-    """out [2, batch, n_kv, seq, d][:, :, :, sl] <- (RopeCodec.apply(k) if cos is given else k, v)."""
-    if cos is None:
-        out[0, :, :, sl].copy_(k)
-    elif k.dtype == torch.float32 and out.dtype == torch.float32:
-        _rope_(k, cos, sin, out=out[0, :, :, sl])
-    else:  # RopeCodec.apply's rounding: float32, then the mapper dtype, then the cache dtype
-        out[0, :, :, sl].copy_(_rope(k.float(), cos, sin).to(k.dtype))
-    out[1, :, :, sl].copy_(v)
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive buffer slots in one selection: [(first slot, index in row, length)]."""
+    runs = []
+    for j, s in enumerate(slots):
+        if runs and s == runs[-1][0] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, j, 1))
+    return runs
+
+
+class _Gather:
+    """`gather` for `MapperBase.map_blocks`: copies column blocks into one reused buffer [2, rows, p]
+    (allocated on first use), as a memory-bound step."""
+
+    def __init__(self, *shape, device, dtype):
+        self.shape, self.device, self.dtype, self.buffer = shape, device, dtype, None
+
+    def __call__(self, blocks: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.shape, device=self.device, dtype=self.dtype)
+        with _serial_elementwise(self.device):
+            for j, x in blocks:
+                self.buffer[:, :, j:j + x.shape[-1]].copy_(x)
+        return self.buffer
+
+
+def _gather_stripped(source_layers: KVLayers, used: list[int], sl: slice, pos: torch.Tensor,
+                     codec: RopeCodec | None, device, dtype) -> torch.Tensor:
+    """Tokens `sl` of source layers `used` as features [2, batch * chunk, len(used) * n_kv * d] in
+    `dtype`, keys RoPE-stripped at `pos` when a codec is given (rounded as `RopeCodec.strip` rounds:
+    float32, then the cache dtype, then `dtype`)."""
+    k0 = source_layers[used[0]][0]
+    batch, n_kv, _, d = k0.shape
+    n = sl.stop - sl.start
+    feats = torch.empty(2, batch, n, len(used), n_kv, d, device=device, dtype=dtype)
+    in_place = codec is None or dtype == k0.dtype == torch.float32  # no rounding step between strip and map
+    keys = feats[0] if in_place else torch.empty(feats.shape[1:], device=device)
+    for i, s in enumerate(used):
+        keys[:, :, i].copy_(source_layers[s][0][:, :, sl].transpose(1, 2))
+        feats[1, :, :, i].copy_(source_layers[s][1][:, :, sl].transpose(1, 2))
+    if codec is not None:
+        cos, sin = (x.to(device)[:, 0, :, None, None, :] for x in codec.cos_sin(pos))  # [batch|1, chunk, 1, 1, d]
+        rope.rotate(keys, cos, sin, inverse=True, out=keys)
+        if not in_place:
+            feats[0].copy_(keys.to(k0.dtype))
+    return feats.view(2, batch * n, len(used) * n_kv * d)
 
 
 class _serial_elementwise:
@@ -163,34 +196,8 @@ class _serial_elementwise:
             torch.set_num_threads(self.threads)
 
 
-def _rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, den: torch.Tensor | None = None) -> torch.Tensor:
-    """RopeCodec.apply (den None) or .strip (den = cos^2 + sin^2) on float32 keys [..., d], same formula."""
-    h = k.shape[-1] // 2
-    rot = torch.cat((-k[..., h:], k[..., :h]), dim=-1)
-    return k * cos + rot * sin if den is None else (k * cos - rot * sin) / den
-
-
-def _rope_(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, den: torch.Tensor | None = None, *,
-           out: torch.Tensor | None = None) -> None:
-    """`_rope` on float32 keys [..., d] written into `out` (default: in place into k), half by half:
-    strip (k1 c + k2 s, k2 c - k1 s) / den; apply (k1 c - k2 s, k2 c + k1 s). No rotate_half temporaries."""
-    h = k.shape[-1] // 2
-    sign = 1.0 if den is not None else -1.0
-    k1, k2 = k[..., :h], k[..., h:]
-    if out is None:
-        k1_orig = k1.clone()
-        k1.mul_(cos[..., :h]).addcmul_(k2, sin[..., :h], value=sign)
-        k2.mul_(cos[..., h:]).addcmul_(k1_orig, sin[..., h:], value=-sign)
-        out = k
-    else:
-        torch.mul(k1, cos[..., :h], out=out[..., :h]).addcmul_(k2, sin[..., :h], value=sign)
-        torch.mul(k2, cos[..., h:], out=out[..., h:]).addcmul_(k1, sin[..., h:], value=-sign)
-    if den is not None:
-        out.div_(den)
-
-
 @torch.no_grad()
-def transfer(source_cache, mapper: Mapper, source_model, target_model, *, attention_mask=None,
+def transfer(source_cache, mapper: MapperBase, source_model, target_model, *, attention_mask=None,
              positions: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
              native_sink: int = 0, rope_at_inference: bool = True, chunk_tokens: int = 8192,
              as_layers: bool = False, check_pair: bool = True):

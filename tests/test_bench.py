@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtransfer import bench
-from kvtransfer.mapper import Mapper
+from kvtransfer.mapper import Mapper, MapperBase
 from kvtransfer.rope import RopeCodec
 from kvtransfer.transfer import map_layers
 from tiny_models import qwen3_config, tiny_model
@@ -177,10 +177,11 @@ def _reference(layers, mapper, positions, sc, tc, n_kv_t):
     return out
 
 
-class _Generic:
+class _Generic(MapperBase):
     """A mapper kind that only offers map_features (exercises the gather path)."""
 
     kind = "generic_test"
+    _FLOAT_TENSORS = ("weight_", "bias_")
 
     def __init__(self, ridge: Mapper):
         self.weight_, self.bias_ = ridge.weight, ridge.bias

@@ -1,7 +1,8 @@
 """Mapper vs target re-prefill speed (the paper's Table 5), with FLOP/byte counts and device floors.
 
 Mapper side: a source cache already on the device -> a ready target `DynamicCache` (strip source RoPE,
-map, re-apply target RoPE, build the cache) via `transfer.map_layers`. Prefill side: the target's
+map, re-apply target RoPE, build the cache) via `transfer.map_layers`, with the mapper in float32 by
+default (the dtype evaluation maps with; `--mapper-dtype bfloat16` times a bf16 mapper too). Prefill side: the target's
 decoder body (no LM head, sdpa attention) on the same number of tokens, appending to a fresh cache.
 
 "shapes-only" mode builds random-weight models from the REAL configs of the paper's pairs (below),
@@ -333,12 +334,14 @@ def _rand_source(shape, used, tokens, n_inputs, device, dtype, seed):
 
 
 def bench_pair(pair: str, tokens: Sequence[int] = DEFAULT_TOKENS, *, layers: int | None = None, device="cpu",
-               dtype=torch.float32, warmup: int = 3, repeats: int = 10, n_inputs: int = 3, selection: str = "random",
+               dtype=torch.float32, mapper_dtype: torch.dtype | None = torch.float32, warmup: int = 3, repeats: int = 10, n_inputs: int = 3, selection: str = "random",
                chunk_tokens: int = 8192, run_prefill: bool = True, caps: dict | None = None,
                memory_fraction: float = 0.8, log: Callable = print) -> list[dict]:
     """Shapes-only Table-5 rows for `pair` (see PAIRS) at each token count (batch 1).
 
-    layers: target (and mapper) depth actually run; None = full depth. Times are ms; *_full_est
+    dtype: models and caches; mapper_dtype: the mapper's weights and GEMMs (default float32, the
+    dtype evaluation maps with; None = `dtype`). layers: target (and mapper) depth actually run;
+    None = full depth. Times are ms; *_full_est
     scale per-layer times to the real depth. A token count whose estimated bytes exceed
     memory_fraction * free memory gives a row with `skipped` set instead of times.
     """
@@ -348,16 +351,19 @@ def bench_pair(pair: str, tokens: Sequence[int] = DEFAULT_TOKENS, *, layers: int
     n_run = min(layers or n_full, n_full)
     tgt_cfg = real_config(tgt_name, n_run)
     caps = caps or measure_device(device, dtype)
-    es = _dsize(dtype)
+    mapper_dtype = mapper_dtype or dtype
+    es, mes = _dsize(dtype), _dsize(mapper_dtype)
     s_shape = kv_shape(src_cfg)
     base = {"pair": pair, "source": src_name, "target": tgt_name, "k": k, "mode": "shapes_only",
-            "device": str(device), "dtype": str(dtype).replace("torch.", ""), "layers_run": n_run,
+            "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+            "mapper_dtype": str(mapper_dtype).replace("torch.", ""), "layers_run": n_run,
             "layers_full": n_full, "selection": selection, "load_avg": load_average()}
     rows = {T: dict(base, tokens=T) for T in tokens}
     torch.manual_seed(0)
 
     # --- mapper side (source cache on device -> target DynamicCache) ---
-    mapper = random_mapper(src_cfg, tgt_cfg, k, n_target_layers=n_run, selection=selection, device=device, dtype=dtype)
+    mapper = random_mapper(src_cfg, tgt_cfg, k, n_target_layers=n_run, selection=selection, device=device,
+                           dtype=mapper_dtype)
     used = sorted(set(mapper.selected_layers.flatten().tolist()))
     s_codec = RopeCodec(rope_only(src_cfg, device), initial_positions=max(tokens))
     t_codec = RopeCodec(rope_only(tgt_cfg, device), initial_positions=max(tokens))
@@ -365,9 +371,9 @@ def bench_pair(pair: str, tokens: Sequence[int] = DEFAULT_TOKENS, *, layers: int
     for T in tokens:
         row = rows[T]
         cost = mapper_cost(src_cfg, tgt_cfg, k, T, n_target_layers=n_run, n_source_used=len(used),
-                           weight_bytes=es, cache_bytes=es, out_bytes=es)
-        need = (mapper.weight.numel() * es + n_inputs * len(used) * 2 * T * s_shape.width * es
-                + 2 * n_run * 2 * T * t_shape.width * es + 2 * 2 * min(T, chunk_tokens) * (len(used) + k) * s_shape.width * es)
+                           weight_bytes=mes, cache_bytes=es, out_bytes=es)
+        need = (mapper.weight.numel() * mes + n_inputs * len(used) * 2 * T * s_shape.width * es
+                + 2 * n_run * 2 * T * t_shape.width * es + 2 * 2 * min(T, chunk_tokens) * (len(used) + k) * s_shape.width * mes)
         row.update(mapper_flops=cost["flops"], mapper_gemm_flops=cost["gemm_flops"], mapper_bytes=cost["bytes"],
                    mapper_floor_ms=floor_ms(cost["flops"], cost["bytes"], caps))
         if need > memory_fraction * available_bytes(device):
@@ -384,7 +390,7 @@ def bench_pair(pair: str, tokens: Sequence[int] = DEFAULT_TOKENS, *, layers: int
 
         r = time_fn(run_mapper, inputs, warmup=warmup, repeats=repeats, device=device)
         # the mapper's GEMMs alone, same shapes, plain torch.matmul (rate reference for the 50 % target)
-        x = torch.randn(2, T, k * s_shape.width, device=device, dtype=dtype)
+        x = torch.randn(2, T, k * s_shape.width, device=device, dtype=mapper_dtype)
         w = mapper.weight[0]
         mm = time_fn(lambda a: torch.matmul(a, w), [x], warmup=1, repeats=max(3, repeats // 2), device=device)
         mm_rate = 2 * 2 * T * w.shape[1] * w.shape[2] / (mm["median_ms"] / 1e3)
@@ -502,7 +508,8 @@ def table_markdown(rows: list[dict], caps: dict | None = None) -> str:
         return ""
     r0 = rows[0]
     lines = [f"### {r0['source']} → {r0['target']} (k={r0['k']}) — SHAPES-ONLY: random weights, real configs, "
-             f"{r0['layers_run']} of {r0['layers_full']} target layers run; {r0['dtype']} on {r0['device']}",
+             f"{r0['layers_run']} of {r0['layers_full']} target layers run; {r0['dtype']} caches, "
+             f"{r0.get('mapper_dtype', r0['dtype'])} mapper on {r0['device']}",
              ""]
     if caps:
         lines += [f"Device rates: matmul {caps['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s, copy "
@@ -530,7 +537,7 @@ def table_markdown(rows: list[dict], caps: dict | None = None) -> str:
 def table_csv(rows: list[dict]) -> str:
     """The same rows as CSV (columns TABLE_COLUMNS plus pair/device/dtype/layers)."""
     buf = io.StringIO()
-    cols = ("pair", "device", "dtype", "layers_run", "layers_full") + TABLE_COLUMNS
+    cols = ("pair", "device", "dtype", "mapper_dtype", "layers_run", "layers_full") + TABLE_COLUMNS
     w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
     w.writeheader()
     for r in rows:
@@ -547,13 +554,14 @@ def plot_speedup(rows: list[dict], path: str | Path) -> Path:
 
     path = Path(path)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for pair in dict.fromkeys(r["pair"] for r in rows):
-        rs = [r for r in rows if r["pair"] == pair and "speedup" in r]
+    for pair, mdt in dict.fromkeys(_group(r) for r in rows):
+        rs = [r for r in rows if _group(r) == (pair, mdt) and "speedup" in r]
         if not rs:
             continue
-        line, = ax.plot([r["tokens"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"{pair} measured")
+        name = f"{pair} ({mdt} mapper)"
+        line, = ax.plot([r["tokens"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"{name} measured")
         ax.plot([r["tokens"] for r in rs], [r["flop_ratio"] for r in rs], "--", color=line.get_color(),
-                label=f"{pair} FLOP ratio")
+                label=f"{name} FLOP ratio")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens")
     ax.set_ylabel("re-prefill time / mapper time")
@@ -565,6 +573,11 @@ def plot_speedup(rows: list[dict], path: str | Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _group(row: dict) -> tuple[str, str]:
+    """(pair, mapper dtype): the rows one table or curve shows."""
+    return row["pair"], row.get("mapper_dtype", row["dtype"])
 
 
 def _exclusive(path: Path) -> None:
@@ -589,8 +602,8 @@ def write_outputs(rows: list[dict], out_dir: str | Path, *, caps: dict | None = 
     paths = output_paths(out_dir, stem)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     clean = [{k: v for k, v in r.items() if k != "times_ms"} for r in rows]
-    md = "".join(table_markdown([r for r in rows if r["pair"] == pair], caps)
-                 for pair in dict.fromkeys(r["pair"] for r in rows))
+    md = "".join(table_markdown([r for r in rows if _group(r) == group], caps)
+                 for group in dict.fromkeys(_group(r) for r in rows))
     for key, text in (("json", json.dumps({"rows": clean, "caps": caps, "extra": extra or {}}, indent=1, default=str)),
                       ("md", md), ("csv", table_csv(rows))):
         with open(paths[key], "x") as f:
@@ -607,7 +620,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
     ap.add_argument("--layers", type=int, default=None, help="target layers to run (default: full depth)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on cuda, fp32 on cpu)")
+    ap.add_argument("--dtype", default=None, help="models and caches: float32 | bfloat16 (default: bf16 on cuda, "
+                    "fp32 on cpu)")
+    ap.add_argument("--mapper-dtype", default="float32", help="comma list of float32 | bfloat16: the mapper's "
+                    "dtype(s) to time (default float32, the dtype evaluation maps with)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--inputs", type=int, default=3, help="distinct random inputs to rotate among")
@@ -625,9 +641,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
           f"copy {caps['copy_bytes_per_s'] / 1e9:.1f} GB/s; load {load_average()}")
     rows = []
     for pair in a.pair.split(","):
-        rows += bench_pair(pair, tokens, layers=a.layers, device=a.device, dtype=dtype, warmup=a.warmup,
-                           repeats=a.repeats, n_inputs=a.inputs, selection=a.selection, run_prefill=not a.no_prefill,
-                           caps=caps)
+        for mapper_dtype in a.mapper_dtype.split(","):
+            rows += bench_pair(pair, tokens, layers=a.layers, device=a.device, dtype=dtype,
+                               mapper_dtype=getattr(torch, mapper_dtype), warmup=a.warmup, repeats=a.repeats,
+                               n_inputs=a.inputs, selection=a.selection, run_prefill=not a.no_prefill, caps=caps)
     extra = {"assumptions": ASSUMPTIONS, "argv": list(argv) if argv is not None else None}
     if a.calibration:
         extra["calibration"] = calibration_throughput(a.pair.split(",")[0], device=a.device, dtype=dtype)

@@ -4,9 +4,15 @@ With the pair's real loaded models, the source cache is a real source prefill (r
 few distinct inputs rotated), the mapper is the run's fitted mapper, and the prefill side is the
 target's decoder body. `bench.shapes_only=true` instead times random-weight models with the real
 configs of a paper pair (see kvtransfer.bench). Rows are cached by config and device.
+
+The mapper is timed in the dtype evaluation maps with: evaluation uses the saved mapper as loaded
+(float32; `eval/adapter` only moves it to the device) on the target's cache dtype. `bench.mapper_dtypes`
+lists the mapper dtypes to time (default [float32]); each row says its `mapper_dtype`, and
+`eval_dtype` whether that is the dtype evaluation uses.
 """
 from __future__ import annotations
 
+import copy
 import json
 
 import torch
@@ -19,28 +25,37 @@ from .pipeline import artifact_key
 from .transfer import codec_for, map_layers
 
 
+# The dtype evaluation maps in: the saved mapper's (artifacts store float32 weights, and eval/adapter
+# moves the loaded mapper to the device without a dtype). A test keeps this in step with the artifact.
+EVAL_MAPPER_DTYPE = "float32"
+
+
 def _dtype(name: str, device: str) -> torch.dtype:
     if name in (None, "auto"):
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return getattr(torch, name)
 
 
-def bench_loaded(source, target, mapper, tokens, *, warmup: int = 3, repeats: int = 10, n_inputs: int = 3,
-                 log=print) -> list[dict]:
+def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | None = None, warmup: int = 3,
+                 repeats: int = 10, n_inputs: int = 3, log=print) -> list[dict]:
     """Table-5 rows for loaded models: mapper ms vs target body prefill ms per token count.
 
-    Token counts beyond the target's max_position_embeddings are skipped. Times in ms (median and
-    spread over `repeats`), FLOPs/bytes of both sides and their floors on this device.
+    The mapper computes in `mapper_dtype` (default: its own dtype, as evaluation maps) on a copy;
+    `mapper` itself is left as it is. Token counts beyond the target's max_position_embeddings are
+    skipped. Times in ms (median and spread over `repeats`), FLOPs/bytes of both sides and their
+    floors on this device.
     """
     device, dtype = target.device, target.dtype
     caps = bench.measure_device(device, dtype)
-    mapper.to(device, dtype)
+    eval_dtype = mapper.dtype
+    mapper = copy.copy(mapper).to(device, mapper_dtype)  # shallow copy: .to rebinds its tensors only
     s_shape, t_shape = kv_shape(source), kv_shape(target)
     used = len(set(mapper.selected_layers.flatten().tolist()))
     limit = getattr(target.config, "max_position_embeddings", None) or 10**9
     rows = []
     for n_tok in tokens:
         row = {"tokens": n_tok, "mode": "loaded", "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+               "mapper_dtype": str(mapper.dtype).replace("torch.", ""), "eval_dtype": mapper.dtype == eval_dtype,
                "k": mapper.k, "load_avg": bench.load_average()}
         if n_tok > limit:
             rows.append(dict(row, skipped=f"beyond max_position_embeddings={limit}"))
@@ -60,7 +75,8 @@ def bench_loaded(source, target, mapper, tokens, *, warmup: int = 3, repeats: in
         p = bench.time_fn(lambda i: prefill(target, i), ids, warmup=warmup, repeats=repeats, device=device)
         es = torch.empty((), dtype=dtype).element_size()
         mc = bench.mapper_cost(source.config, target.config, mapper.k, n_tok, n_target_layers=t_shape.n_layers,
-                               n_source_used=used, weight_bytes=es, cache_bytes=es, out_bytes=es)
+                               n_source_used=used, weight_bytes=torch.empty((), dtype=mapper.dtype).element_size(),
+                               cache_bytes=es, out_bytes=es)
         pc = bench.prefill_cost(target.config, n_tok, dtype_bytes=es)
         row.update(mapper_ms=m["median_ms"], mapper_ms_min=m["min_ms"], mapper_ms_max=m["max_ms"],
                    prefill_ms=p["median_ms"], prefill_ms_min=p["min_ms"], prefill_ms_max=p["max_ms"],
@@ -68,8 +84,8 @@ def bench_loaded(source, target, mapper, tokens, *, warmup: int = 3, repeats: in
                    flop_ratio=pc["flops"] / mc["flops"], mapper_floor_ms=bench.floor_ms(mc["flops"], mc["bytes"], caps),
                    prefill_floor_ms=bench.floor_ms(pc["flops"], pc["bytes"], caps), repeats=m["n"],
                    source_kv=[s_shape.n_layers, s_shape.n_kv, s_shape.head_dim])
-        log(f"[bench] {n_tok} tokens: mapper {m['median_ms']:.2f} ms, prefill {p['median_ms']:.2f} ms, "
-            f"speedup {row['speedup']:.1f}x (FLOP ratio {row['flop_ratio']:.1f}x)")
+        log(f"[bench] {n_tok} tokens, {row['mapper_dtype']} mapper: mapper {m['median_ms']:.2f} ms, prefill "
+            f"{p['median_ms']:.2f} ms, speedup {row['speedup']:.1f}x (FLOP ratio {row['flop_ratio']:.1f}x)")
         rows.append(row)
     return rows
 
@@ -86,15 +102,19 @@ def benchmark(run) -> list[dict]:
     if path.exists():
         return json.loads(path.read_text())
     dtype = _dtype(bcfg.get("dtype"), device)
-    if shapes_only:
-        name = run.cfg["pair"]["name"]
-        if name not in bench.PAIRS:
-            raise ValueError(f"bench.shapes_only knows the paper pairs {sorted(bench.PAIRS)}, not {name!r}")
-        rows = bench.bench_pair(name, bcfg["tokens"], layers=bcfg.get("layers"), device=device, dtype=dtype,
-                                warmup=bcfg["warmup"], repeats=bcfg["repeats"])
-    else:
-        source, target = run.model("source")[0], run.model("target")[0]
-        rows = bench_loaded(source, target, run.mapper(), bcfg["tokens"], warmup=bcfg["warmup"],
-                            repeats=bcfg["repeats"])
+    mapper_dtypes = [getattr(torch, name) for name in (bcfg.get("mapper_dtypes") or [EVAL_MAPPER_DTYPE])]
+    rows = []
+    for mapper_dtype in mapper_dtypes:
+        if shapes_only:
+            name = run.cfg["pair"]["name"]
+            if name not in bench.PAIRS:
+                raise ValueError(f"bench.shapes_only knows the paper pairs {sorted(bench.PAIRS)}, not {name!r}")
+            rows += [dict(r, eval_dtype=r["mapper_dtype"] == EVAL_MAPPER_DTYPE) for r in bench.bench_pair(
+                name, bcfg["tokens"], layers=bcfg.get("layers"), device=device, dtype=dtype,
+                mapper_dtype=mapper_dtype, warmup=bcfg["warmup"], repeats=bcfg["repeats"])]
+        else:
+            source, target = run.model("source")[0], run.model("target")[0]
+            rows += bench_loaded(source, target, run.mapper(), bcfg["tokens"], mapper_dtype=mapper_dtype,
+                                 warmup=bcfg["warmup"], repeats=bcfg["repeats"])
     atomic_write_json(path, rows)
     return rows

@@ -1,5 +1,6 @@
-"""Correctness fixes of the numerical core (issue 9, §3a-c): native sink on short rows, the
-rank-revealing ridge solve, and MLP artifacts through the public API."""
+"""Correctness fixes of the numerical core (issue 9, §3a-c, §3e): native sink on short rows, the
+rank-revealing ridge solve, MLP artifacts through the public API, and the bench timing the dtype
+evaluation maps with."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import kvtransfer as kt
+from kvtransfer import bench, bench_stage
 from kvtransfer.mlp import MLPMapper
 from kvtransfer.ridge import IllConditionedWarning, solve_spd
 from tiny_models import random_ids, tiny_model
@@ -192,3 +194,47 @@ def test_unknown_kind_is_refused(tmp_path):
     (tmp_path / "m" / "mapper.json").write_text(json.dumps(manifest | {"kind": "conv"}))
     with pytest.raises(ValueError, match="unknown mapper kind 'conv'"):
         kt.load_mapper(tmp_path / "m")
+
+
+# -- §3e the speed stage times the dtype evaluation maps with -------------------------------------
+def test_eval_mapper_dtype_is_the_saved_mappers(tmp_path, sink_pair):
+    """Evaluation maps with the mapper as loaded (eval/adapter moves it to the device only)."""
+    _, _, mapper = sink_pair
+    mapper.save(tmp_path / "m")
+    assert str(kt.load_mapper(tmp_path / "m").dtype) == f"torch.{bench_stage.EVAL_MAPPER_DTYPE}"
+    from omegaconf import OmegaConf
+
+    default = OmegaConf.load(REPO / "conf" / "bench" / "default.yaml")
+    assert list(default.mapper_dtypes) == [bench_stage.EVAL_MAPPER_DTYPE]
+
+
+def test_bench_loaded_times_the_eval_dtype_on_bf16_models(sink_pair, monkeypatch):
+    """bf16 models (as on GPU): the mapper is timed in float32 like evaluation, and the caller's mapper
+    is not cast (the old stage cast it to the target's bf16 in place and timed that)."""
+    source, target, mapper = sink_pair
+    monkeypatch.setattr(bench, "measure_device", lambda *a, **k: {"matmul_flops_per_s": 1e9, "copy_bytes_per_s": 1e8})
+    src16, tgt16 = (tiny_model(f, layers=n, seed=s, **kw).to(torch.bfloat16) for f, n, s, kw in
+                    (("qwen3", 2, 1, {}), ("llama", 3, 2, dict(hidden=48, heads=6))))
+    rows = bench_stage.bench_loaded(src16, tgt16, mapper, [8], warmup=0, repeats=1, n_inputs=1, log=lambda *a: None)
+    assert rows[0]["dtype"] == "bfloat16" and rows[0]["mapper_dtype"] == "float32" and rows[0]["eval_dtype"]
+    assert mapper.weight.dtype == torch.float32
+    rows = bench_stage.bench_loaded(src16, tgt16, mapper, [8], mapper_dtype=torch.bfloat16, warmup=0, repeats=1,
+                                    n_inputs=1, log=lambda *a: None)
+    assert rows[0]["mapper_dtype"] == "bfloat16" and not rows[0]["eval_dtype"] and rows[0]["mapper_ms"] > 0
+    assert mapper.weight.dtype == torch.float32
+
+
+def test_shapes_only_bench_defaults_to_the_eval_dtype(monkeypatch):
+    small = dict(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    monkeypatch.setitem(bench.MODELS, "tiny_src", dict(small, num_hidden_layers=3))
+    monkeypatch.setitem(bench.MODELS, "tiny_tgt", dict(small, num_hidden_layers=2))
+    monkeypatch.setitem(bench.PAIRS, "tiny", ("tiny_src", "tiny_tgt", 2))
+    caps = {"matmul_flops_per_s": 1e9, "copy_bytes_per_s": 1e8}
+    kw = dict(repeats=1, warmup=0, caps=caps, run_prefill=False, log=lambda *a: None)
+    row = bench.bench_pair("tiny", [8], dtype=torch.bfloat16, **kw)[0]
+    assert row["dtype"] == "bfloat16" and row["mapper_dtype"] == "float32"
+    row16 = bench.bench_pair("tiny", [8], dtype=torch.bfloat16, mapper_dtype=torch.bfloat16, **kw)[0]
+    assert row16["mapper_dtype"] == "bfloat16" and row16["mapper_bytes"] < row["mapper_bytes"]
+    assert "float32 mapper" in bench.table_markdown([row]) and "bfloat16 mapper" in bench.table_markdown([row16])

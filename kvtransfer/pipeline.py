@@ -392,6 +392,9 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
         raise FileExistsError(f"{out_dir} already holds a run; choose another out_dir")
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "config.json", cfg)  # the resolved config that made this run
+    from .plan import plan_run
+
+    plan_run(cfg, out_dir)  # prints + writes plan.json; refuses (PlanError) before any load if a stage won't fit
     stages = parse_stages(cfg.get("stage", "all"))
     run = Run(cfg, out_dir)
     summary: dict = {"pair": cfg["pair"]["name"], "direction": cfg["pair"].get("direction", "forward"),

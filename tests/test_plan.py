@@ -1,0 +1,245 @@
+"""Resource plan (kvtransfer.plan, issue 10 §1/§4): hand-computed sizes for Qwen3 14B -> 32B, the JSON
+schema, the refusal message, the tiny pair, and the plan's calibration sizes against a real
+`collect_moments` on small random models built from the real config classes."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from kvtransfer import plan as P
+from kvtransfer.calibrate import collect_moments
+from tiny_models import qwen3_config, random_ids, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9
+H200 = P.Node(**P.NODES["h200"])
+H100x8 = P.Node(**P.NODES["8xh100"])
+PAPER_PAIRS = ("qwen3_14b_32b", "qwen3_8b_32b", "llama31_8b_70b", "ministral3_3b_8b", "ministral3_3b_14b",
+               "ministral3_8b_14b")
+FIXED_RATES = P.Rates("fixed", "test", {"bfloat16": 5e14, "float32": 4e13, "float64": 4e13}, 3e12,
+                      {"float64": 5e11, "float32": 1e12}, 5e10, 1e10, 2e9, 2e9)
+
+
+def _compose(*overrides) -> dict:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["out_dir=unused", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.fixture(scope="module")
+def cfg_14_32():
+    return _compose("pair=qwen3_14b_32b")
+
+
+@pytest.fixture(scope="module")
+def plan_14_32(cfg_14_32):
+    return P.make_plan(cfg_14_32, H200, rates=FIXED_RATES)
+
+
+# -- formulas, by hand ------------------------------------------------------------------------------
+def test_shapes_and_sizes_of_qwen3_14b_to_32b_by_hand(cfg_14_32):
+    src, tgt = P.load_shape(cfg_14_32["pair"]["source"]), P.load_shape(cfg_14_32["pair"]["target"])
+    assert (src.layers, src.kv_heads, src.head_dim, src.hidden, src.intermediate) == (40, 8, 128, 5120, 17408)
+    assert (tgt.layers, tgt.kv_heads, tgt.head_dim, tgt.hidden, tgt.intermediate) == (64, 8, 128, 5120, 25600)
+    dx, dy = 40 * 8 * 128, 64 * 8 * 128
+    assert (dx, dy) == (40_960, 65_536)
+    # one split: K and V, each mean_x [Dx] + mean_y [Dy] + cxx [Dx,Dx] + cxy [Dx,Dy] + cyy [Dy]
+    by_hand = 2 * (40_960 ** 2 + 40_960 * 65_536 + 40_960 + 2 * 65_536) * 8
+    assert P.moments_bytes(dx, dy, 8) == by_hand == 69_795_971_072      # ≈ 70 GB per split in fp64
+    assert P.moments_bytes(dx, dy, 4) == by_hand // 2
+    assert P.mapper_params(src.width, tgt, 8) == 1_073_741_824 + 64 * 2 * 1024   # the paper's count + biases
+    # parameters: per layer q,o 2*h*(heads*d), k,v 2*h*1024, MLP 3*h*I, 2 norms, q/k norms; + untied embeddings
+    layer_14 = 2 * 5120 * 5120 + 2 * 5120 * 1024 + 3 * 5120 * 17408 + 2 * 5120 + 2 * 128
+    assert src.params == 40 * layer_14 + 5120 + 2 * 151_936 * 5120
+    assert 14.7e9 < src.params < 14.8e9 and 32.7e9 < tgt.params < 32.8e9   # the published 14.8B / 32.8B
+    assert P.weight_bytes(tgt, 2) == 2 * tgt.params
+
+
+def test_plan_figures_of_qwen3_14b_to_32b(cfg_14_32, plan_14_32):
+    pr, st = plan_14_32["protocol"], plan_14_32["stages"]
+    split = 69_795_971_072
+    assert (pr["dx"], pr["dy"], pr["p"], pr["k"]) == (40_960, 65_536, 8 * 1024, 8)
+    assert pr["observations"] == 450 * 256 and pr["moments_split_gib"] == pytest.approx(split / P.GiB, abs=0.01)
+    cal = st["calibrate"]["parts"]
+    # disk: the checkpoint (train + held-out) and its atomic temp copy = 4 splits ≈ 280 GB
+    assert cal["disk"]["checkpoint + its atomic temp copy (4 x one split)"] * P.GiB == pytest.approx(4 * split, rel=1e-3)
+    # host: both splits + one kind of the batch products, copied to the host for the merge (fp64), + token ids
+    assert cal["host"]["moments (train + held-out) + merge of one kind"] * P.GiB == pytest.approx(
+        2 * split + split / 2 + 500 * 1024 * 8, rel=1e-3)
+    # GPU: both bf16 models + both kinds' fp64 batch products (= one split's size) + batch working
+    gpu = cal["gpu"]
+    assert gpu["source + target weights"] * P.GiB == pytest.approx(2 * (14_768_307_200 + 32_762_123_264), rel=1e-3)
+    assert gpu["prefill / features + batch products"] * P.GiB > split
+    assert st["calibrate"]["disk_gib"] * P.GiB == pytest.approx(279.2 * GB, rel=2e-3) and st["calibrate"]["host_gib"] * P.GiB > 140 * GB
+    assert not st["calibrate"]["fits"] and set(st["calibrate"]["over"]) == {"gpu", "host", "disk"}
+    # fit: both splits on the host + packing 3 x the float64 weights
+    fit = st["fit"]["parts"]["host"]
+    w64 = (1_073_741_824 + 64 * 2 * 1024) * 8
+    assert fit["moments (train + held-out)"] * P.GiB == pytest.approx(2 * split, rel=1e-3)
+    assert fit["R² pass / one ridge solve / packing (3 x float64 weights)"] * P.GiB == pytest.approx(3 * w64, rel=1e-3)
+    # float32 moments halve the moments wherever they appear
+    half = P.make_plan(dict(cfg_14_32, calib=dict(cfg_14_32["calib"], dtype="float32")), H200, rates=FIXED_RATES)
+    assert half["protocol"]["moments_split_gib"] == pytest.approx(pr["moments_split_gib"] / 2, rel=1e-6)
+    assert half["stages"]["calibrate"]["disk_gib"] == pytest.approx(st["calibrate"]["disk_gib"] / 2, rel=1e-3)
+
+
+def test_sequential_capture_adds_the_feature_files(cfg_14_32):
+    seq = dict(cfg_14_32, calib=dict(cfg_14_32["calib"], capture="sequential"))
+    plan = P.make_plan(seq, H200, rates=FIXED_RATES, knobs=False)
+    feats = plan["stages"]["calibrate"]["parts"]["disk"]["sequential source features"] * P.GiB
+    assert feats == pytest.approx(500 * 256 * 40_960 * 2 * 4, rel=1e-3)   # float32 K and V of every kept token
+    # and only one model on the GPU at a time
+    assert "source + target weights" not in plan["stages"]["calibrate"]["parts"]["gpu"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "ministral3", "qwen2"])
+def test_parameter_formula_matches_the_real_model_class(family):
+    """ModelShape.params == the parameter count of the transformers model built (on meta) from the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=100)
+    if family != "qwen2":
+        kw["head_dim"] = 24
+    cfg = AutoConfig.for_model(family, **kw, tie_word_embeddings=family == "qwen2")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert P.shape_from_config(cfg).params == sum(p.numel() for p in model.parameters())
+
+
+def test_every_shipped_pair_has_shapes_without_weights_or_hub():
+    for yaml in sorted((ROOT / "conf" / "pair").glob("*.yaml")):
+        cfg = _compose(f"pair={yaml.stem}")
+        for side in ("source", "target"):
+            shape = P.load_shape(cfg["pair"][side])
+            assert shape.layers > 0 and shape.width > 0, (yaml.stem, side)
+    llama70 = P.load_shape({"id": "meta-llama/Llama-3.1-70B"})
+    assert 70.5e9 < llama70.params < 70.6e9
+
+
+# -- JSON, refusal, tiny ----------------------------------------------------------------------------
+def test_cli_json_is_one_object_with_the_schema(tmp_path, capsys):
+    assert P.main(["pair=qwen3_14b_32b", "--node", "h200", "--json", "--out", str(tmp_path)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["pair"] == "qwen3_14b_32b"
+    assert plan["node"]["gpus"] == 1 and plan["node"]["gpu_gib"] == 140.4 and plan["node"]["host_gib"] == 128
+    assert set(plan["stages"]) == {"calibrate", "fit", "eval", "bench", "report"}
+    for name, st in plan["stages"].items():
+        for key, kind in (("gpu_gib", float), ("host_gib", float), ("disk_gib", float), ("seconds", float),
+                          ("fits", bool), ("knobs", list)):
+            assert isinstance(st[key], kind), (name, key)
+        assert st["fits"] == (not st["over"]) and (not st["fits"] or st["knobs"] == [])
+        for kb in st["knobs"]:
+            assert set(kb) >= {"set", "gpu_gib", "host_gib", "disk_gib", "seconds", "fits"}
+    assert not plan["stages"]["calibrate"]["fits"]
+    assert json.loads((tmp_path / "plan.json").read_text())["stages"].keys() == plan["stages"].keys()
+    assert "| calibrate |" in (tmp_path / "plan.md").read_text()
+    # explicit node flags
+    assert P.main(["pair=qwen3_14b_32b", "--gpus", "8", "--gpu-mem", "79.6", "--host-mem", "1024", "--disk", "931",
+                   "--gpu", "H100", "--json", "--out", str(tmp_path / "b")]) == 0
+    assert json.loads(capsys.readouterr().out)["node"]["gpus"] == 8
+
+
+def test_refusal_names_the_knobs_with_their_figures(cfg_14_32):
+    with pytest.raises(P.PlanError) as err:
+        P.check_plan(cfg_14_32, H200, rates=FIXED_RATES)
+    msg = str(err.value)
+    assert "calibrate" in msg and "calib.dtype=float32" in msg and "calib.capture=sequential" in msg
+    assert "plan.enforce=false" in msg and "GiB" in msg
+    # on 8 x H100 the GPU side is what fails, and device_map=auto (with float32 moments) is named
+    with pytest.raises(P.PlanError, match="device_map=auto"):
+        P.check_plan(cfg_14_32, H100x8, rates=FIXED_RATES, stages=["fit"])
+
+
+def test_the_knob_figures_are_recomputed_plans(cfg_14_32, plan_14_32):
+    knobs = {kb["set"]: kb for kb in plan_14_32["stages"]["calibrate"]["knobs"]}
+    f32 = P.make_plan(dict(cfg_14_32, calib=dict(cfg_14_32["calib"], dtype="float32")), H200, rates=FIXED_RATES,
+                      knobs=False)["stages"]["calibrate"]
+    kb = knobs["calib.dtype=float32"]
+    assert (kb["gpu_gib"], kb["host_gib"], kb["disk_gib"]) == (f32["gpu_gib"], f32["host_gib"], f32["disk_gib"])
+
+
+def test_tiny_default_run_fits_a_small_machine():
+    cfg = _compose()
+    assert cfg["pair"]["name"] == "tiny" and cfg["plan"]["enforce"] is True
+    small = P.Node("laptop", gpus=0, host_gib=4.0, disk_gib=2.0)
+    plan = P.check_plan(cfg, small, rates=FIXED_RATES)
+    assert all(st["fits"] for st in plan["stages"].values())
+    assert plan["stages"]["calibrate"]["host_gib"] < 2 and plan["stages"]["calibrate"]["disk_gib"] < 0.1
+
+
+def test_plan_run_writes_plan_json_and_respects_enforce(tmp_path, cfg_14_32, monkeypatch):
+    monkeypatch.setattr(P, "detect_node", lambda cfg: P.Node("test box", 0, 0.0, 8.0, 16.0))
+    monkeypatch.setattr(P, "rates_for", lambda *a, **k: FIXED_RATES)
+    cfg = dict(cfg_14_32, stage="calibrate")
+    with pytest.raises(P.PlanError, match="calibrate"):
+        P.plan_run(cfg, tmp_path / "a", log=lambda *_: None)
+    assert json.loads((tmp_path / "a" / "plan.json").read_text())["stages"]["calibrate"]["fits"] is False
+    with pytest.warns(UserWarning, match="plan.enforce=false"):
+        plan = P.plan_run(dict(cfg, plan={"enforce": False}), tmp_path / "b", log=lambda *_: None)
+    assert plan is not None and (tmp_path / "b" / "plan.md").exists()
+
+
+def test_execute_refuses_before_loading_anything(tmp_path, monkeypatch, cfg_14_32):
+    from kvtransfer import pipeline
+
+    monkeypatch.setattr(P, "detect_node", lambda cfg: P.Node("test box", 0, 0.0, 8.0, 16.0))
+    monkeypatch.setattr(P, "rates_for", lambda *a, **k: FIXED_RATES)
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    cfg = dict(cfg_14_32, stage="calibrate", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(P.PlanError, match="calib.dtype=float32"):
+        pipeline.execute(cfg, tmp_path / "run")
+    assert (tmp_path / "run" / "plan.json").exists() and not (tmp_path / "run" / "summary.json").exists()
+
+
+# -- simulation: the plan's calibration sizes vs a real collect_moments ---------------------------------
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkeypatch, dtype):
+    """Random Qwen3 models from the real config class at 1/8 of 14B -> 32B's per-layer KV width (one
+    kv head x 128 = 128 features per layer; 5 -> 8 layers): the moments' tensor bytes, the checkpoint
+    file, the disk peak while it is rewritten (old file + temp copy) and the sequential feature files
+    all within 15 % of the plan."""
+    import kvtransfer.io as kio
+
+    src_cfg, tgt_cfg = (qwen3_config(layers=5, hidden=64, heads=2, kv_heads=1, head_dim=128),
+                        qwen3_config(layers=8, hidden=64, heads=2, kv_heads=1, head_dim=128))
+    src, tgt = tiny_model("qwen3", seed=1, layers=5, hidden=64, heads=2, kv_heads=1, head_dim=128), \
+        tiny_model("qwen3", seed=2, layers=8, hidden=64, heads=2, kv_heads=1, head_dim=128)
+    n_seq, seq_len, stride, batch = 8, 32, 2, 4
+    cfg = _compose("pair=tiny", f"calib.n_sequences={n_seq}", f"calib.seq_len={seq_len}", f"calib.stride={stride}",
+                   f"calib.batch_size={batch}", "calib.heldout_fraction=0.25", f"calib.dtype={dtype}",
+                   "calib.capture=sequential", "calib.checkpoint_every=4", "device=cpu")
+    shapes = (P.shape_from_config(src_cfg, "s"), P.shape_from_config(tgt_cfg, "t"))
+    setup = P.Setup(cfg, *shapes, P.Node(), FIXED_RATES)
+    assert (setup.dx, setup.dy) == (5 * 128, 8 * 128) == (40_960 // 64, 65_536 // 64)
+
+    peaks = []
+    real_replace = kio.os.replace
+
+    def measuring_replace(a, b):  # the moment before the rename: old checkpoint + its temp copy on disk
+        if Path(b).name == "checkpoint.safetensors":
+            peaks.append(sum(f.stat().st_size for f in Path(b).parent.iterdir() if f.is_file()))
+        real_replace(a, b)
+
+    ckpt_dir = tmp_path / "ckpt"
+    monkeypatch.setattr(kio.os, "replace", measuring_replace)
+    result = collect_moments(src, tgt, random_ids(n_seq, seq_len, seed=3), stride=stride, batch_size=batch,
+                             heldout_fraction=0.25, capture="sequential", feature_dir=tmp_path / "features",
+                             checkpoint_path=ckpt_dir / "checkpoint.safetensors", checkpoint_every=4,
+                             dtype=getattr(torch, dtype))
+    monkeypatch.undo()
+    actual = sum(t.numel() * t.element_size() for m in (result.train, result.heldout)
+                 for kind in m.stats.values() for t in kind.values())
+    assert actual == pytest.approx(2 * setup.moments, rel=0.15)
+    assert (ckpt_dir / "checkpoint.safetensors").stat().st_size == pytest.approx(setup.checkpoint, rel=0.15)
+    disk = P.stage_usage(setup)["calibrate"].parts["disk"]   # bytes, as the plan sums them
+    assert max(peaks) == pytest.approx(disk["checkpoint + its atomic temp copy (4 x one split)"], rel=0.15)
+    features = sum(f.stat().st_size for f in (tmp_path / "features").iterdir())
+    assert features == pytest.approx(disk["sequential source features"], rel=0.15)
+    assert len(peaks) >= 2 and os.path.getsize(ckpt_dir / "checkpoint.safetensors") < max(peaks)

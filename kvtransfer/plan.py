@@ -1056,7 +1056,8 @@ class PlanError(RuntimeError):
 
 
 def detect_node(cfg: dict) -> Node:
-    """The machine this process runs on: free GPU memory, available host memory, free disk at cache_dir."""
+    """The machine this process runs on: free GPU memory, total host memory (the node's capacity, as the
+    node presets give it; other jobs running now are not subtracted), free disk at cache_dir."""
     import torch
 
     device = str(cfg.get("device", "auto"))
@@ -1071,7 +1072,7 @@ def detect_node(cfg: dict) -> Node:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith("MemTotal:"):
                     host = int(line.split()[1]) * 1024 / GiB
     except OSError:
         host = float("inf")

@@ -4,17 +4,18 @@ Every mapper kind holds `selected_layers` [L_t, k] (source layers feeding each t
 feature order) and maps, for target layer t, x [2, rows, p] -> y [2, rows, q] with [0] = keys,
 [1] = values, p = k * n_kv_s * d_s and q = n_kv_t * d_t (`map_features`; `map_blocks` takes x as
 column blocks, which lets a kind skip the gather copy). Kinds are named in the manifest and
-resolved by `mapper_class` (ridge here, mlp in kvtransfer.mlp, imported when first needed).
+resolved by `mapper_class`; both live here, so every artifact loads after a plain `import kvtransfer`
+(the fits that produce them: kvtransfer.ridge -> `Mapper.from_ridge`, kvtransfer.mlp -> `fit_mlp`).
 On disk: `mapper.safetensors` + a JSON manifest `mapper.json` (pair identity, k, lambda, selection,
 calibration provenance, R², sha256).
 
 The ridge kind (the paper's) stores
     weight  [L_t, 2, p, q]   bias [L_t, 2, q]        y = x @ weight[t] + bias[t]
-with L_t * 2 * p * q (+ biases) parameters, as counted in the paper.
+with L_t * 2 * p * q (+ biases) parameters, as counted in the paper. The MLP kind (the paper's
+fallback) stores per (target layer, K/V, head) a 3-layer MLP with standardised inputs and outputs.
 """
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,17 +29,6 @@ from .ridge import RidgeFit
 
 FORMAT_VERSION = 1
 _WEIGHTS, _MANIFEST = "mapper.safetensors", "mapper.json"
-# kind name (as written in manifests) -> "module:class"; modules are imported on first use, so every
-# kind loads through `MapperBase.load` / `load_mapper` whatever the caller imported before.
-_KINDS = {"ridge": "kvtransfer.mapper:Mapper", "mlp": "kvtransfer.mlp:MLPMapper"}
-
-
-def mapper_class(kind: str) -> type:
-    """The class of mapper kind `kind` ("ridge", "mlp"); ValueError for an unknown kind."""
-    if kind not in _KINDS:
-        raise ValueError(f"unknown mapper kind {kind!r} (known: {sorted(_KINDS)})")
-    module, name = _KINDS[kind].split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(kw_only=True)
@@ -219,8 +209,65 @@ class Mapper(MapperBase):
         return cls(weight=tensors["weight"], bias=tensors["bias"], **common)
 
 
+@dataclass(kw_only=True)
+class MLPMapper(MapperBase):
+    """Per-head MLPs; tensors stacked [L_t, 2, n_kv_t, ...] (K heads at [:, 0], V heads at [:, 1])."""
+
+    w1: torch.Tensor  # [L_t, 2, H, p, hidden]
+    b1: torch.Tensor  # [L_t, 2, H, hidden]
+    w2: torch.Tensor  # [L_t, 2, H, hidden, hidden]
+    b2: torch.Tensor
+    w3: torch.Tensor  # [L_t, 2, H, hidden, d_t]
+    b3: torch.Tensor  # [L_t, 2, H, d_t]
+    x_mean: torch.Tensor  # [L_t, 2, p]
+    x_std: torch.Tensor
+    y_mean: torch.Tensor  # [L_t, 2, q]
+    y_std: torch.Tensor
+    kind = "mlp"
+
+    _NAMES = ("w1", "b1", "w2", "b2", "w3", "b3", "x_mean", "x_std", "y_mean", "y_std")
+    _FLOAT_TENSORS = _NAMES
+
+    def map_features(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """x [2, rows, p] -> [2, rows, q] through this layer's per-head MLPs."""
+        return mlp_forward(self.layer_params(layer), x)
+
+    def layer_params(self, layer: int) -> dict[str, torch.Tensor]:
+        """The tensors of one target layer (views)."""
+        return {name: getattr(self, name)[layer] for name in self._NAMES}
+
+    @property
+    def n_parameters(self) -> int:
+        return sum(getattr(self, n).numel() for n in ("w1", "b1", "w2", "b2", "w3", "b3"))
+
+    def extra_manifest(self) -> dict:
+        return {"hidden": self.w1.shape[-1]}
+
+    @classmethod
+    def from_tensors(cls, tensors, common, manifest) -> "MLPMapper":
+        return cls(**{name: tensors[name] for name in cls._NAMES}, **common)
+
+
+def mlp_forward(p: dict, x: torch.Tensor, denormalise: bool = True) -> torch.Tensor:
+    """Batched per-head MLP: x [2, rows, p] -> [2, rows, H * d] (standardised if not `denormalise`)."""
+    z = (x - p["x_mean"][:, None]) / p["x_std"][:, None]
+    h = torch.relu(torch.einsum("krp,khpo->khro", z, p["w1"]) + p["b1"][:, :, None])
+    h = torch.relu(h @ p["w2"] + p["b2"][:, :, None])
+    out = h @ p["w3"] + p["b3"][:, :, None]  # [2, H, rows, d]
+    out = out.permute(0, 2, 1, 3).flatten(2)  # [2, rows, H * d]
+    return out * p["y_std"][:, None] + p["y_mean"][:, None] if denormalise else out
+
+
 def _cat(blocks: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
     return torch.cat([x for _, x in blocks], dim=-1)
+
+
+def mapper_class(kind: str) -> type:
+    """The class of mapper kind `kind` ("ridge", "mlp"); ValueError for an unknown kind."""
+    kinds = {cls.kind: cls for cls in (Mapper, MLPMapper)}  # kind name, as written in manifests -> class
+    if kind not in kinds:
+        raise ValueError(f"unknown mapper kind {kind!r} (known: {sorted(kinds)})")
+    return kinds[kind]
 
 
 def load_mapper(directory: str | Path, source_model=None, target_model=None) -> MapperBase:

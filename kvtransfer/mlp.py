@@ -1,21 +1,21 @@
-"""The paper's MLP fallback mapper, trained on a bounded sample of calibration features.
+"""Training the paper's MLP fallback mapper on a bounded sample of calibration features.
 
 Per (target layer, head, K/V): Linear(p, hidden) - ReLU - Linear(hidden, hidden) - ReLU -
 Linear(hidden, d_t), Adam (lr 1e-3), 20 epochs, batches of 4,096 tokens, MSE. All heads of a
 target layer (K and V) train together as one batched network with disjoint weights, which is the
 same as training them separately on the same batches. Inputs and outputs are standardised with
 the sample's per-feature mean and std (stored with the mapper), so one learning rate suits keys
-and values alike.
+and values alike. The artifact (`MLPMapper`, its forward pass) is a mapper kind in kvtransfer.mapper,
+so loading and applying an MLP mapper never needs this module.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from .io import atomic_save_tensors, load_tensors
-from .mapper import MapperBase
+from .mapper import MLPMapper, mlp_forward
 from .models import model_identity
 
 
@@ -56,55 +56,6 @@ class FeatureSampler:
         return load_tensors(path)[0]
 
 
-@dataclass(kw_only=True)
-class MLPMapper(MapperBase):
-    """Per-head MLPs; tensors stacked [L_t, 2, n_kv_t, ...] (K heads at [:, 0], V heads at [:, 1])."""
-
-    w1: torch.Tensor  # [L_t, 2, H, p, hidden]
-    b1: torch.Tensor  # [L_t, 2, H, hidden]
-    w2: torch.Tensor  # [L_t, 2, H, hidden, hidden]
-    b2: torch.Tensor
-    w3: torch.Tensor  # [L_t, 2, H, hidden, d_t]
-    b3: torch.Tensor  # [L_t, 2, H, d_t]
-    x_mean: torch.Tensor  # [L_t, 2, p]
-    x_std: torch.Tensor
-    y_mean: torch.Tensor  # [L_t, 2, q]
-    y_std: torch.Tensor
-    kind = "mlp"
-
-    _NAMES = ("w1", "b1", "w2", "b2", "w3", "b3", "x_mean", "x_std", "y_mean", "y_std")
-    _FLOAT_TENSORS = _NAMES
-
-    def map_features(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """x [2, rows, p] -> [2, rows, q] through this layer's per-head MLPs."""
-        return _forward(self.layer_params(layer), x)
-
-    def layer_params(self, layer: int) -> dict[str, torch.Tensor]:
-        """The tensors of one target layer (views)."""
-        return {name: getattr(self, name)[layer] for name in self._NAMES}
-
-    @property
-    def n_parameters(self) -> int:
-        return sum(getattr(self, n).numel() for n in ("w1", "b1", "w2", "b2", "w3", "b3"))
-
-    def extra_manifest(self) -> dict:
-        return {"hidden": self.w1.shape[-1]}
-
-    @classmethod
-    def from_tensors(cls, tensors, common, manifest) -> "MLPMapper":
-        return cls(**{name: tensors[name] for name in cls._NAMES}, **common)
-
-
-def _forward(p: dict, x: torch.Tensor, denormalise: bool = True) -> torch.Tensor:
-    """Batched per-head MLP: x [2, rows, p] -> [2, rows, H * d] (standardised if not `denormalise`)."""
-    z = (x - p["x_mean"][:, None]) / p["x_std"][:, None]
-    h = torch.relu(torch.einsum("krp,khpo->khro", z, p["w1"]) + p["b1"][:, :, None])
-    h = torch.relu(h @ p["w2"] + p["b2"][:, :, None])
-    out = h @ p["w3"] + p["b3"][:, :, None]  # [2, H, rows, d]
-    out = out.permute(0, 2, 1, 3).flatten(2)  # [2, rows, H * d]
-    return out * p["y_std"][:, None] + p["y_mean"][:, None] if denormalise else out
-
-
 def fit_mlp(sample: dict[str, torch.Tensor], selected_layers: list[list[int]], source_model, target_model, *,
             source_width: int, target_heads: int, hidden: int = 1024, lr: float = 1e-3, epochs: int = 20,
             batch_tokens: int = 4096, device: str = "cpu", seed: int = 0, key_space: str = "stripped",
@@ -133,13 +84,13 @@ def fit_mlp(sample: dict[str, torch.Tensor], selected_layers: list[list[int]], s
         for _ in range(epochs):
             for idx in torch.randperm(n, generator=g).split(batch_tokens):
                 idx = idx.to(device)
-                pred = _forward(params, x[:, idx], denormalise=False)
+                pred = mlp_forward(params, x[:, idx], denormalise=False)
                 loss = torch.mean((pred - y_norm[:, idx]) ** 2)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
         with torch.no_grad():
-            pred = _forward(params, x)
+            pred = mlp_forward(params, x)
             for i, kind in enumerate(("k", "v")):
                 sse = ((pred[i] - y[i]) ** 2).view(n, target_heads, d_t).sum((0, 2))
                 sst = ((y[i] - y[i].mean(0)) ** 2).view(n, target_heads, d_t).sum((0, 2))

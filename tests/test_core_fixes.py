@@ -15,7 +15,7 @@ import torch
 
 import kvtransfer as kt
 from kvtransfer import bench, bench_stage
-from kvtransfer.mlp import MLPMapper
+from kvtransfer.mapper import MLPMapper
 from kvtransfer.ridge import IllConditionedWarning, solve_spd
 from tiny_models import random_ids, tiny_model
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.mapper import Mapper, MapperBase
-from kvtransfer.mlp import MLPMapper
+from kvtransfer.mapper import Mapper, MapperBase, MLPMapper
 from kvtransfer.rope import RopeCodec, rotate, rotate_half
 from kvtransfer.transfer import map_layers, map_layers_reference
 from tiny_models import tiny_model

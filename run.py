@@ -8,7 +8,7 @@
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from kvtransfer.pipeline import execute
+from kvtransfer.runner import execute
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -4,8 +4,8 @@
         --host-mem GiB --disk GiB --gpus N --gpu H100|H200|A100] [--weights-on-disk] [--json] [--out DIR]
 
 Every figure is computed from the code's data layout (kvtransfer.calibrate / moments / ridge / select /
-mapper / transfer / pipeline), not measured; the formulas are in the functions below and each names
-the code it follows. What a run holds, by stage, when `pipeline.execute` runs them in one process:
+mapper / transfer / runner.pipeline), not measured; the formulas are in the functions below and each names
+the code it follows. What a run holds, by stage, when `runner.pipeline.execute` runs them in one process:
 
 calibrate  (`collect_moments`) both models on the device (co-resident; `capture=sequential`: the source,
            then the target); per batch the features x [m, Dx] / y [m, Dy] in float32 and, on the
@@ -786,7 +786,7 @@ def _report(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -
 
 
 def stage_usage(s: Setup) -> dict[str, Usage]:
-    """Peak usage of every stage, as `pipeline.execute` would run the requested stages in one process
+    """Peak usage of every stage, as `runner.pipeline.execute` would run the requested stages in one process
     (earlier requested stages leave models loaded and moments held); a stage not requested is planned
     as if run alone with its inputs already cached."""
     out = {}
@@ -1050,7 +1050,7 @@ def format_plan(plan: dict, *, markdown: bool = False, details: bool = True) -> 
     return "\n".join(lines) + "\n"
 
 
-# -- for the runner ----------------------------------------------------------------------------------
+# -- for the runner (its plan hook: kvtransfer.runner.pipeline.plan_run) ---------------------------
 class PlanError(RuntimeError):
     """A requested stage will not fit the node; the message names the knobs that help."""
 
@@ -1114,29 +1114,6 @@ def check_plan(cfg: dict, node: Node | None = None, *, shapes=None, rates=None,
     msg = refusal_message(plan, stages if stages is not None else _parse_stages(cfg.get("stage", "all")))
     if msg:
         raise PlanError(msg)
-    return plan
-
-
-def plan_run(cfg: dict, out_dir, *, log=print) -> dict | None:
-    """What `pipeline.execute` calls first: plan this run on this machine, print the table, write
-    out_dir/plan.json + plan.md, and raise PlanError before anything loads when a requested stage does
-    not fit and plan.enforce (default true). A config the planner cannot read only warns."""
-    import warnings
-
-    try:
-        node = detect_node(cfg)
-        plan = make_plan(cfg, node, local=True)
-    except Exception as err:  # noqa: BLE001 -- planning must never be the reason a valid run fails
-        warnings.warn(f"resource plan unavailable: {err}", stacklevel=2)
-        return None
-    out_dir = Path(out_dir)
-    write_plan(plan, out_dir)
-    log(format_plan(plan, details=False).rstrip())
-    msg = refusal_message(plan, _parse_stages(cfg.get("stage", "all")))
-    if msg:
-        if bool(_get(cfg, "plan.enforce", True)):
-            raise PlanError(msg)
-        warnings.warn(msg + "\n(plan.enforce=false: running anyway)", stacklevel=2)
     return plan
 
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import kvtransfer as kt
-from kvtransfer import bench, bench_stage
+from kvtransfer import bench
 from kvtransfer.mapper import MLPMapper
 from kvtransfer.ridge import IllConditionedWarning, solve_spd
+from kvtransfer.runner import bench_stage
 from tiny_models import random_ids, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -175,19 +175,22 @@ def test_tiny_default_run_fits_a_small_machine():
 
 
 def test_plan_run_writes_plan_json_and_respects_enforce(tmp_path, cfg_14_32, monkeypatch):
+    from kvtransfer.runner.pipeline import plan_run
+
     monkeypatch.setattr(P, "detect_node", lambda cfg: P.Node("test box", 0, 0.0, 8.0, 16.0))
     monkeypatch.setattr(P, "rates_for", lambda *a, **k: FIXED_RATES)
     cfg = dict(cfg_14_32, stage="calibrate")
     with pytest.raises(P.PlanError, match="calibrate"):
-        P.plan_run(cfg, tmp_path / "a", log=lambda *_: None)
+        plan_run(cfg, tmp_path / "a", log=lambda *_: None)
     assert json.loads((tmp_path / "a" / "plan.json").read_text())["stages"]["calibrate"]["fits"] is False
     with pytest.warns(UserWarning, match="plan.enforce=false"):
-        plan = P.plan_run(dict(cfg, plan={"enforce": False}), tmp_path / "b", log=lambda *_: None)
+        plan = plan_run(dict(cfg, plan={"enforce": False}), tmp_path / "b", log=lambda *_: None)
     assert plan is not None and (tmp_path / "b" / "plan.md").exists()
+    assert plan_run(cfg, tmp_path / "c", [], log=lambda *_: None) is not None  # refuses for the stages asked for only
 
 
 def test_execute_refuses_before_loading_anything(tmp_path, monkeypatch, cfg_14_32):
-    from kvtransfer import pipeline
+    from kvtransfer.runner import pipeline
 
     monkeypatch.setattr(P, "detect_node", lambda cfg: P.Node("test box", 0, 0.0, 8.0, 16.0))
     monkeypatch.setattr(P, "rates_for", lambda *a, **k: FIXED_RATES)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from kvtransfer.pipeline import Run, artifact_key, execute, parse_stages
+from kvtransfer.runner import Run, artifact_key, execute, parse_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = sorted(p.stem for p in (ROOT / "conf" / "pair").glob("*.yaml"))
@@ -120,7 +120,7 @@ def test_pipeline_calibrate_fit_report_and_artifact_reuse(tiny_pair_dirs, tmp_pa
         execute(cfg, out)
 
     # a second run with another lambda reuses the moments (no calibration) and fits a new mapper
-    import kvtransfer.pipeline as pipeline
+    import kvtransfer.runner.pipeline as pipeline
 
     def no_calibration(*a, **k):
         raise AssertionError("moments should have been reused")
@@ -187,7 +187,7 @@ def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
     assert (out / "figures" / "fidelity.png").exists() and (out / "tables" / "fidelity_positions.md").exists()
     assert "no_context" in (out / "tables" / "tasks.csv").read_text().splitlines()[0]
     # cached per mode: a rerun with the same config evaluates nothing
-    import kvtransfer.eval.stage as stage
+    import kvtransfer.runner.eval_stage as stage
 
     def no_eval(*a, **k):
         raise AssertionError("eval results should have been reused")
@@ -236,7 +236,7 @@ def test_sweep_collection_writes_one_table(tmp_path):
 def test_k_sweep_and_sink_change_compute_baselines_once(tiny_pair_dirs, tmp_path, monkeypatch):
     """A 3-value k sweep plus a native_sink change: target/source/native_injected/no_context are
     computed once; only `transfer` is recomputed per mapper / sink (issue: sweeps pay once)."""
-    import kvtransfer.eval.stage as stage
+    import kvtransfer.runner.eval_stage as stage
 
     computed: list[str] = []
     target_forwards = []

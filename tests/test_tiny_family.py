@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.pipeline import execute
+from kvtransfer.runner import execute
 from test_runner import _compose
 
 ROOT = Path(__file__).resolve().parents[1]

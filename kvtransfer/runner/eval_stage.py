@@ -1,4 +1,5 @@
-"""The eval stage of a run: benchmarks, prefix-conditioned PPL and multi-turn drift per mode.
+"""The eval stage of a run: benchmarks, prefix-conditioned PPL and multi-turn drift per mode, with the
+protocols of kvtransfer.eval.
 
 Results are cached per mode, so an interrupted evaluation resumes at the next mode and a rerun
 with the same config costs nothing. Modes that never read a mapped cache (target, source,
@@ -15,15 +16,15 @@ import time
 import warnings
 from pathlib import Path
 
+from ..eval.adapter import KVTransferLM
+from ..eval.coqa import drift_curve, load_conversations, per_turn_transfer, transfer_once
+from ..eval.perplexity import draw_windows, prefix_conditioned_ppl
+from ..eval.retention import CHANCE, per_item_scores, retention_table
+from ..eval.tasks import PAPER_TASKS, task_manager
+from ..eval.tiny_suite import TINY_TASKS, write_tiny_yamls
 from ..io import atomic_write_json
 from ..models import kv_shape
-from ..pipeline import artifact_key
-from .adapter import KVTransferLM
-from .coqa import drift_curve, load_conversations, per_turn_transfer, transfer_once
-from .perplexity import draw_windows, prefix_conditioned_ppl
-from .retention import CHANCE, per_item_scores, retention_table
-from .tasks import PAPER_TASKS, task_manager
-from .tiny_suite import TINY_TASKS, write_tiny_yamls
+from .keys import artifact_key
 
 
 def _task_setup(ecfg: dict, work_dir: Path):

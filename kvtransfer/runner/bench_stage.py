@@ -17,12 +17,12 @@ import json
 
 import torch
 
-from . import bench
-from .cache import layers_to_cache, prefill
-from .io import atomic_write_json
-from .models import kv_shape
-from .pipeline import artifact_key
-from .transfer import codec_for, map_layers
+from .. import bench
+from ..cache import layers_to_cache, prefill
+from ..io import atomic_write_json
+from ..models import kv_shape
+from ..transfer import codec_for, map_layers
+from .keys import artifact_key
 
 
 # The dtype evaluation maps in: the saved mapper's (artifacts store float32 weights, and eval/adapter

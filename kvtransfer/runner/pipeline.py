@@ -1,14 +1,14 @@
 """The stages of a run -- calibrate -> fit -> eval -> bench -> report -- with cached artifacts.
 
 Takes a plain dict config (run.py resolves the Hydra config into one), so this module has no Hydra
-import. Every stage artifact lives under `cache_dir` in a directory named by a hash of exactly the
+import. Before anything loads, `plan_run` plans the run on this machine (kvtransfer.plan) and refuses
+a requested stage that will not fit. Every stage artifact lives under `cache_dir` in a directory named by a hash of exactly the
 config that produced it, so changing lambda or k reuses the moments, changing tasks reuses the
 mapper, and an interrupted calibration resumes from its checkpoint. A stage asked for pulls the
 artifacts it needs, computing the missing ones.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import shutil
@@ -17,16 +17,18 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .calibrate import collect_moments, split_heldout
-from .context import describe as describe_context
-from .data import read_documents, stream_hf_documents, token_sequences
-from .io import atomic_save_tensors, atomic_write_json, load_tensors
-from .mapper import Mapper, load_mapper
-from .models import check_same_tokenizer, config_hash, kv_shape, load_model
-from .moments import Moments
-from .ridge import UnderdeterminedFit, fit_ridge
-from .select import r2_matrix, select_greedy, select_topk
+from .. import __version__
+from .. import plan as resource_plan
+from ..calibrate import collect_moments, split_heldout
+from ..context import describe as describe_context
+from ..data import read_documents, stream_hf_documents, token_sequences
+from ..io import atomic_save_tensors, atomic_write_json, load_tensors
+from ..mapper import Mapper, load_mapper
+from ..models import check_same_tokenizer, config_hash, kv_shape, load_model
+from ..moments import Moments
+from ..ridge import UnderdeterminedFit, fit_ridge
+from ..select import r2_matrix, select_greedy, select_topk
+from .keys import artifact_key
 
 STAGES = ("calibrate", "fit", "eval", "bench", "report")
 
@@ -41,11 +43,6 @@ def parse_stages(stage) -> list[str]:
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}: use one of {', '.join(STAGES)} or all")
     return [s for s in STAGES if s in names]
-
-
-def artifact_key(*parts) -> str:
-    """16-hex-digit key of JSON-able parts (the config that produced an artifact)."""
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _progress(enabled: bool):
@@ -169,7 +166,7 @@ class Run:
         ids = self.token_ids()
         sampler = None
         if self.cfg["mapper"]["kind"] == "mlp" and calib.get("mlp_samples", 0) and key_space == self.key_space:
-            from .mlp import FeatureSampler
+            from ..mlp import FeatureSampler
 
             n_train = len(split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))[0])
             sampler = FeatureSampler(calib["mlp_samples"], -(-n_train // calib["batch_size"]), self.cfg.get("seed", 0))
@@ -268,7 +265,7 @@ class Run:
                             force=mcfg.get("force", False), stride=info["stride"], progress=self.progress)
             mapper = Mapper.from_ridge(fit, source, target, key_space=self.key_space, calibration=info)
         elif mcfg["kind"] == "mlp":
-            from .mlp import FeatureSampler, fit_mlp
+            from ..mlp import FeatureSampler, fit_mlp
 
             sample_path = self.moments_dir(self.key_space) / "mlp_sample.safetensors"
             if not sample_path.exists():
@@ -295,9 +292,9 @@ class Run:
         Returns {"per_layer": compare_caches(...), "per_position": position_diagnostics(...),
         "sequences", "prefix", "continuation", "native_sink"}; cached next to the mapper.
         """
-        from .cache import prefill
-        from .diagnostics import compare_caches, position_diagnostics
-        from .transfer import transfer
+        from ..cache import prefill
+        from ..diagnostics import compare_caches, position_diagnostics
+        from ..transfer import transfer
 
         ecfg = self.cfg.get("eval", {})
         fcfg = ecfg.get("fidelity") or {}
@@ -382,6 +379,29 @@ def _mean_r2(mapper_r2: dict) -> dict:
     return out
 
 
+def plan_run(cfg: dict, out_dir: str | Path, stages: list[str] | None = None, *, log=print) -> dict | None:
+    """What `execute` does first: plan this run on this machine (kvtransfer.plan), print the table, write
+    out_dir/plan.json + plan.md, and raise PlanError before anything loads when one of `stages` (default:
+    cfg.stage) does not fit and plan.enforce (default true). A config the planner cannot read only warns."""
+    import warnings
+
+    stages = parse_stages(cfg.get("stage", "all")) if stages is None else stages
+    try:
+        node = resource_plan.detect_node(cfg)
+        plan = resource_plan.make_plan(cfg, node, local=True)
+    except Exception as err:  # noqa: BLE001 -- planning must never be the reason a valid run fails
+        warnings.warn(f"resource plan unavailable: {err}", stacklevel=2)
+        return None
+    resource_plan.write_plan(plan, out_dir)
+    log(resource_plan.format_plan(plan, details=False).rstrip())
+    msg = resource_plan.refusal_message(plan, stages)
+    if msg:
+        if bool((cfg.get("plan") or {}).get("enforce", True)):
+            raise resource_plan.PlanError(msg)
+        warnings.warn(msg + "\n(plan.enforce=false: running anyway)", stacklevel=2)
+    return plan
+
+
 def execute(cfg: dict, out_dir: str | Path) -> dict:
     """Run the configured stages; write summary.json (+ tables/figures in the report stage).
 
@@ -392,10 +412,8 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
         raise FileExistsError(f"{out_dir} already holds a run; choose another out_dir")
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "config.json", cfg)  # the resolved config that made this run
-    from .plan import plan_run
-
-    plan_run(cfg, out_dir)  # prints + writes plan.json; refuses (PlanError) before any load if a stage won't fit
     stages = parse_stages(cfg.get("stage", "all"))
+    plan_run(cfg, out_dir, stages)  # prints + writes plan.json; refuses (PlanError) before any load if a stage won't fit
     run = Run(cfg, out_dir)
     summary: dict = {"pair": cfg["pair"]["name"], "direction": cfg["pair"].get("direction", "forward"),
                      "source": run.model_ref("source"), "target": run.model_ref("target"), "stages": stages,
@@ -421,7 +439,7 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
     else:
         summary["mapper"] = {"kind": cfg["mapper"]["kind"], "k": run.k, "lambda": run.lam}
     if "eval" in stages:
-        from .eval.stage import evaluate
+        from .eval_stage import evaluate
 
         if (cfg["eval"].get("fidelity") or {}).get("enabled", True):
             summary["fidelity"] = run.fidelity()
@@ -432,7 +450,7 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
         summary["speed"] = benchmark(run)
     if "report" in stages:
         summary["variance_explained"] = run.variance_vs_k()
-        from .report.outputs import write_outputs
+        from ..report.outputs import write_outputs
 
         summary["outputs"] = write_outputs(cfg, summary, out_dir, r2_figure)
     atomic_write_json(out_dir / "summary.json", summary)

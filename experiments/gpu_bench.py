@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvtransfer import bench  # noqa: E402
+from kvtransfer.models import kv_shape  # noqa: E402
 
 PAIRS = ("qwen3_14b_32b", "llama31_8b_70b")
 TOKENS = (1024, 4096, 8192, 16384, 32768)
@@ -28,7 +29,7 @@ TOKENS = (1024, 4096, 8192, 16384, 32768)
 def layers_that_fit(pair: str, free_bytes: int, dtype_bytes: int, max_tokens: int, headroom: float = 0.75) -> int:
     """Target layers whose body weights + KV + prefill activations at max_tokens fit in headroom * free."""
     cfg = bench.real_config(bench.PAIRS[pair][1])
-    per_layer = bench.body_params(cfg, 1) * dtype_bytes + 2 * max_tokens * bench.kv_shape(cfg).width * dtype_bytes
+    per_layer = bench.body_params(cfg, 1) * dtype_bytes + 2 * max_tokens * kv_shape(cfg).width * dtype_bytes
     fixed = (cfg.vocab_size * cfg.hidden_size * dtype_bytes
              + max_tokens * (4 * cfg.intermediate_size + 8 * cfg.hidden_size) * dtype_bytes)
     return max(1, min(cfg.num_hidden_layers, int((headroom * free_bytes - fixed) // per_layer)))

@@ -146,7 +146,7 @@ def test_bench_skips_what_does_not_fit(tiny_pair):
 
 
 def test_cli_writes_outputs_and_refuses_to_overwrite(tiny_pair, tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "measure_device", lambda *a, **k: dict(CAPS))
+    monkeypatch.setattr(bench.timing, "measure_device", lambda *a, **k: dict(CAPS))
     argv = ["--pair", tiny_pair, "--tokens", "8,16", "--layers", "1", "--repeats", "2", "--warmup", "0",
             "--device", "cpu", "--out", str(tmp_path / "run")]
     paths = bench.main(argv)

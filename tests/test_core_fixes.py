@@ -213,7 +213,8 @@ def test_bench_loaded_times_the_eval_dtype_on_bf16_models(sink_pair, monkeypatch
     """bf16 models (as on GPU): the mapper is timed in float32 like evaluation, and the caller's mapper
     is not cast (the old stage cast it to the target's bf16 in place and timed that)."""
     source, target, mapper = sink_pair
-    monkeypatch.setattr(bench, "measure_device", lambda *a, **k: {"matmul_flops_per_s": 1e9, "copy_bytes_per_s": 1e8})
+    monkeypatch.setattr(bench.timing, "measure_device",
+                        lambda *a, **k: {"matmul_flops_per_s": 1e9, "copy_bytes_per_s": 1e8})
     src16, tgt16 = (tiny_model(f, layers=n, seed=s, **kw).to(torch.bfloat16) for f, n, s, kw in
                     (("qwen3", 2, 1, {}), ("llama", 3, 2, dict(hidden=48, heads=6))))
     rows = bench_stage.bench_loaded(src16, tgt16, mapper, [8], warmup=0, repeats=1, n_inputs=1, log=lambda *a: None)

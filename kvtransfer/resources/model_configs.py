@@ -9,7 +9,7 @@ SOURCE: written from memory of the public config.json files on the Hugging Face 
 reproduced and match the published parameter counts (e.g. Qwen3-14B 14.8B, Qwen3-32B 32.8B,
 Llama-3.1-70B 70.6B; tests/test_plan.py checks the counts). Ministral 3 (Reasoning 2512) is a
 `mistral3` vision-language checkpoint; only its text stack is listed. Its fields follow
-kvtransfer/bench.py's table: 3B and 8B from public config copies, 14B's intermediate size (16384)
+kvtransfer/bench/shapes.py's table: 3B and 8B from public config copies, 14B's intermediate size (16384)
 and the vocab (131072) are ASSUMPTIONS there and here. `load_extra_params` is what loading the
 VLM materialises beyond the text stack (vision encoder + projector, dropped after loading); ~0.42B
 is an ASSUMPTION (a Pixtral-style 24-layer, 1024-wide encoder). Verify against the real

@@ -17,7 +17,8 @@ import json
 
 import torch
 
-from .. import bench
+from ..bench import shapes, timing
+from ..bench.measure import bench_pair
 from ..cache import layers_to_cache, prefill
 from ..io import atomic_write_json
 from ..models import kv_shape
@@ -46,7 +47,7 @@ def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | 
     floors on this device.
     """
     device, dtype = target.device, target.dtype
-    caps = bench.measure_device(device, dtype)
+    caps = timing.measure_device(device, dtype)
     eval_dtype = mapper.dtype
     mapper = copy.copy(mapper).to(device, mapper_dtype)  # shallow copy: .to rebinds its tensors only
     s_shape, t_shape = kv_shape(source), kv_shape(target)
@@ -56,7 +57,7 @@ def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | 
     for n_tok in tokens:
         row = {"tokens": n_tok, "mode": "loaded", "device": str(device), "dtype": str(dtype).replace("torch.", ""),
                "mapper_dtype": str(mapper.dtype).replace("torch.", ""), "eval_dtype": mapper.dtype == eval_dtype,
-               "k": mapper.k, "load_avg": bench.load_average()}
+               "k": mapper.k, "load_avg": timing.load_average()}
         if n_tok > limit:
             rows.append(dict(row, skipped=f"beyond max_position_embeddings={limit}"))
             continue
@@ -71,18 +72,19 @@ def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | 
                                 target_n_kv=t_shape.n_kv, out_dtype=dtype)
             return layers_to_cache(mapped, target.config)
 
-        m = bench.time_fn(run_mapper, caches, warmup=warmup, repeats=repeats, device=device)
-        p = bench.time_fn(lambda i: prefill(target, i), ids, warmup=warmup, repeats=repeats, device=device)
-        es = torch.empty((), dtype=dtype).element_size()
-        mc = bench.mapper_cost(source.config, target.config, mapper.k, n_tok, n_target_layers=t_shape.n_layers,
-                               n_source_used=used, weight_bytes=torch.empty((), dtype=mapper.dtype).element_size(),
+        m = timing.time_fn(run_mapper, caches, warmup=warmup, repeats=repeats, device=device)
+        p = timing.time_fn(lambda i: prefill(target, i), ids, warmup=warmup, repeats=repeats, device=device)
+        es = shapes.dtype_size(dtype)
+        mc = shapes.mapper_cost(source.config, target.config, mapper.k, n_tok, n_target_layers=t_shape.n_layers,
+                               n_source_used=used, weight_bytes=shapes.dtype_size(mapper.dtype),
                                cache_bytes=es, out_bytes=es)
-        pc = bench.prefill_cost(target.config, n_tok, dtype_bytes=es)
+        pc = shapes.prefill_cost(target.config, n_tok, dtype_bytes=es)
         row.update(mapper_ms=m["median_ms"], mapper_ms_min=m["min_ms"], mapper_ms_max=m["max_ms"],
                    prefill_ms=p["median_ms"], prefill_ms_min=p["min_ms"], prefill_ms_max=p["max_ms"],
                    speedup=p["median_ms"] / m["median_ms"], mapper_flops=mc["flops"], prefill_flops=pc["flops"],
-                   flop_ratio=pc["flops"] / mc["flops"], mapper_floor_ms=bench.floor_ms(mc["flops"], mc["bytes"], caps),
-                   prefill_floor_ms=bench.floor_ms(pc["flops"], pc["bytes"], caps), repeats=m["n"],
+                   flop_ratio=pc["flops"] / mc["flops"],
+                   mapper_floor_ms=shapes.floor_ms(mc["flops"], mc["bytes"], caps),
+                   prefill_floor_ms=shapes.floor_ms(pc["flops"], pc["bytes"], caps), repeats=m["n"],
                    source_kv=[s_shape.n_layers, s_shape.n_kv, s_shape.head_dim])
         log(f"[bench] {n_tok} tokens, {row['mapper_dtype']} mapper: mapper {m['median_ms']:.2f} ms, prefill "
             f"{p['median_ms']:.2f} ms, speedup {row['speedup']:.1f}x (FLOP ratio {row['flop_ratio']:.1f}x)")
@@ -107,9 +109,9 @@ def benchmark(run) -> list[dict]:
     for mapper_dtype in mapper_dtypes:
         if shapes_only:
             name = run.cfg["pair"]["name"]
-            if name not in bench.PAIRS:
-                raise ValueError(f"bench.shapes_only knows the paper pairs {sorted(bench.PAIRS)}, not {name!r}")
-            rows += [dict(r, eval_dtype=r["mapper_dtype"] == EVAL_MAPPER_DTYPE) for r in bench.bench_pair(
+            if name not in shapes.PAIRS:
+                raise ValueError(f"bench.shapes_only knows the paper pairs {sorted(shapes.PAIRS)}, not {name!r}")
+            rows += [dict(r, eval_dtype=r["mapper_dtype"] == EVAL_MAPPER_DTYPE) for r in bench_pair(
                 name, bcfg["tokens"], layers=bcfg.get("layers"), device=device, dtype=dtype,
                 mapper_dtype=mapper_dtype, warmup=bcfg["warmup"], repeats=bcfg["repeats"])]
         else:

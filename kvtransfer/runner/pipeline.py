@@ -2,10 +2,10 @@
 
 Takes a plain dict config (run.py resolves the Hydra config into one), so this module has no Hydra
 import. Before anything loads, `plan_run` plans the run on this machine (kvtransfer.plan) and refuses
-a requested stage that will not fit. Every stage artifact lives under `cache_dir` in a directory named by a hash of exactly the
-config that produced it, so changing lambda or k reuses the moments, changing tasks reuses the
-mapper, and an interrupted calibration resumes from its checkpoint. A stage asked for pulls the
-artifacts it needs, computing the missing ones.
+a requested stage that will not fit. Every stage artifact lives under `cache_dir` in a directory
+named by a hash of exactly the config that produced it (`keys.artifact_key`), so changing lambda or
+k reuses the moments, changing tasks reuses the mapper, and an interrupted calibration resumes from
+its checkpoint. A stage asked for pulls the artifacts it needs, computing the missing ones.
 """
 from __future__ import annotations
 
@@ -413,7 +413,7 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "config.json", cfg)  # the resolved config that made this run
     stages = parse_stages(cfg.get("stage", "all"))
-    plan_run(cfg, out_dir, stages)  # prints + writes plan.json; refuses (PlanError) before any load if a stage won't fit
+    plan_run(cfg, out_dir, stages)  # prints + writes plan.json; PlanError before any load if a stage won't fit
     run = Run(cfg, out_dir)
     summary: dict = {"pair": cfg["pair"]["name"], "direction": cfg["pair"].get("direction", "forward"),
                      "source": run.model_ref("source"), "target": run.model_ref("target"), "stages": stages,

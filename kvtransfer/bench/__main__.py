@@ -1,0 +1,4 @@
+"""python -m kvtransfer.bench: see kvtransfer.bench.cli."""
+from .cli import main
+
+main()

@@ -1,0 +1,190 @@
+"""Mapper vs target re-prefill speed (the paper's Table 5) of the paper's pairs, shapes only, with FLOP/byte
+counts and device floors.
+
+The command line and its outputs, never overwritten: rows JSON, the Table-5 Markdown with floors, CSV
+and the speedup plot.
+
+    python -m kvtransfer.bench --pair qwen3_14b_32b --tokens 64,256,1024 --layers 2 --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from . import timing
+from .measure import DEFAULT_TOKENS, bench_pair, calibration_throughput
+from .shapes import ASSUMPTIONS, PAIRS
+
+
+TABLE_COLUMNS = ("tokens", "mapper_ms", "mapper_ms_min", "mapper_ms_max", "mapper_floor_ms", "prefill_ms",
+                 "prefill_ms_min", "prefill_ms_max", "prefill_floor_ms", "speedup", "flop_ratio",
+                 "mapper_gemm_frac", "mapper_ms_full_est", "prefill_ms_full_est", "skipped")
+
+
+def _fmt(x, nd=1):
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:,.{nd}f}"
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def table_markdown(rows: list[dict], caps: dict | None = None) -> str:
+    """Table-5 layout (tokens | mapper | re-prefill | speedup) with floors and FLOP ratio, Markdown."""
+    if not rows:
+        return ""
+    r0 = rows[0]
+    lines = [f"### {r0['source']} → {r0['target']} (k={r0['k']}) — SHAPES-ONLY: random weights, real configs, "
+             f"{r0['layers_run']} of {r0['layers_full']} target layers run; {r0['dtype']} caches, "
+             f"{r0.get('mapper_dtype', r0['dtype'])} mapper on {r0['device']}",
+             ""]
+    if caps:
+        lines += [f"Device rates: matmul {caps['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s, copy "
+                  f"{caps['copy_bytes_per_s'] / 1e9:,.1f} GB/s. Load average: {r0.get('load_avg', 'n/a')}.", ""]
+    lines += ["Times are medians (min–max) in ms; floor = max(FLOPs / matmul rate, minimal bytes / copy bandwidth); "
+              "FLOP ratio = prefill FLOPs / mapper FLOPs; GEMM % = mapper GEMM FLOPs / whole mapper time, relative to "
+              "torch.matmul on the same shapes; full-depth estimates scale per-layer times by layers_full / layers_run.",
+              ""]
+    lines += ["| tokens | mapper ms (min–max) | floor | re-prefill ms (min–max) | floor | speedup | FLOP ratio "
+              "| GEMM % of matmul | full-depth est. mapper / prefill ms |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r and "speedup" not in r:
+            lines.append(f"| {r['tokens']:,} | skipped: {r['skipped']} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['tokens']:,} | {_fmt(r.get('mapper_ms'))} ({_fmt(r.get('mapper_ms_min'))}–{_fmt(r.get('mapper_ms_max'))}) "
+            f"| {_fmt(r.get('mapper_floor_ms'))} | {_fmt(r.get('prefill_ms'))} ({_fmt(r.get('prefill_ms_min'))}–"
+            f"{_fmt(r.get('prefill_ms_max'))}) | {_fmt(r.get('prefill_floor_ms'))} | {_fmt(r.get('speedup'))}x "
+            f"| {_fmt(r.get('flop_ratio'))} | {_fmt(100 * r['mapper_gemm_frac'] if 'mapper_gemm_frac' in r else None, 0)} "
+            f"| {_fmt(r.get('mapper_ms_full_est'), 0)} / {_fmt(r.get('prefill_ms_full_est'), 0)} |")
+    return "\n".join(lines) + "\n"
+
+
+def table_csv(rows: list[dict]) -> str:
+    """The same rows as CSV (columns TABLE_COLUMNS plus pair/device/dtype/layers)."""
+    buf = io.StringIO()
+    cols = ("pair", "device", "dtype", "mapper_dtype", "layers_run", "layers_full") + TABLE_COLUMNS
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow(r)
+    return buf.getvalue()
+
+
+def plot_speedup(rows: list[dict], path: str | Path) -> Path:
+    """Speedup (and FLOP ratio, dashed) vs tokens, log-x, one line per pair; writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for pair, mdt in dict.fromkeys(_group(r) for r in rows):
+        rs = [r for r in rows if _group(r) == (pair, mdt) and "speedup" in r]
+        if not rs:
+            continue
+        name = f"{pair} ({mdt} mapper)"
+        line, = ax.plot([r["tokens"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"{name} measured")
+        ax.plot([r["tokens"] for r in rs], [r["flop_ratio"] for r in rs], "--", color=line.get_color(),
+                label=f"{name} FLOP ratio")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("re-prefill time / mapper time")
+    ax.set_title("shapes-only (random weights, real configs)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _exclusive(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _group(row: dict) -> tuple[str, str]:
+    """(pair, mapper dtype): the rows one table or curve shows."""
+    return row["pair"], row.get("mapper_dtype", row["dtype"])
+
+
+def _exclusive(path: Path) -> None:
+    if path.exists():
+        raise FileExistsError(f"{path} exists; write to a new directory")
+
+
+def output_paths(out_dir: str | Path, stem: str = "bench") -> dict:
+    """{kind: path} of the files `write_outputs` writes; FileExistsError if any exists already."""
+    out = Path(out_dir)
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "csv": out / f"{stem}.csv",
+             "png": out / f"{stem}_speedup.png"}
+    for p in paths.values():
+        _exclusive(p)
+    return paths
+
+
+def write_outputs(rows: list[dict], out_dir: str | Path, *, caps: dict | None = None, extra: dict | None = None,
+                  stem: str = "bench") -> dict:
+    """Write {stem}.json (rows + caps + extra), {stem}.md, {stem}.csv, {stem}_speedup.png into out_dir.
+    Never overwrites: raises FileExistsError if any of them exists. Returns {kind: path}."""
+    paths = output_paths(out_dir, stem)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    clean = [{k: v for k, v in r.items() if k != "times_ms"} for r in rows]
+    md = "".join(table_markdown([r for r in rows if _group(r) == group], caps)
+                 for group in dict.fromkeys(_group(r) for r in rows))
+    for key, text in (("json", json.dumps({"rows": clean, "caps": caps, "extra": extra or {}}, indent=1, default=str)),
+                      ("md", md), ("csv", table_csv(rows))):
+        with open(paths[key], "x") as f:
+            f.write(text)
+    plot_speedup(rows, paths["png"])
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """CLI entry: benchmark one or more pairs (shapes-only) and write rows JSON + table + figure."""
+    ap = argparse.ArgumentParser(prog="python -m kvtransfer.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", default="qwen3_14b_32b", help=f"comma list of {', '.join(PAIRS)}")
+    ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
+    ap.add_argument("--layers", type=int, default=None, help="target layers to run (default: full depth)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="models and caches: float32 | bfloat16 (default: bf16 on cuda, "
+                    "fp32 on cpu)")
+    ap.add_argument("--mapper-dtype", default="float32", help="comma list of float32 | bfloat16: the mapper's "
+                    "dtype(s) to time (default float32, the dtype evaluation maps with)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--inputs", type=int, default=3, help="distinct random inputs to rotate among")
+    ap.add_argument("--selection", default="random", choices=("random", "band"))
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--calibration", action="store_true", help="also measure calibration throughput")
+    ap.add_argument("--out", required=True, help="output directory (existing files are never overwritten)")
+    a = ap.parse_args(argv)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[a.dtype] or (
+        torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
+    tokens = [int(t.lower().replace("k", "")) * (1024 if "k" in t.lower() else 1) for t in a.tokens.split(",")]
+    output_paths(a.out)  # refuse before measuring anything
+    caps = timing.measure_device(a.device, dtype)
+    print(f"device {a.device} {dtype}: matmul {caps['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, "
+          f"copy {caps['copy_bytes_per_s'] / 1e9:.1f} GB/s; load {timing.load_average()}")
+    rows = []
+    for pair in a.pair.split(","):
+        for mapper_dtype in a.mapper_dtype.split(","):
+            rows += bench_pair(pair, tokens, layers=a.layers, device=a.device, dtype=dtype,
+                               mapper_dtype=getattr(torch, mapper_dtype), warmup=a.warmup, repeats=a.repeats,
+                               n_inputs=a.inputs, selection=a.selection, run_prefill=not a.no_prefill, caps=caps)
+    extra = {"assumptions": ASSUMPTIONS, "argv": list(argv) if argv is not None else None}
+    if a.calibration:
+        extra["calibration"] = calibration_throughput(a.pair.split(",")[0], device=a.device, dtype=dtype)
+        print("calibration:", extra["calibration"])
+    paths = write_outputs(rows, a.out, caps=caps, extra=extra)
+    print(Path(paths["md"]).read_text())
+    return {k: str(v) for k, v in paths.items()}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Package layout (issue 9 §5): the numerical core imports nothing from the runner, eval, bench, plan
+or report; each outer part builds on the core only, and the runner is the one place that joins them;
+kvtransfer's modules import one another without cycles.
+
+What counts as an import here -- all of them, wherever they sit:
+- `import kvtransfer.x` / `from kvtransfer.x import y` / relative `from .x import y`, at module level,
+  inside functions and classes (a lazy import is still a dependency, and it closes a cycle the first
+  time it runs), and under `if TYPE_CHECKING:`;
+- `importlib.import_module("kvtransfer.x")` with a literal name, and "kvtransfer.x:attr" strings (the
+  form of a lazy "module:attribute" table, which imports x when it is resolved);
+- importing `kvtransfer.a.b` also runs the package `kvtransfer.a` (its __init__), so that is an edge
+  too, unless the importer already lives inside `kvtransfer.a` (then the package is initialised).
+"""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "kvtransfer"
+
+# The numerical core: what `import kvtransfer` offers (models, RoPE, caches, moments, calibration,
+# selection, ridge, the mapper kinds, transfer, diagnostics, data, io) plus the package's data tables.
+CORE = {"kvtransfer", "kvtransfer.models", "kvtransfer.rope", "kvtransfer.cache", "kvtransfer.context",
+        "kvtransfer.moments", "kvtransfer.calibrate", "kvtransfer.select", "kvtransfer.ridge", "kvtransfer.mapper",
+        "kvtransfer.mlp", "kvtransfer.transfer", "kvtransfer.diagnostics", "kvtransfer.data", "kvtransfer.io",
+        "kvtransfer.resources", "kvtransfer.resources.model_configs"}
+# The parts built on the core, and what each may import besides the core and itself. Only the runner
+# joins them (a run's stages call eval, bench, plan and report).
+OUTER = {
+    "kvtransfer.eval": set(),
+    "kvtransfer.bench": set(),
+    "kvtransfer.plan": set(),
+    "kvtransfer.report": set(),
+    "kvtransfer.runner": {"kvtransfer.eval", "kvtransfer.bench", "kvtransfer.plan", "kvtransfer.report"},
+}
+_STRING_REF = re.compile(r"kvtransfer(?:\.\w+)+:\w+")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _targets(importer: str, tree: ast.AST) -> set[str]:
+    """Every kvtransfer module `importer` imports (see the module docstring for what counts)."""
+    own_package = importer if _is_package(importer) else importer.rpartition(".")[0]
+    named: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            named.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = own_package.split(".")
+                base = ".".join(base[:len(base) - (node.level - 1)])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            for alias in node.names:  # `from pkg import submodule` imports the submodule, else pkg
+                named.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            named.add(node.args[0].value)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            named.update(ref.partition(":")[0] for ref in _STRING_REF.findall(node.value))
+    out = set()
+    for name in named:
+        if name not in MODULES:
+            continue
+        out.add(name)
+        parts = name.split(".")
+        for i in range(1, len(parts)):  # the packages a fresh import of `name` initialises on the way
+            parent = ".".join(parts[:i])
+            if not (importer == parent or importer.startswith(parent + ".")):
+                out.add(parent)
+    out.discard(importer)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {name: _targets(name, ast.parse(path.read_text(), str(path))) for name, path in MODULES.items()}
+
+
+def _part(name: str) -> str:
+    if name in CORE:
+        return "core"
+    for part in OUTER:
+        if name == part or name.startswith(part + "."):
+            return part
+    raise AssertionError(f"{name} belongs to no part of the layout: add it to CORE or OUTER in {__file__}")
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_lazy_and_relative_imports():
+    """The parser itself: relative, function-level, import_module and "module:attr" imports all count,
+    and a submodule of another package initialises that package too."""
+    src = ("from . import tables\nfrom ..io import atomic_write_json\n\ndef f():\n"
+           "    from ..eval import adapter\n    import importlib\n    importlib.import_module('kvtransfer.ridge')\n\n"
+           "KINDS = {'mlp': 'kvtransfer.mlp:MLPMapper'}\n")
+    assert _targets("kvtransfer.report.sweep", ast.parse(src)) == {
+        "kvtransfer.report.tables", "kvtransfer.io", "kvtransfer.eval", "kvtransfer.eval.adapter",
+        "kvtransfer.ridge", "kvtransfer.mlp"}
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_module_has_a_place_in_the_layout():
+    parts = {name: _part(name) for name in MODULES}
+    assert {"core", *OUTER} == set(parts.values())
+    for part in ("kvtransfer.runner", "kvtransfer.bench"):
+        assert _is_package(part), f"{part} is a subpackage"
+
+
+def test_the_core_imports_nothing_from_runner_eval_bench_plan_or_report():
+    graph = import_graph()
+    bad = {name: sorted(t for t in targets if _part(t) != "core")
+           for name, targets in graph.items() if _part(name) == "core"}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_each_outer_part_builds_on_the_core_only_and_the_runner_joins_them():
+    graph = import_graph()
+    bad = {}
+    for name, targets in graph.items():
+        part = _part(name)
+        if part == "core":
+            continue
+        allowed = {"core", part} | OUTER[part]
+        wrong = sorted(t for t in targets if _part(t) not in allowed)
+        if wrong:
+            bad[name] = wrong
+    assert bad == {}
+
+
+def test_no_import_cycles_among_kvtransfer_modules():
+    """Counting function-level imports too (see the module docstring)."""
+    assert _cycles(import_graph()) == []
+
+
+def test_the_command_line_entry_points_still_answer():
+    """`python -m kvtransfer.bench` and `python -m kvtransfer.plan` keep working after the moves."""
+    for module in ("kvtransfer.bench", "kvtransfer.plan"):
+        done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert f"python -m {module}" in done.stdout

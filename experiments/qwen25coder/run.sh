@@ -30,10 +30,14 @@ run() {  # run NAME OVERRIDES...
 run wiki_k8_sink1 stage=[calibrate,fit,eval,report]
 # 2. the same map without the native sink (only `transfer` is recomputed)
 run wiki_k8_sink0 stage=[fit,eval] eval.native_sink=0
-# 3. calibration on the handbook (technical prose), sink 1 and 0
+# 3. Table 2 ablation that needs no second calibration: the content-space map without re-rotation
+run wiki_no_rerotation stage=[fit,eval] ablation=no_rerotation
+# 4. speed on the loaded models (mapper vs target re-prefill, 256-2,048 tokens)
+run speed stage=[bench]
+# 5. calibration on the handbook (technical prose), sink 1 and 0
 run handbook_k8_sink1 stage=[calibrate,fit,eval,report] $HANDBOOK
 run handbook_k8_sink0 stage=[fit,eval] $HANDBOOK eval.native_sink=0
-# 4. the k with the best held-out R² (from run 1's Table 7)
+# 6. the k with the best held-out R² (from run 1's Table 7)
 BEST_K=$(python - <<'PY'
 import json, pathlib
 p = pathlib.Path("results/qwen25coder/runs/wiki_k8_sink1/summary.json")
@@ -42,10 +46,6 @@ print(max(rows, key=lambda r: r["k_heldout"] + r["v_heldout"])["k"] if rows else
 PY
 )
 [[ "$BEST_K" != 8 ]] && run "wiki_k${BEST_K}_sink1" stage=[fit,eval] pair.k="$BEST_K"
-# 5. Table 2 ablation that needs no second calibration: the content-space map without re-rotation
-run wiki_no_rerotation stage=[fit,eval] ablation=no_rerotation
-# 6. speed on the loaded models (mapper vs target re-prefill, 256-2,048 tokens)
-run speed stage=[bench]
 # 7. the main configuration with every task (reuses everything above; adds WinoGrande, MMLU, GSM8K CoT)
 run main stage=[fit,eval,report] "$MORE_TASKS" eval.limit=100
 if [[ "${FULL:-0}" == 1 ]]; then

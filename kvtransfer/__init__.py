@@ -2,7 +2,7 @@
 
 Public API (the numerical core; no Hydra, lm-eval or W&B imports here):
     load_model(name_or_path, ...)            -> (model, tokenizer)
-    collect_moments(source, target, ids, ...) -> CalibrationMoments(train, heldout)
+    collect_moments(source, target, ids, ...) -> CalibrationMoments(train Moments, heldout HeldOut features)
     r2_matrix / select_topk / select_greedy   source-layer selection
     fit_ridge(moments, selected_layers, ...)  -> RidgeFit
     Mapper.from_ridge / Mapper.save / Mapper.load; load_mapper (any kind: ridge or mlp)
@@ -14,7 +14,7 @@ from .calibrate import CalibrationMoments, collect_moments, kv_features
 from .diagnostics import compare_caches
 from .mapper import Mapper, MapperBase, load_mapper
 from .models import check_same_tokenizer, kv_shape, load_model, model_identity
-from .moments import Moments
+from .moments import HeldOut, Moments
 from .ridge import RidgeFit, UnderdeterminedFit, fit_ridge
 from .rope import RopeCodec
 from .select import r2_matrix, select_greedy, select_topk
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "load_model", "check_same_tokenizer", "kv_shape", "model_identity", "RopeCodec", "prefill",
     "forward_on_cache", "cache_to_layers", "layers_to_cache", "collect_moments", "kv_features",
-    "CalibrationMoments", "Moments", "r2_matrix", "select_topk", "select_greedy", "fit_ridge", "RidgeFit",
+    "CalibrationMoments", "Moments", "HeldOut", "r2_matrix", "select_topk", "select_greedy", "fit_ridge", "RidgeFit",
     "UnderdeterminedFit", "Mapper", "MapperBase", "load_mapper", "transfer", "map_layers", "map_layers_reference",
     "codec_for", "compare_caches",
 ]

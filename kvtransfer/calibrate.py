@@ -1,4 +1,10 @@
-"""Calibration: token sequences -> train and held-out `Moments` of source/target KV features.
+"""Calibration: token sequences -> train `Moments` and held-out raw features (`HeldOut`) of source/target
+KV features.
+
+Held-out R² does not need held-out moments (a second [Dx, Dx] + [Dx, Dy] per kind): the held-out
+sequences' observations are offered to a `HeldOut`, which keeps a seeded uniform subsample of at most
+`heldout_observations` raw feature rows (float32, as `kv_features` makes them) and R² is evaluated on
+them directly.
 
 Two capture modes:
 * "co-resident": source and target are both in memory; each batch goes through both.
@@ -20,7 +26,7 @@ import torch
 from .cache import prefill
 from .io import atomic_save_tensors, load_tensors
 from .models import KVShape, kv_shape
-from .moments import KINDS, Moments
+from .moments import KINDS, HeldOut, Moments
 from .rope import RopeCodec
 
 KEY_SPACES = ("stripped", "rotated")
@@ -28,10 +34,10 @@ KEY_SPACES = ("stripped", "rotated")
 
 @dataclass
 class CalibrationMoments:
-    """Moments from the train sequences and from the held-out sequences of one calibration."""
+    """Moments of the train sequences and raw features sampled from the held-out sequences."""
 
     train: Moments
-    heldout: Moments
+    heldout: HeldOut
 
 
 def subsample_positions(seq_len: int, stride: int) -> torch.Tensor:
@@ -88,7 +94,8 @@ def _fingerprint(token_ids: torch.Tensor, settings: dict) -> str:
 
 
 def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4, batch_size: int = 8,
-                    heldout_fraction: float = 0.1, seed: int = 0, key_space: str = "stripped",
+                    heldout_fraction: float = 0.1, heldout_observations: int | None = None, seed: int = 0,
+                    key_space: str = "stripped",
                     target_layers: list[int] | None = None, capture: str = "co-resident",
                     feature_dir: str | Path | None = None, checkpoint_path: str | Path | None = None,
                     checkpoint_every: int = 64, dtype: torch.dtype = torch.float64,
@@ -99,7 +106,8 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
 
     token_ids: int64 [n_sequences, seq_len], no padding (equal-length chunks of text).
     stride: keep every stride-th position from 0. heldout_fraction: share of whole sequences kept
-    out of the train moments (seeded). target_layers: a shard of target layers (default all) for
+    out of the train moments (seeded). heldout_observations: how many of the held-out sequences' observations
+    (tokens) to keep as raw features for held-out R² (a seeded uniform subsample; None = all). target_layers: a shard of target layers (default all) for
     pairs whose full moments do not fit. dtype / store_device: accumulator precision and location
     (float64 on host by default; float32 halves memory). compute_dtype: precision of each batch's
     products (default dtype; float32 is fast on GPUs, merged into the accumulator's dtype).
@@ -127,7 +135,8 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
 
     src_model = _resolve(source) if capture == "co-resident" else None
     tgt_model = _resolve(target) if capture == "co-resident" else None
-    settings = {"stride": stride, "batch_size": batch_size, "heldout_fraction": heldout_fraction, "seed": seed,
+    settings = {"stride": stride, "batch_size": batch_size, "heldout_fraction": heldout_fraction,
+                "heldout_observations": heldout_observations, "seed": seed,
                 "key_space": key_space, "target_layers": target_layers, "dtype": str(dtype),
                 "compute_dtype": str(compute_dtype)}
     fingerprint = _fingerprint(token_ids, settings)
@@ -163,8 +172,13 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     if split is None:
         info = {"sequences": len(train_idx), "heldout_sequences": len(held_idx),
                 "tokens_per_seq": token_ids.shape[1], **settings}
-        split = {part: Moments(list(range(src_shape.n_layers)), tgt_layers, src_shape.width, tgt_shape.width,
-                               dtype, store_device, info=dict(info)) for part in ("train", "heldout")}
+        src_layers = list(range(src_shape.n_layers))
+        held_total = len(held_idx) * len(subsample_positions(token_ids.shape[1], stride))
+        split = {"train": Moments(src_layers, tgt_layers, src_shape.width, tgt_shape.width, dtype, store_device,
+                                  info=dict(info)),
+                 "heldout": HeldOut.sampled(src_layers, tgt_layers, src_shape.width, tgt_shape.width,
+                                            total=held_total, capacity=heldout_observations, seed=seed,
+                                            device=store_device, info=dict(info))}
 
     end = len(batches) if stop_after_batches is None else min(len(batches), done + stop_after_batches)
     for i in wrap(range(done, end), desc="calibration", initial=done, total=len(batches)):
@@ -178,7 +192,11 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
         else:
             x = kv_features(src_model, token_ids[idx].to(src_model.device), stride=stride, key_space=key_space,
                             codec=src_codec)
-        split[name].add({k: t.to(y["k"].device) for k, t in x.items()}, y, compute_dtype=compute_dtype)
+        x = {k: t.to(y["k"].device) for k, t in x.items()}
+        if name == "train":
+            split[name].add(x, y, compute_dtype=compute_dtype)
+        else:
+            split[name].add(x, y)
         if feature_sink is not None:
             feature_sink(name, i, x, y)
         if checkpoint_path is not None and ((i + 1) % every == 0 or i + 1 == end):
@@ -207,7 +225,7 @@ def _load_checkpoint(path, fingerprint: str, device) -> tuple[dict, int]:
     if ck["fingerprint"] != fingerprint:
         raise ValueError(f"checkpoint {path} was made from other data or settings; delete it or pass a "
                          "different checkpoint_path to start afresh")
-    split = {part: Moments.from_state(tensors, m, prefix=f"{part}.", device=device)
+    split = {part: (HeldOut if m.get("heldout") else Moments).from_state(tensors, m, prefix=f"{part}.", device=device)
              for part, m in ck["moments"].items()}
     return split, ck["batches_done"]
 

@@ -21,6 +21,7 @@ from .io import atomic_save_tensors, load_tensors
 
 KINDS = ("k", "v")
 _STATS = ("mean_x", "mean_y", "cxx", "cxy", "cyy")
+_FEATURES = ("x", "y")
 
 
 @dataclass
@@ -180,3 +181,128 @@ def _block_columns(all_layers: list[int], layers, width: int) -> torch.Tensor:
     if missing:
         raise ValueError(f"layers {missing} are not in these moments (have {all_layers})")
     return torch.cat([torch.arange(width) + all_layers.index(layer) * width for layer in layers])
+
+
+@dataclass
+class HeldOut:
+    """Raw held-out features: a seeded uniform subsample of at most `capacity` held-out observations.
+
+    Held-out R² needs no held-out moments (a second [Dx, Dx] + [Dx, Dy] per kind): the residuals of a
+    fitted map are evaluated on these rows directly (`ridge.head_r2`), which is the same quantity up to
+    fp64 rounding when every held-out observation is kept. Columns follow the `Moments` layout:
+    x[kind] [rows, Dx] over `source_layers` (layer, head, dim), y[kind] [rows, Dy] over `target_layers`.
+
+    `select` are the sorted global indices (in the order observations are offered to `add`) of the rows
+    kept, fixed before the first batch, so a resumed calibration keeps exactly the same rows. `seen` counts
+    the observations offered so far, `n` the rows kept so far.
+    """
+
+    source_layers: list[int]
+    target_layers: list[int]
+    source_width: int
+    target_width: int
+    select: torch.Tensor
+    dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu"
+    n: int = 0
+    seen: int = 0
+    info: dict = field(default_factory=dict)
+    features: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.select = torch.as_tensor(self.select, dtype=torch.long).cpu()
+        if not self.features:
+            rows = self.capacity
+            z = lambda *s: torch.zeros(*s, dtype=self.dtype, device=self.device)  # noqa: E731
+            self.features = {kind: {"x": z(rows, self.dx), "y": z(rows, self.dy)} for kind in KINDS}
+
+    @classmethod
+    def sampled(cls, source_layers, target_layers, source_width: int, target_width: int, *, total: int,
+                capacity: int | None, seed: int = 0, **kw) -> "HeldOut":
+        """Keep min(capacity, total) of `total` observations, chosen uniformly with `seed` (all of them when
+        capacity is None or >= total)."""
+        if capacity is None or capacity >= total:
+            select = torch.arange(total)
+        else:
+            if capacity < 0:
+                raise ValueError(f"heldout observations must be >= 0, got {capacity}")
+            gen = torch.Generator().manual_seed(seed + 7919)
+            select = torch.randperm(total, generator=gen)[:capacity].sort().values
+        return cls(list(source_layers), list(target_layers), source_width, target_width, select, **kw)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.select.numel())
+
+    @property
+    def dx(self) -> int:
+        return len(self.source_layers) * self.source_width
+
+    @property
+    def dy(self) -> int:
+        return len(self.target_layers) * self.target_width
+
+    def source_columns(self, layers) -> torch.Tensor:
+        return _block_columns(self.source_layers, layers, self.source_width)
+
+    def target_columns(self, layer: int) -> slice:
+        i = self.target_layers.index(layer)
+        return slice(i * self.target_width, (i + 1) * self.target_width)
+
+    def x(self, kind: str) -> torch.Tensor:
+        """Kept source features [n, Dx]."""
+        return self.features[kind]["x"][:self.n]
+
+    def y(self, kind: str) -> torch.Tensor:
+        """Kept target features [n, Dy]."""
+        return self.features[kind]["y"][:self.n]
+
+    @torch.no_grad()
+    def add(self, x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> None:
+        """Offer the next batch of observations (x[kind] [m, Dx], y[kind] [m, Dy]); keeps the selected rows."""
+        m = next(iter(x.values())).shape[0]
+        lo, hi = torch.searchsorted(self.select, torch.tensor([self.seen, self.seen + m])).tolist()
+        rows = self.select[lo:hi] - self.seen
+        for kind in KINDS:
+            if x[kind].shape != (m, self.dx) or y[kind].shape != (m, self.dy):
+                raise ValueError(f"batch {kind}: x {tuple(x[kind].shape)}, y {tuple(y[kind].shape)}; "
+                                 f"expected ({m}, {self.dx}) and ({m}, {self.dy})")
+            if hi > lo:
+                for name, t in (("x", x[kind]), ("y", y[kind])):
+                    self.features[kind][name][self.n:self.n + hi - lo] = t[rows.to(t.device)].to(
+                        device=self.device, dtype=self.dtype)
+        self.n += hi - lo
+        self.seen += m
+
+    # -- persistence (the rows kept so far; the buffer is re-allocated at full capacity on load) --------
+    def state(self, prefix: str = "") -> tuple[dict, dict]:
+        tensors = {f"{prefix}{kind}.{name}": self.features[kind][name][:self.n] for kind in KINDS for name in _FEATURES}
+        tensors[f"{prefix}select"] = self.select
+        meta = {"source_layers": self.source_layers, "target_layers": self.target_layers,
+                "source_width": self.source_width, "target_width": self.target_width,
+                "dtype": str(self.dtype).removeprefix("torch."), "n": self.n, "seen": self.seen, "info": self.info,
+                "heldout": True}
+        return tensors, meta
+
+    @classmethod
+    def from_state(cls, tensors: dict, meta: dict, prefix: str = "", device="cpu") -> "HeldOut":
+        out = cls(meta["source_layers"], meta["target_layers"], meta["source_width"], meta["target_width"],
+                  tensors[f"{prefix}select"], getattr(torch, meta["dtype"]), device, info=meta.get("info", {}))
+        n = meta["n"]
+        for kind in KINDS:
+            for name in _FEATURES:
+                out.features[kind][name][:n] = tensors[f"{prefix}{kind}.{name}"].to(device)
+        out.n, out.seen = n, meta["seen"]
+        return out
+
+    def save(self, path) -> None:
+        """Write to one safetensors file (atomic)."""
+        tensors, meta = self.state()
+        atomic_save_tensors(path, tensors, {"heldout": meta})
+
+    @classmethod
+    def load(cls, path, device="cpu") -> "HeldOut":
+        tensors, meta = load_tensors(path)
+        if "heldout" not in meta:
+            raise ValueError(f"{path} is not a kvtransfer held-out features file")
+        return cls.from_state(tensors, meta["heldout"], device=device)

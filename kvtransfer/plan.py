@@ -10,14 +10,15 @@ the code it follows. What a run holds, by stage, when `runner.pipeline.execute` 
 calibrate  (`collect_moments`) both models on the device (co-resident; `capture=sequential`: the source,
            then the target); per batch the features x [m, Dx] / y [m, Dy] in float32 and, on the
            *target's device*, the batch's centred products cxx [Dx, Dx] + cxy [Dx, Dy] for K and V in
-           `compute_dtype` (default: `dtype`); the running train AND held-out moments (same shapes, both
-           kinds) in `calib.dtype` on `calib.store_device`; the merge ships one kind's products to the
-           store (a blocking copy converts on the host: a temporary of the largest tensor). The checkpoint
-           (both splits) is rewritten through a temp copy (2x on disk at the rename); the final save writes
-           train + held-out next to the last checkpoint (again 2x); sequential capture first writes every
-           batch's source features to disk. The run then reloads both splits (`Run.moments`, kept for the
-           rest of the process).
-fit        both moment splits in host memory (`Moments.load`, device cpu), the single-source R² pass and
+           `compute_dtype` (default: `dtype`); the running train moments (both kinds) in `calib.dtype` on
+           `calib.store_device`, and the held-out raw features (`HeldOut`: at most
+           `calib.heldout_observations` rows of x [Dx] and y [Dy] per kind, float32) on the same store; the
+           merge ships one kind's products to the store (a blocking copy converts on the host: a temporary of
+           the largest tensor). The checkpoint (train moments + held-out features) is rewritten through a
+           temp copy (2x on disk at the rename); the final save writes both next to the last checkpoint
+           (again 2x); sequential capture first writes every batch's source features to disk. The run then
+           reloads both (`Run.moments`, kept for the rest of the process).
+fit        train moments + held-out features in host memory (device cpu), the single-source R² pass and
            one ridge solve per (target layer, kind) in float64 on the host CPU (`fit_layer`, Cholesky),
            the float64 weights of every layer until `Mapper.from_ridge` stacks them (3x float64 at its
            peak); both models are loaded (for the mapper's pair identity).
@@ -288,8 +289,14 @@ def moments_kind_bytes(dx: int, dy: int, nbytes: int) -> int:
 
 
 def moments_bytes(dx: int, dy: int, nbytes: int) -> int:
-    """One split (train or held-out) of calibration moments: K and V."""
+    """One set of calibration moments (the train split): K and V."""
     return 2 * moments_kind_bytes(dx, dy, nbytes)
+
+
+def heldout_bytes(rows: int, dx: int, dy: int, nbytes: int = 4) -> int:
+    """Held-out raw features (`moments.HeldOut`): x [rows, Dx] and y [rows, Dy] for K and V (float32), plus the
+    int64 row selection."""
+    return 2 * rows * (dx + dy) * nbytes + rows * 8
 
 
 def mapper_params(ls_width: int, target: ModelShape, k: int) -> int:
@@ -381,8 +388,10 @@ class Setup:
         if hf > 0 and n_held == 0:
             n_held = 1
         self.n_held, self.n_train = n_held, self.n_seq - n_held
-        self.n_batches = -(-self.n_train // self.batch) + -(-self.n_held // self.batch)
         self.kept = -(-self.seq // self.stride)
+        cap = c.get("heldout_observations")
+        self.held_rows = n_held * self.kept if cap is None else min(int(cap), n_held * self.kept)
+        self.n_batches = -(-self.n_train // self.batch) + -(-self.n_held // self.batch)
         self.rows = self.batch * self.kept                      # m: observations per batch
         self.every = max(1, int(c.get("checkpoint_every", 64)) // self.batch)
         self.n_checkpoints = -(-self.n_batches // self.every)    # the last batch always checkpoints
@@ -416,13 +425,23 @@ class Setup:
 
     @property
     def moments(self) -> int:
-        """One split (train or held-out) in calib.dtype."""
+        """The train moments in calib.dtype."""
         return moments_bytes(self.dx, self.dy, self.a)
 
     @property
+    def heldout(self) -> int:
+        """The held-out raw features kept (float32)."""
+        return heldout_bytes(self.held_rows, self.dx, self.dy)
+
+    @property
+    def calibration(self) -> int:
+        """What a calibration holds and stores: train moments + held-out features."""
+        return self.moments + self.heldout
+
+    @property
     def checkpoint(self) -> int:
-        """The calibration checkpoint file: train + held-out moments (+ a small header)."""
-        return 2 * self.moments
+        """The calibration checkpoint file: train moments + held-out features (+ a small header)."""
+        return self.calibration
 
     @property
     def features(self) -> int:
@@ -491,7 +510,7 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
     feat_y, feat_x = 2 * m * dy * 4, 2 * m * dx * 4
     prod = moments_kind_bytes(dx, dy, s.c)                       # one kind's batch products
     add_work = 2 * prod + 2 * m * (dx + dy) * s.c * (2 if s.c != 4 else 1)   # both kinds + xb/yb/xc/yc
-    moments_dev = 2 * s.moments if s.store == "cuda" else 0
+    moments_dev = s.calibration if s.store == "cuda" else 0
     merge_dev = moments_kind_bytes(dx, dy, s.a) if (s.store == "cuda" and s.c != s.a) else 0
     accumulate = feat_x + feat_y + add_work + merge_dev
     if s.sequential:  # pass 1: source alone, features to disk; pass 2: target + moments
@@ -500,12 +519,12 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
         if phase1 > phase2:
             dev = {"source weights (pass 1)": s.weights("src"), "prefill + features": fwd_s + feat_x}
         else:
-            dev = {"target weights (pass 2)": s.weights("tgt"), "moments (train + held-out)": moments_dev,
+            dev = {"target weights (pass 2)": s.weights("tgt"), "train moments + held-out features": moments_dev,
                    "prefill / features + batch products": max(fwd_t, accumulate)}
     else:
-        dev = {"source + target weights": s.weights("src", "tgt"), "moments (train + held-out)": moments_dev,
+        dev = {"source + target weights": s.weights("src", "tgt"), "train moments + held-out features": moments_dev,
                "prefill / features + batch products": max(fwd_t, feat_y + fwd_s, accumulate)}
-    host_moments = 2 * s.moments if s.store == "cpu" else 0
+    host_moments = s.calibration if s.store == "cpu" else 0
     if s.store == "cpu" and (s.device == "cuda" or s.c != s.a):
         merge_host = moments_kind_bytes(dx, dy, s.a) + (dx * max(dx, dy) * s.c if s.c != s.a else 0)
     else:
@@ -516,13 +535,13 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
     # counts; on a CPU run the weights are already counted as device bytes
     load_extra = max(0.0, max(loads) - loop_host) if loads and s.device == "cuda" else 0.0
     host = {"held from earlier stages": held_host,
-            "moments (train + held-out) + merge of one kind": loop_host,
+            "train moments + held-out features + merge of one kind": loop_host,
             "model loading (transient, before the moments)": load_extra}
     _place(s, u, dev, host)
-    # disk: [features] + checkpoint rewritten through a temp copy (2 x both splits); the final save of
-    # train + held-out next to the last checkpoint reaches the same 4 splits
+    # disk: [features] + checkpoint rewritten through a temp copy (2 x checkpoint); the final save of
+    # train + held-out next to the last checkpoint reaches the same
     u.parts["disk"] = {"earlier artifacts": disk_before, "sequential source features": s.features,
-                       "checkpoint + its atomic temp copy (4 x one split)": 2 * s.checkpoint,
+                       "checkpoint + its atomic temp copy (2 x calibration)": 2 * s.checkpoint,
                        "MLP feature sample": s.mlp_sample}
     u.disk = sum(u.parts["disk"].values())
     # time
@@ -533,15 +552,15 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
     elems = s.n_batches * 2 * (dx * dx + dx * dy)
     link = elems * s.c / r.link if (s.device == "cuda" and s.store == "cpu" and r.link) else 0.0
     merge = elems * (s.c + 6 * s.a) / (r.host_bw if s.store == "cpu" else r.bw)
-    ckpt = (s.n_checkpoints * 2 * s.moments + 2 * s.moments) / r.disk + 2 * s.moments / r.disk  # + save, reload
+    ckpt = (s.n_checkpoints * s.checkpoint + s.calibration) / r.disk + s.calibration / r.disk  # + save, reload
     feats = 2 * s.features / r.disk
     load = s.load_seconds(*[x for x in ("src", "tgt") if x not in loaded])
     u.parts["seconds"] = {"load weights": load, "forward passes": fwd, "batch products": products,
                           "device->host copies": link, "merge into the moments": merge,
                           "checkpoints + final save + reload": ckpt, "feature files": feats}
     u.seconds = sum(u.parts["seconds"].values())
-    if s.n_checkpoints > 0 and s.moments * 2 > 8 * GiB:
-        u.notes.append(f"{s.n_checkpoints} checkpoints, each rewriting {2 * s.moments / GiB:.1f} GiB")
+    if s.n_checkpoints > 0 and s.checkpoint > 8 * GiB:
+        u.notes.append(f"{s.n_checkpoints} checkpoints, each rewriting {s.checkpoint / GiB:.1f} GiB")
     return u
 
 
@@ -551,23 +570,24 @@ def _fit_transient(s: Setup, p: int) -> float:
 
 
 def _ridge_flops(s: Setup, p: int) -> float:
-    """fit_ridge: per (target layer, kind) Cholesky p^3/3, solve 2 p^2 q, R² 2 p^2 q per split."""
-    splits = 2 if s.n_held else 1
-    return 2 * s.t_layers * (p ** 3 / 3 + 2 * p * p * s.q + splits * 2 * p * p * s.q)
+    """fit_ridge: per (target layer, kind) Cholesky p^3/3, solve 2 p^2 q, train R² 2 p^2 q, held-out R² on the
+    raw features 2 n_held p q."""
+    return 2 * s.t_layers * (p ** 3 / 3 + 2 * p * p * s.q + 2 * p * p * s.q + 2 * s.held_rows * p * s.q)
 
 
 def _r2_flops(s: Setup) -> float:
-    """r2_matrix: per (kind, source layer) Cholesky of [W_s, W_s], solve against all Dy columns, and a
-    per-target-layer R² on each split."""
-    ws, splits = s.src.width, 2 if s.n_held else 1
-    return 2 * s.src.layers * (ws ** 3 / 3 + 2 * ws * ws * s.dy + s.t_layers * splits * 2 * ws * ws * s.q)
+    """r2_matrix: per (kind, source layer) Cholesky of [W_s, W_s], solve against all Dy columns, a
+    per-target-layer train R², and the held-out residuals of all Dy columns on the raw features."""
+    ws = s.src.width
+    return 2 * s.src.layers * (ws ** 3 / 3 + 2 * ws * ws * s.dy + s.t_layers * 2 * ws * ws * s.q
+                               + 2 * s.held_rows * ws * s.dy)
 
 
 def _fit(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> Usage:
     """Run._fit: moments on the host, R² matrix, ridge per target layer, pack the float64 weights."""
     u = Usage()
     r = s.rates
-    moments = 2 * s.moments
+    moments = s.calibration
     dev = {"source + target weights": s.weights("src", "tgt")}
     if s.mapper_kind == "mlp":
         hidden = int(s.cfg["mapper"].get("hidden", 1024))
@@ -580,13 +600,14 @@ def _fit(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> U
         w64 = per_layer * s.t_layers * 4
     else:
         w64 = mapper_params(s.src.width, s.tgt, s.k) * 8
-        r2_work = s.src.width * s.dy * (s.a + 16)
+        # + the held-out residuals of one row chunk (ridge.FEATURE_CHUNK rows x Dy, fp64, x3)
+        r2_work = s.src.width * s.dy * (s.a + 16) + 2048 * s.dy * 8 * 3
         work = {"R² pass / one ridge solve / packing (3 x float64 weights)":
                 max(r2_work, w64 + _fit_transient(s, s.p), 3 * w64)}
         fit_s = (_r2_flops(s) + _ridge_flops(s, s.p)) / r.host_flops["float64"]
         fit_s += 2 * s.t_layers * 3 * s.p * s.p * s.a / r.host_bw  # gathers of the [p, p] blocks
     loads = [s.load_host(x) for x in ("src", "tgt") if x not in loaded]
-    host = {"moments (train + held-out)": moments if not held_host else held_host, **work,
+    host = {"train moments + held-out features": moments if not held_host else held_host, **work,
             "model loading (after the moments are read)": max(loads) if loads and s.device == "cuda" else 0.0}
     _place(s, u, dev, host)
     u.parts["disk"] = {"earlier artifacts": disk_before, "mapper (float32)": s.mapper_w32}
@@ -758,7 +779,7 @@ def _report(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -
     u = Usage()
     r = s.rates
     rep = s.cfg.get("report") or {}
-    stripped = held_host or 2 * s.moments
+    stripped = held_host or s.calibration
     n_obs = s.n_train * s.kept
     ks = [s.src.layers if k == "all" else int(k) for k in rep.get("variance_k", [])]
     ks = [k for k in ks if k <= s.src.layers and k * s.src.width / max(1, n_obs) < 0.5]
@@ -773,7 +794,7 @@ def _report(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -
         rot_extra = sum(rot.host_parts.values()) - stripped
         host = {"stripped moments (held)": stripped,
                 "rotated calibration peak, then rotated moments + Table-7 fits":
-                max(rot_extra, 2 * s.moments + fits_host)}
+                max(rot_extra, s.calibration + fits_host)}
         dev = rot.dev_parts
         disk = {"earlier artifacts": disk_before, "rotated calibration": rot.disk - disk_before}
         secs["rotated calibration + its R² matrix"] = rot.seconds + _r2_flops(s) / r.host_flops["float64"]
@@ -790,7 +811,7 @@ def stage_usage(s: Setup) -> dict[str, Usage]:
     (earlier requested stages leave models loaded and moments held); a stage not requested is planned
     as if run alone with its inputs already cached."""
     out = {}
-    persistent = {"calibrate": 2 * s.moments + s.mlp_sample, "fit": s.mapper_w32}
+    persistent = {"calibrate": s.calibration + s.mlp_sample, "fit": s.mapper_w32}
     weights_disk = (sum(weight_bytes(m, s.w, with_extra=True) for m in (s.src, s.tgt))
                     if s.node.weights_on_disk else 0.0)
     for stage in STAGES:
@@ -801,7 +822,7 @@ def stage_usage(s: Setup) -> dict[str, Usage]:
                 loaded |= {"tgt"} if s.sequential else {"src", "tgt"}
             if x in ("fit", "eval", "report") or (x == "bench" and not (s.cfg.get("bench") or {}).get("shapes_only")):
                 loaded |= {"src", "tgt"}
-        held = 2 * s.moments if any(x in prior for x in ("calibrate", "fit")) else 0.0
+        held = s.calibration if any(x in prior for x in ("calibrate", "fit")) else 0.0
         disk_before = weights_disk + (persistent["calibrate"] if stage != "calibrate" else 0) + (
             persistent["fit"] if stage not in ("calibrate", "fit") else 0)
         fn = {"calibrate": _calibrate, "fit": _fit, "eval": _eval, "bench": _bench, "report": _report}[stage]
@@ -859,6 +880,9 @@ def knob_candidates(cfg: dict, stage: str, node: Node, target_layers: int) -> li
         if node.gpus > 0:
             out.append(("calib.store_device", "cuda" if str(c.get("store_device", "cpu")) == "cpu" else "cpu",
                         "where the running moments live"))
+        held = c.get("heldout_observations")
+        if held is None or int(held) > 2048:
+            out.append(("calib.heldout_observations", 2048, "fewer held-out feature rows (held-out R² noisier)"))
         if int(c.get("batch_size", 4)) > 1:
             out.append(("calib.batch_size", max(1, int(c["batch_size"]) // 4), "smaller prefill activations"))
         if "target_layers" in c:
@@ -931,6 +955,7 @@ def make_plan(cfg: dict, node: Node, *, shapes: tuple[ModelShape, ModelShape] | 
                      "compute_dtype": str(s.calib.get("compute_dtype") or s.calib.get("dtype", "float64")),
                      "capture": s.calib.get("capture", "co-resident"), "store_device": s.store,
                      "moments_split_gib": round(s.moments / GiB, 2),
+                     "heldout_observations": s.held_rows, "heldout_gib": round(s.heldout / GiB, 2),
                      "source_weights_gib": round(weight_bytes(src, s.w) / GiB, 2),
                      "target_weights_gib": round(weight_bytes(tgt, s.w) / GiB, 2),
                      "mapper_params": mapper_params(s.src.width, s.tgt, s.k)},
@@ -1011,7 +1036,8 @@ def format_plan(plan: dict, *, markdown: bool = False, details: bool = True) -> 
              f"batch {pr['batch_size']}, "
              f"k={pr['k']}; Dx {pr['dx']:,}, Dy {pr['dy']:,}, p {pr['p']:,}, n {pr['observations']:,} "
              f"(p/n {pr['p_over_n']:.3f}); moments {pr['calib_dtype']} on {pr['store_device']} "
-             f"({pr['moments_split_gib']:.1f} GiB per split), products {pr['compute_dtype']}, capture {pr['capture']}; "
+             f"({pr['moments_split_gib']:.1f} GiB train; held-out {pr.get('heldout_observations', 0):,} rows of raw "
+             f"features, {pr.get('heldout_gib', 0.0):.1f} GiB), products {pr['compute_dtype']}, capture {pr['capture']}; "
              f"weights {pr['source_weights_gib']:.1f} + {pr['target_weights_gib']:.1f} GiB",
              f"rates: {plan['rates']['source']}", ""]
     head = ["stage", "GPU GiB", "host GiB", "disk GiB", "time", "fits"]

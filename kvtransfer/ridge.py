@@ -10,7 +10,10 @@ the paper's formula.
 
 R² per head is 1 - SSE / SST with SSE and SST summed over the head's dims:
     SSE = sum_cols [Cyy - 2 (W * Cxy) + W * (Cxx W)] + n * (mean_y - mean_x W - b)^2
-evaluated with the train moments (in-sample) or the held-out moments (out-of-sample).
+evaluated with the train moments (in-sample), or out-of-sample on held-out data: either held-out
+moments (the same formula) or held-out raw features (`moments.HeldOut`, what `collect_moments` keeps):
+then SSE = sum_rows (y - x W - b)^2 and SST = sum_rows (y - mean_y)^2 directly, in fp64, in row chunks.
+Both give the same number up to fp64 rounding on the same observations.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .moments import KINDS, Moments
+from .moments import KINDS, HeldOut, Moments
 
 DEFAULT_LAMBDA = 0.01
 WARN_RATIO = 0.1
@@ -118,8 +121,46 @@ def fit_layer(moments: Moments, kind: str, source_layers: list[int], target_laye
     return LayerFit(w, mean_y - mean_x @ w, cols)
 
 
-def head_r2(moments: Moments, kind: str, fit: LayerFit, target_layer: int, head_dim: int) -> torch.Tensor:
-    """R² per target head [n_kv_t] of `fit` evaluated on `moments` (train or held-out)."""
+FEATURE_CHUNK = 2048  # held-out rows per GEMM when R² is evaluated on raw features
+
+
+@torch.no_grad()
+def feature_sse(held: HeldOut, kind: str, columns: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                tcols: slice, chunk: int = FEATURE_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(SSE, SST) per target column of tcols, of y ~ x[:, columns] @ weight + bias on the held-out rows (fp64).
+
+    SST is about the held-out rows' own mean, as the centred held-out moments had it. Two passes over row
+    chunks (mean, then sums of squares), so the working set is [chunk, p + q] whatever the row count."""
+    n = held.n
+    x_all, y_all = held.x(kind), held.y(kind)
+    dev = x_all.device
+    w, b = weight.to(dev, torch.float64), bias.to(dev, torch.float64)
+    cols = columns.to(dev)
+    mean = torch.zeros(w.shape[1], dtype=torch.float64, device=dev)
+    for i in range(0, n, chunk):
+        mean += y_all[i:i + chunk, tcols].double().sum(0)
+    mean /= max(n, 1)
+    sse, sst = torch.zeros_like(mean), torch.zeros_like(mean)
+    for i in range(0, n, chunk):
+        y = y_all[i:i + chunk, tcols].double()
+        r = y - torch.addmm(b, x_all[i:i + chunk, cols].double(), w)
+        sse += (r * r).sum(0)
+        sst += ((y - mean) ** 2).sum(0)
+    return sse.cpu(), sst.cpu()
+
+
+def _per_head(sse: torch.Tensor, sst: torch.Tensor, head_dim: int) -> torch.Tensor:
+    sse_h = sse.view(-1, head_dim).sum(-1)
+    sst_h = sst.view(-1, head_dim).sum(-1)
+    return 1 - sse_h / sst_h.clamp_min(torch.finfo(torch.float64).tiny)
+
+
+def head_r2(moments: Moments | HeldOut, kind: str, fit: LayerFit, target_layer: int, head_dim: int) -> torch.Tensor:
+    """R² per target head [n_kv_t] of `fit` evaluated on `moments` (train or held-out moments) or on held-out
+    raw features (`HeldOut`)."""
+    if isinstance(moments, HeldOut):
+        sse, sst = feature_sse(moments, kind, fit.columns, fit.weight, fit.bias, moments.target_columns(target_layer))
+        return _per_head(sse, sst, head_dim)
     st = moments.stats[kind]
     tcols = moments.target_columns(target_layer)
     cxx = moments.cov_xx(kind, fit.columns).double()
@@ -127,9 +168,7 @@ def head_r2(moments: Moments, kind: str, fit: LayerFit, target_layer: int, head_
     cyy = st["cyy"][tcols].double()
     offset = st["mean_y"][tcols].double() - st["mean_x"][fit.columns].double() @ fit.weight - fit.bias
     sse = cyy - 2 * (fit.weight * cxy).sum(0) + (fit.weight * (cxx @ fit.weight)).sum(0) + moments.n * offset ** 2
-    sse_h = sse.view(-1, head_dim).sum(-1)
-    sst_h = cyy.view(-1, head_dim).sum(-1)
-    return 1 - sse_h / sst_h.clamp_min(torch.finfo(torch.float64).tiny)
+    return _per_head(sse, cyy, head_dim)
 
 
 @dataclass
@@ -147,13 +186,14 @@ class RidgeFit:
 
 
 def fit_ridge(moments: Moments, selected_layers: list[list[int]], *, lam: float = DEFAULT_LAMBDA,
-              heldout: Moments | None = None, head_dim: int | None = None, force: bool = False,
+              heldout: Moments | HeldOut | None = None, head_dim: int | None = None, force: bool = False,
               stride: int | None = None, progress=None) -> RidgeFit:
     """Fit K and V maps for every target layer of `moments` from its `selected_layers[i]`.
 
     selected_layers[i] lists the source layers (feature order) feeding target layer
     moments.target_layers[i]. head_dim: the target's head size (to group R² per head; default:
-    target_width when unknown, i.e. one "head"). Refuses under-determined fits (see
+    target_width when unknown, i.e. one "head"). heldout: held-out raw features (`HeldOut`, as
+    `collect_moments` returns them) or held-out moments. Refuses under-determined fits (see
     `check_observations`). Returns a RidgeFit with train and, if given, held-out R².
     """
     if len(selected_layers) != len(moments.target_layers):

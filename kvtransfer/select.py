@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import torch
 
-from .moments import KINDS, Moments
-from .ridge import LayerFit, fit_layer, head_r2, solve_spd
+from .moments import KINDS, HeldOut, Moments
+from .ridge import LayerFit, _per_head, feature_sse, fit_layer, head_r2, solve_spd
 
 OLS_LAMBDA = 1e-6  # a whisker of ridge so rank-deficient single-layer blocks still solve
 
 
-def r2_matrix(moments: Moments, *, heldout: Moments | None = None, head_dim: int | None = None,
+def r2_matrix(moments: Moments, *, heldout: Moments | HeldOut | None = None, head_dim: int | None = None,
               lam: float = OLS_LAMBDA, progress=None) -> dict:
     """Single-source R² for every (target layer, source layer), averaged over target heads.
 
     Returns {"train": {"k": [L_t, L_s], "v": [L_t, L_s]}, "heldout": {...}} (float64; the
-    held-out entry only when `heldout` moments are given). Rows follow moments.target_layers,
+    held-out entry only when `heldout` is given: held-out raw features (`HeldOut`, one [n_held, W_s] x
+    [W_s, Dy] product per source layer) or held-out moments). Rows follow moments.target_layers,
     columns moments.source_layers.
     """
     head_dim = head_dim or moments.target_width
@@ -34,11 +35,18 @@ def r2_matrix(moments: Moments, *, heldout: Moments | None = None, head_dim: int
             a = a + lam * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
             w_all = solve_spd(a, moments.stats[kind]["cxy"][cols])
             b_all = moments.stats[kind]["mean_y"].double() - moments.stats[kind]["mean_x"][cols].double() @ w_all
+            raw = isinstance(heldout, HeldOut) and heldout.n > 0
+            if raw:  # every target layer's residuals from one pass over the held-out rows
+                if heldout.target_layers != moments.target_layers:
+                    raise ValueError("held-out features and moments cover different target layers")
+                sse, sst = feature_sse(heldout, kind, heldout.source_columns([s]), w_all, b_all, slice(0, heldout.dy))
             for i, t in enumerate(moments.target_layers):
                 tc = moments.target_columns(t)
                 fit = LayerFit(w_all[:, tc], b_all[tc], cols)
                 train[i, j] = head_r2(moments, kind, fit, t, head_dim).mean()
-                if heldout is not None and heldout.n > 0:
+                if raw:
+                    held[i, j] = _per_head(sse[tc], sst[tc], head_dim).mean()
+                elif heldout is not None and heldout.n > 0:
                     held[i, j] = head_r2(heldout, kind, fit, t, head_dim).mean()
         out["train"][kind] = train
         if heldout is not None and heldout.n > 0:

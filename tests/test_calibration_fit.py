@@ -162,7 +162,7 @@ def test_target_layer_shards_concatenate_to_full(qwen):
 def test_resumed_calibration_is_bit_identical(qwen, tmp_path):
     other = tiny_model("qwen3", layers=3, seed=5, name="tiny-qwen3-other")
     ids = random_ids(20, 24, seed=4)
-    kwargs = dict(stride=2, batch_size=4, heldout_fraction=0.2, checkpoint_every=4)
+    kwargs = dict(stride=2, batch_size=4, heldout_fraction=0.2, checkpoint_every=4, heldout_observations=20)
     reference = kt.collect_moments(qwen, other, ids, **kwargs)
     ck = tmp_path / "calib.ckpt.safetensors"
     partial = kt.collect_moments(qwen, other, ids, checkpoint_path=ck, stop_after_batches=2, **kwargs)
@@ -171,12 +171,16 @@ def test_resumed_calibration_is_bit_identical(qwen, tmp_path):
     assert resumed.train.info["complete"]
     # bitwise on every machine: the same batches go through the same kernels in the same order, and
     # the checkpoint stores the running fp64 state exactly
-    for part in ("train", "heldout"):
-        a, b = getattr(reference, part), getattr(resumed, part)
-        assert a.n == b.n
-        for kind in ("k", "v"):
-            for name in a.stats[kind]:
-                assert torch.equal(a.stats[kind][name], b.stats[kind][name]), (part, kind, name)
+    a, b = reference.train, resumed.train
+    assert a.n == b.n
+    for kind in ("k", "v"):
+        for name in a.stats[kind]:
+            assert torch.equal(a.stats[kind][name], b.stats[kind][name]), (kind, name)
+    # the held-out rows kept: the same sample (fixed before the first batch), the same values
+    a, b = reference.heldout, resumed.heldout
+    assert (a.n, a.seen) == (b.n, b.seen) == (20, 4 * 12) and torch.equal(a.select, b.select)
+    for kind in ("k", "v"):
+        assert torch.equal(a.x(kind), b.x(kind)) and torch.equal(a.y(kind), b.y(kind))
     with pytest.raises(ValueError, match="other data or settings"):
         kt.collect_moments(qwen, other, ids[:, :20], checkpoint_path=ck, **kwargs)
 

@@ -67,26 +67,32 @@ def test_plan_figures_of_qwen3_14b_to_32b(cfg_14_32, plan_14_32):
     assert (pr["dx"], pr["dy"], pr["p"], pr["k"]) == (40_960, 65_536, 8 * 1024, 8)
     assert pr["observations"] == 450 * 256 and pr["moments_split_gib"] == pytest.approx(split / P.GiB, abs=0.01)
     cal = st["calibrate"]["parts"]
-    # disk: the checkpoint (train + held-out) and its atomic temp copy = 4 splits ≈ 280 GB
-    assert cal["disk"]["checkpoint + its atomic temp copy (4 x one split)"] * P.GiB == pytest.approx(4 * split, rel=1e-3)
-    # host: both splits + one kind of the batch products, copied to the host for the merge (fp64), + token ids
-    assert cal["host"]["moments (train + held-out) + merge of one kind"] * P.GiB == pytest.approx(
-        2 * split + split / 2 + 500 * 1024 * 8, rel=1e-3)
+    # held-out: 8,192 of the 50 x 256 held-out observations as raw float32 features, x [Dx] + y [Dy] per kind
+    held = 2 * 8192 * (40_960 + 65_536) * 4 + 8192 * 8
+    assert pr["heldout_observations"] == 8192 and P.heldout_bytes(8192, 40_960, 65_536) == held
+    assert held * 10 < split   # ~6.5 GiB instead of a second 65 GiB split
+    # disk: the checkpoint (train moments + held-out features) and its atomic temp copy
+    assert cal["disk"]["checkpoint + its atomic temp copy (2 x calibration)"] * P.GiB == pytest.approx(
+        2 * (split + held), rel=1e-3)
+    # host: train moments + held-out features + one kind of the batch products, copied to the host for the
+    # merge (fp64), + token ids
+    assert cal["host"]["train moments + held-out features + merge of one kind"] * P.GiB == pytest.approx(
+        split + held + split / 2 + 500 * 1024 * 8, rel=1e-3)
     # GPU: both bf16 models + both kinds' fp64 batch products (= one split's size) + batch working
     gpu = cal["gpu"]
     assert gpu["source + target weights"] * P.GiB == pytest.approx(2 * (14_768_307_200 + 32_762_123_264), rel=1e-3)
     assert gpu["prefill / features + batch products"] * P.GiB > split
-    assert st["calibrate"]["disk_gib"] * P.GiB == pytest.approx(279.2 * GB, rel=2e-3) and st["calibrate"]["host_gib"] * P.GiB > 140 * GB
-    assert not st["calibrate"]["fits"] and set(st["calibrate"]["over"]) == {"gpu", "host", "disk"}
-    # fit: both splits on the host + packing 3 x the float64 weights
+    assert st["calibrate"]["disk_gib"] * P.GiB == pytest.approx(2 * (split + held), rel=2e-3)
+    assert not st["calibrate"]["fits"] and set(st["calibrate"]["over"]) == {"gpu", "disk"}
+    # fit: train moments + held-out features on the host + packing 3 x the float64 weights
     fit = st["fit"]["parts"]["host"]
     w64 = (1_073_741_824 + 64 * 2 * 1024) * 8
-    assert fit["moments (train + held-out)"] * P.GiB == pytest.approx(2 * split, rel=1e-3)
+    assert fit["train moments + held-out features"] * P.GiB == pytest.approx(split + held, rel=1e-3)
     assert fit["R² pass / one ridge solve / packing (3 x float64 weights)"] * P.GiB == pytest.approx(3 * w64, rel=1e-3)
     # float32 moments halve the moments wherever they appear
     half = P.make_plan(dict(cfg_14_32, calib=dict(cfg_14_32["calib"], dtype="float32")), H200, rates=FIXED_RATES)
     assert half["protocol"]["moments_split_gib"] == pytest.approx(pr["moments_split_gib"] / 2, rel=1e-6)
-    assert half["stages"]["calibrate"]["disk_gib"] == pytest.approx(st["calibrate"]["disk_gib"] / 2, rel=1e-3)
+    assert half["stages"]["calibrate"]["disk_gib"] * P.GiB == pytest.approx(2 * (split / 2 + held), rel=1e-3)
 
 
 def test_sequential_capture_adds_the_feature_files(cfg_14_32):
@@ -237,12 +243,14 @@ def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkey
                              checkpoint_path=ckpt_dir / "checkpoint.safetensors", checkpoint_every=4,
                              dtype=getattr(torch, dtype))
     monkeypatch.undo()
-    actual = sum(t.numel() * t.element_size() for m in (result.train, result.heldout)
-                 for kind in m.stats.values() for t in kind.values())
-    assert actual == pytest.approx(2 * setup.moments, rel=0.15)
+    actual = sum(t.numel() * t.element_size() for kind in result.train.stats.values() for t in kind.values())
+    assert actual == pytest.approx(setup.moments, rel=0.15)
+    held = sum(t.numel() * t.element_size() for kind in result.heldout.features.values() for t in kind.values())
+    assert result.heldout.n == setup.held_rows == 2 * 16
+    assert held + result.heldout.select.numel() * 8 == pytest.approx(setup.heldout, rel=0.15)
     assert (ckpt_dir / "checkpoint.safetensors").stat().st_size == pytest.approx(setup.checkpoint, rel=0.15)
     disk = P.stage_usage(setup)["calibrate"].parts["disk"]   # bytes, as the plan sums them
-    assert max(peaks) == pytest.approx(disk["checkpoint + its atomic temp copy (4 x one split)"], rel=0.15)
+    assert max(peaks) == pytest.approx(disk["checkpoint + its atomic temp copy (2 x calibration)"], rel=0.15)
     features = sum(f.stat().st_size for f in (tmp_path / "features").iterdir())
     assert features == pytest.approx(disk["sequential source features"], rel=0.15)
     assert len(peaks) >= 2 and os.path.getsize(ckpt_dir / "checkpoint.safetensors") < max(peaks)

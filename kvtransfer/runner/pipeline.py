@@ -25,12 +25,15 @@ from ..data import read_documents, stream_hf_documents, token_sequences
 from ..io import atomic_save_tensors, atomic_write_json, load_tensors
 from ..mapper import Mapper, load_mapper
 from ..models import check_same_tokenizer, config_hash, kv_shape, load_model
-from ..moments import Moments
+from ..moments import HeldOut, Moments
 from ..ridge import UnderdeterminedFit, fit_ridge
 from ..select import r2_matrix, select_greedy, select_topk
 from .keys import artifact_key
 
 STAGES = ("calibrate", "fit", "eval", "bench", "report")
+# Layout of a calibration artifact; part of its cache key, so artifacts of another layout are never misread.
+# 1: train + held-out moments; 2: train moments + held-out raw features (moments.HeldOut).
+MOMENTS_FORMAT = 2
 
 
 def parse_stages(stage) -> list[str]:
@@ -122,7 +125,7 @@ class Run:
 
     # -- calibration ------------------------------------------------------------------------------
     def _calib_settings(self) -> dict:
-        calib = dict(self.cfg["calib"])
+        calib = dict(self.cfg["calib"], artifact_format=MOMENTS_FORMAT)
         calib.pop("checkpoint_every", None)
         calib.pop("store_device", None)
         calib.pop("mlp_samples", None)
@@ -147,7 +150,7 @@ class Run:
                                                       calib["seq_len"], context_start=self.context_start)
         return self._memo["token_ids"]
 
-    def moments(self, key_space: str | None = None) -> tuple[Moments, Moments, dict]:
+    def moments(self, key_space: str | None = None) -> tuple[Moments, HeldOut, dict]:
         """(train, heldout, provenance) calibration moments, computed once per config."""
         key_space = key_space or self.key_space
         memo = f"moments/{key_space}"
@@ -157,7 +160,7 @@ class Run:
             if not done.exists():
                 self._calibrate(directory, key_space)
             self._memo[memo] = (Moments.load(directory / "train.safetensors"),
-                                Moments.load(directory / "heldout.safetensors"), json.loads(done.read_text()))
+                                HeldOut.load(directory / "heldout.safetensors"), json.loads(done.read_text()))
         return self._memo[memo]
 
     def _calibrate(self, directory: Path, key_space: str) -> None:
@@ -180,7 +183,8 @@ class Run:
         started = time.perf_counter()
         result = collect_moments(
             source, target, ids, stride=calib["stride"], batch_size=calib["batch_size"],
-            heldout_fraction=calib["heldout_fraction"], seed=self.cfg.get("seed", 0), key_space=key_space,
+            heldout_fraction=calib["heldout_fraction"], heldout_observations=calib.get("heldout_observations"),
+            seed=self.cfg.get("seed", 0), key_space=key_space,
             capture=calib.get("capture", "co-resident"), feature_dir=directory / "features",
             checkpoint_path=directory / "checkpoint.safetensors", checkpoint_every=calib.get("checkpoint_every", 64),
             dtype=dtype, compute_dtype=compute, store_device=calib.get("store_device", "cpu"),
@@ -192,7 +196,8 @@ class Run:
             sampler.save(directory / "mlp_sample.safetensors")
         info = {"sequences": result.train.info["sequences"], "heldout_sequences": result.heldout.info["heldout_sequences"],
                 "tokens_per_seq": calib["seq_len"], "stride": calib["stride"], "observations": result.train.n,
-                "heldout_observations": result.heldout.n, "features": result.train.source_width,
+                "heldout_observations": result.heldout.n, "heldout_observations_total": result.heldout.seen,
+                "features": result.train.source_width,
                 "source_layers": len(result.train.source_layers), "key_space": key_space,
                 "data": calib.get("files") or f"{calib.get('dataset')}/{calib.get('dataset_name')}",
                 "domain": calib.get("domain") or _domain_name(calib),

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from .cache import prefill
-from .io import atomic_save_tensors, load_tensors
+from .io import PIECE_BYTES, atomic_save_tensors, load_tensor_dir, load_tensors, read_tensor_manifest, save_tensor_dir
 from .models import KVShape, kv_shape
 from .moments import KINDS, HeldOut, Moments
 from .rope import RopeCodec
@@ -98,7 +98,7 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
                     key_space: str = "stripped",
                     target_layers: list[int] | None = None, capture: str = "co-resident",
                     feature_dir: str | Path | None = None, checkpoint_path: str | Path | None = None,
-                    checkpoint_every: int = 64, dtype: torch.dtype = torch.float64,
+                    checkpoint_every: int = 64, checkpoint_piece_bytes: int = PIECE_BYTES, dtype: torch.dtype = torch.float64,
                     compute_dtype: torch.dtype | None = None, store_device="cpu",
                     stop_after_batches: int | None = None, feature_sink: Callable | None = None,
                     progress: Callable | None = None) -> CalibrationMoments:
@@ -111,8 +111,10 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     pairs whose full moments do not fit. dtype / store_device: accumulator precision and location
     (float64 on host by default; float32 halves memory). compute_dtype: precision of each batch's
     products (default dtype; float32 is fast on GPUs, merged into the accumulator's dtype).
-    checkpoint_path: a safetensors file rewritten atomically every `checkpoint_every` sequences;
-    a rerun with the same inputs resumes from it and ends bit-identical to an uninterrupted run.
+    checkpoint_path: a directory (`save_calibration`'s layout) rewritten every `checkpoint_every` sequences
+    in place, one piece of <= checkpoint_piece_bytes at a time (disk peak: the calibration + one piece);
+    a rerun with the same inputs resumes from it and ends bit-identical to an uninterrupted run. After
+    the last batch it holds the finished calibration (`load_calibration` reads it).
     stop_after_batches: process at most this many batches in this call (then checkpoint) -- for
     time-boxed jobs; the result is partial unless the run has finished.
     feature_sink: optional callable(split, batch_index, x, y) given every batch's features (e.g. to
@@ -144,6 +146,7 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     split, done = None, 0
     if checkpoint_path is not None and Path(checkpoint_path).exists():
         split, done = _load_checkpoint(checkpoint_path, fingerprint, store_device)
+        split = split or None
 
     if capture == "sequential":
         feature_dir = Path(feature_dir)
@@ -200,34 +203,71 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
         if feature_sink is not None:
             feature_sink(name, i, x, y)
         if checkpoint_path is not None and ((i + 1) % every == 0 or i + 1 == end):
-            _save_checkpoint(checkpoint_path, split, i + 1, fingerprint)
-    for part in ("train", "heldout"):
-        split[part].info["batches_done"] = end
-        split[part].info["complete"] = end == len(batches)
+            _mark(split, i + 1, len(batches))
+            _save_checkpoint(checkpoint_path, split, i + 1, fingerprint, checkpoint_piece_bytes)
+    _mark(split, end, len(batches))
     return CalibrationMoments(split["train"], split["heldout"])
 
 
-def _save_checkpoint(path, split: dict, batches_done: int, fingerprint: str) -> None:
+def _mark(split: dict, done: int, total: int) -> None:
+    for part in ("train", "heldout"):
+        split[part].info["batches_done"] = done
+        split[part].info["complete"] = done == total
+
+
+def _save_checkpoint(path, split: dict, batches_done: int, fingerprint: str, piece_bytes: int = PIECE_BYTES) -> None:
     tensors, metas = {}, {}
     for part, moments in split.items():
         t, m = moments.state(prefix=f"{part}.")
         tensors.update(t)
         metas[part] = m
-    atomic_save_tensors(path, tensors, {"checkpoint": {"batches_done": batches_done, "fingerprint": fingerprint,
-                                                      "moments": metas}})
+    save_tensor_dir(path, tensors, {"checkpoint": {"batches_done": batches_done, "fingerprint": fingerprint,
+                                                   "moments": metas}}, piece_bytes=piece_bytes)
 
 
 def _load_checkpoint(path, fingerprint: str, device) -> tuple[dict, int]:
-    tensors, meta = load_tensors(path)
-    ck = meta.get("checkpoint")
+    """(split, batches_done) of a checkpoint directory; ({}, 0) when it has no manifest (a write was cut:
+    start afresh -- the next checkpoint overwrites it piece by piece)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a kvtransfer calibration checkpoint (a directory)")
+    manifest = read_tensor_manifest(path)
+    if manifest is None:
+        if any(path.iterdir()):
+            import warnings
+
+            warnings.warn(f"checkpoint {path} was cut while being written; starting the calibration afresh",
+                          stacklevel=3)
+        return {}, 0
+    ck = manifest.get("checkpoint")
     if ck is None:
         raise ValueError(f"{path} is not a kvtransfer calibration checkpoint")
     if ck["fingerprint"] != fingerprint:
         raise ValueError(f"checkpoint {path} was made from other data or settings; delete it or pass a "
                          "different checkpoint_path to start afresh")
+    tensors, _ = load_tensor_dir(path, device=device)
     split = {part: (HeldOut if m.get("heldout") else Moments).from_state(tensors, m, prefix=f"{part}.", device=device)
              for part, m in ck["moments"].items()}
     return split, ck["batches_done"]
+
+
+def save_calibration(directory, calib: CalibrationMoments, *, piece_bytes: int = PIECE_BYTES) -> None:
+    """Write train moments + held-out features as a tensor directory (`io.save_tensor_dir`): rewritten in
+    place piece by piece, so an existing calibration there never needs twice its size on disk."""
+    split = {"train": calib.train, "heldout": calib.heldout}
+    done = calib.train.info.get("batches_done", 0)
+    _save_checkpoint(directory, split, done, calib.train.info.get("fingerprint", ""), piece_bytes)
+
+
+def load_calibration(directory, device="cpu") -> CalibrationMoments:
+    """Read a calibration written by `save_calibration` or left by a finished `collect_moments` checkpoint."""
+    manifest = read_tensor_manifest(directory)
+    if manifest is None or "checkpoint" not in manifest:
+        raise ValueError(f"{directory} holds no complete kvtransfer calibration")
+    tensors, _ = load_tensor_dir(directory, device=device)
+    metas = manifest["checkpoint"]["moments"]
+    return CalibrationMoments(Moments.from_state(tensors, metas["train"], prefix="train.", device=device),
+                              HeldOut.from_state(tensors, metas["heldout"], prefix="heldout.", device=device))
 
 
 def _free_accelerator() -> None:

@@ -80,3 +80,83 @@ def fresh_dir(path: str | Path) -> Path:
         raise FileExistsError(f"{path} already holds results; choose a new directory (runs never overwrite)")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+# -- tensor directories: rewritten in place, one piece at a time -------------------------------------------
+PIECE_BYTES = 1 << 30   # largest piece file of a tensor directory (a 2-D tensor is split by rows)
+MANIFEST = "manifest.json"
+
+
+def _pieces(name: str, t: torch.Tensor, piece_bytes: int):
+    """(file stem, row slice) pieces of one tensor: whole when small or 1-D, else row blocks of <= piece_bytes
+    (at least one row)."""
+    if t.dim() < 2 or t.numel() * t.element_size() <= piece_bytes:
+        return [(name, slice(None))]
+    row = t[0].numel() * t.element_size()
+    step = max(1, piece_bytes // row)
+    return [(f"{name}@{i // step:05d}", slice(i, i + step)) for i in range(0, t.shape[0], step)]
+
+
+def save_tensor_dir(directory: str | Path, tensors: dict[str, torch.Tensor], manifest: dict, *,
+                    piece_bytes: int = PIECE_BYTES) -> None:
+    """Write `tensors` into `directory` so that the disk never holds more than the old content + one piece.
+
+    The manifest goes first (a crash from then on leaves a directory without manifest, which
+    `load_tensor_dir` refuses instead of reading a mix of two states); then each piece (a tensor, or a
+    block of <= piece_bytes rows of a large one) replaces its old file by an atomic rename, in turn; files
+    of pieces that no longer exist are removed; the manifest (shapes, dtypes, pieces, a stamp every piece
+    carries, plus `manifest`) is written last."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MANIFEST).unlink(missing_ok=True)
+    stamp = hashlib.sha256(os.urandom(16)).hexdigest()[:16]
+    layout, keep = {}, set()
+    for name, t in tensors.items():
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"bad tensor name {name!r}")
+        t = t.detach()
+        pieces = _pieces(name, t, piece_bytes)
+        layout[name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                        "pieces": [stem for stem, _ in pieces]}
+        for stem, rows in pieces:
+            atomic_save_tensors(directory / f"{stem}.safetensors", {"t": t[rows]}, {"stamp": stamp})
+            keep.add(f"{stem}.safetensors")
+    for f in directory.glob("*.safetensors"):
+        if f.name not in keep:
+            f.unlink()
+    atomic_write_json(directory / MANIFEST, {"stamp": stamp, "tensors": layout, **manifest})
+
+
+def read_tensor_manifest(directory: str | Path) -> dict | None:
+    """The manifest of a tensor directory, or None when there is none (never written, or a write was cut)."""
+    path = Path(directory) / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_tensor_dir(directory: str | Path, device="cpu") -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a directory written by `save_tensor_dir`: (tensors, manifest). Each tensor is allocated once and
+    filled piece by piece, so reading needs the tensors + one piece of memory."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    manifest = read_tensor_manifest(directory)
+    if manifest is None:
+        raise ValueError(f"{directory} has no {MANIFEST}: not a complete tensor directory (an interrupted write?)")
+    out = {}
+    for name, spec in manifest["tensors"].items():
+        t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=device)
+        row = 0
+        for stem in spec["pieces"]:
+            path = directory / f"{stem}.safetensors"
+            with safe_open(str(path), framework="pt") as f:
+                if json.loads((f.metadata() or {}).get("kvtransfer", "{}")).get("stamp") != manifest["stamp"]:
+                    raise ValueError(f"{path} belongs to another write than {directory / MANIFEST}")
+                piece = f.get_tensor("t")
+            if len(spec["pieces"]) == 1:
+                t.copy_(piece)
+            else:
+                t[row:row + piece.shape[0]] = piece
+                row += piece.shape[0]
+            del piece
+        out[name] = t
+    return out, manifest

@@ -14,10 +14,11 @@ calibrate  (`collect_moments`) both models on the device (co-resident; `capture=
            `calib.store_device`, and the held-out raw features (`HeldOut`: at most
            `calib.heldout_observations` rows of x [Dx] and y [Dy] per kind, float32) on the same store; the
            merge ships one kind's products to the store (a blocking copy converts on the host: a temporary of
-           the largest tensor). The checkpoint (train moments + held-out features) is rewritten through a
-           temp copy (2x on disk at the rename); the final save writes both next to the last checkpoint
-           (again 2x); sequential capture first writes every batch's source features to disk. The run then
-           reloads both (`Run.moments`, kept for the rest of the process).
+           the largest tensor). The checkpoint (train moments + held-out features, a tensor directory:
+           `io.save_tensor_dir`) is rewritten in place one piece (<= `io.PIECE_BYTES` of rows) at a time, so
+           the disk holds the calibration + one piece at the peak; the finished checkpoint is the artifact
+           (no final copy); sequential capture first writes every batch's source features to disk. The run
+           then reloads it (`Run.moments`, kept for the rest of the process).
 fit        train moments + held-out features in host memory (device cpu), the single-source R² pass and
            one ridge solve per (target layer, kind) in float64 on the host CPU (`fit_layer`, Cholesky),
            the float64 weights of every layer until `Mapper.from_ridge` stacks them (3x float64 at its
@@ -440,8 +441,18 @@ class Setup:
 
     @property
     def checkpoint(self) -> int:
-        """The calibration checkpoint file: train moments + held-out features (+ a small header)."""
+        """The calibration checkpoint (= the artifact): train moments + held-out features (+ small headers)."""
         return self.calibration
+
+    @property
+    def piece(self) -> int:
+        """The largest piece file of the checkpoint directory (`io._pieces`): a tensor, or a block of
+        <= io.PIECE_BYTES of its rows (at least one row)."""
+        from .io import PIECE_BYTES
+
+        wide = max(self.dx, self.dy)
+        largest = max(self.dx * wide * self.a, self.held_rows * wide * 4)
+        return min(largest, max(PIECE_BYTES, wide * max(self.a, 4)))
 
     @property
     def features(self) -> int:
@@ -529,6 +540,7 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
         merge_host = moments_kind_bytes(dx, dy, s.a) + (dx * max(dx, dy) * s.c if s.c != s.a else 0)
     else:
         merge_host = 0
+    merge_host = max(merge_host, s.piece)   # or, at a checkpoint, one piece being serialised
     loads = [s.load_host(x) for x in ("src", "tgt") if x not in loaded]
     loop_host = host_moments + merge_host + s.mlp_sample + s.n_seq * s.seq * 8
     # models load (on the host, then .to(device)) before the moments are allocated: the larger phase
@@ -538,10 +550,9 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
             "train moments + held-out features + merge of one kind": loop_host,
             "model loading (transient, before the moments)": load_extra}
     _place(s, u, dev, host)
-    # disk: [features] + checkpoint rewritten through a temp copy (2 x checkpoint); the final save of
-    # train + held-out next to the last checkpoint reaches the same
+    # disk: [features] + the checkpoint directory rewritten in place, one piece at a time (+ its temp file)
     u.parts["disk"] = {"earlier artifacts": disk_before, "sequential source features": s.features,
-                       "checkpoint + its atomic temp copy (2 x calibration)": 2 * s.checkpoint,
+                       "checkpoint, rewritten in place (calibration + one piece)": s.checkpoint + s.piece,
                        "MLP feature sample": s.mlp_sample}
     u.disk = sum(u.parts["disk"].values())
     # time
@@ -552,12 +563,12 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
     elems = s.n_batches * 2 * (dx * dx + dx * dy)
     link = elems * s.c / r.link if (s.device == "cuda" and s.store == "cpu" and r.link) else 0.0
     merge = elems * (s.c + 6 * s.a) / (r.host_bw if s.store == "cpu" else r.bw)
-    ckpt = (s.n_checkpoints * s.checkpoint + s.calibration) / r.disk + s.calibration / r.disk  # + save, reload
+    ckpt = (s.n_checkpoints * s.checkpoint + s.calibration) / r.disk  # + the reload
     feats = 2 * s.features / r.disk
     load = s.load_seconds(*[x for x in ("src", "tgt") if x not in loaded])
     u.parts["seconds"] = {"load weights": load, "forward passes": fwd, "batch products": products,
                           "device->host copies": link, "merge into the moments": merge,
-                          "checkpoints + final save + reload": ckpt, "feature files": feats}
+                          "checkpoints + reload": ckpt, "feature files": feats}
     u.seconds = sum(u.parts["seconds"].values())
     if s.n_checkpoints > 0 and s.checkpoint > 8 * GiB:
         u.notes.append(f"{s.n_checkpoints} checkpoints, each rewriting {s.checkpoint / GiB:.1f} GiB")

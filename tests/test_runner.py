@@ -145,6 +145,23 @@ def test_artifact_keys_follow_the_config(tiny_pair_dirs, tmp_path):
     assert artifact_key({"a": 1, "b": 2}) == artifact_key({"b": 2, "a": 1})
 
 
+
+def test_calibration_artifact_layout_is_part_of_the_moments_key(tiny_pair_dirs, tmp_path, monkeypatch):
+    """Issue 10 §2 changed the calibration artifact (held-out raw features; a piece-wise tensor directory):
+    an artifact of another layout sits under another key, so it is never read as this one."""
+    import kvtransfer.runner.pipeline as pipeline
+
+    run = Run(_tiny_cfg(tiny_pair_dirs, tmp_path), "x")
+    now = run.moments_dir("stripped")
+    assert run._calib_settings()["artifact_format"] == pipeline.MOMENTS_FORMAT == 3
+    assert run._calib_settings()["heldout_observations"] == 8192
+    monkeypatch.setattr(pipeline, "MOMENTS_FORMAT", 2)
+    assert Run(_tiny_cfg(tiny_pair_dirs, tmp_path), "x").moments_dir("stripped") != now
+    other = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "calib.heldout_observations=64"), "x")
+    monkeypatch.setattr(pipeline, "MOMENTS_FORMAT", 3)
+    assert other.moments_dir("stripped") != now
+
+
 def test_mlp_mapper_through_the_pipeline(tiny_pair_dirs, tmp_path):
     cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "mapper=mlp", "mapper.hidden=32", "mapper.epochs=2",
                     "calib.mlp_samples=256", "stage=fit")

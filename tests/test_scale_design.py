@@ -1,10 +1,12 @@
 """Issue 10 §2, fit by design: held-out R² from a subsample of raw held-out features instead of held-out
-moments."""
+moments; checkpoints rewritten in place piece by piece."""
+from pathlib import Path
+
 import pytest
 import torch
 
 import kvtransfer as kt
-from kvtransfer.calibrate import subsample_positions
+from kvtransfer.calibrate import load_calibration, subsample_positions
 from kvtransfer.moments import HeldOut, Moments
 from tiny_models import random_ids, tiny_model
 
@@ -98,3 +100,71 @@ def test_heldout_features_save_and_load(calib_all, tmp_path):
     with pytest.raises(ValueError, match="not a kvtransfer held-out"):
         calib_all.train.save(tmp_path / "m.safetensors")
         HeldOut.load(tmp_path / "m.safetensors")
+
+
+# -- checkpoints that never need twice the calibration on disk -------------------------------------------
+def test_checkpoint_is_rewritten_in_place_one_piece_at_a_time(pair, tmp_path, monkeypatch):
+    """Every rename inside the checkpoint directory happens with at most the old content + one new piece
+    on disk (the old design held the old file and a full temp copy: 2x)."""
+    import kvtransfer.io as kio
+
+    ck, piece = tmp_path / "ck", 2048
+    peaks, real_replace = [], kio.os.replace
+
+    def measuring_replace(a, b):
+        if Path(b).parent == ck:
+            peaks.append((sum(f.stat().st_size for f in ck.iterdir() if f.is_file()), Path(a).stat().st_size))
+        real_replace(a, b)
+
+    monkeypatch.setattr(kio.os, "replace", measuring_replace)
+    calib = kt.collect_moments(*pair, random_ids(12, 24, seed=4), stride=STRIDE, batch_size=BATCH,
+                               heldout_fraction=0.25, checkpoint_path=ck, checkpoint_every=4,
+                               checkpoint_piece_bytes=piece)
+    monkeypatch.undo()
+    size = sum(f.stat().st_size for f in ck.iterdir() if f.suffix == ".safetensors")
+    largest_piece = max(f.stat().st_size for f in ck.glob("*.safetensors"))
+    assert largest_piece < 2 * piece + 1024   # a piece: <= piece_bytes of rows (+ header), or one row
+    n_ckpt = 3   # 9 train + 3 held-out sequences in batches of 4 -> 3 + 1 batches, checkpoint every batch
+    assert len(peaks) > n_ckpt * 10
+    # at each rename: the directory (old pieces + the temp file being renamed) <= final size + one piece
+    assert max(total for total, _ in peaks) <= size + largest_piece + 4096
+    assert max(total for total, _ in peaks) < 1.2 * size
+    # the finished checkpoint is the calibration
+    back = load_calibration(ck)
+    for kind in ("k", "v"):
+        for name, t in calib.train.stats[kind].items():
+            assert torch.equal(back.train.stats[kind][name], t)
+        assert torch.equal(back.heldout.x(kind), calib.heldout.x(kind))
+    assert back.train.info["complete"] and back.heldout.n == calib.heldout.n
+
+
+def test_a_checkpoint_cut_mid_write_restarts_and_ends_bit_identical(pair, tmp_path):
+    ids = random_ids(12, 24, seed=4)
+    kwargs = dict(stride=STRIDE, batch_size=BATCH, heldout_fraction=0.25, checkpoint_every=4,
+                  checkpoint_piece_bytes=2048)
+    reference = kt.collect_moments(*pair, ids, **kwargs)
+    ck = tmp_path / "ck"
+    kt.collect_moments(*pair, ids, checkpoint_path=ck, stop_after_batches=2, **kwargs)
+    (ck / "manifest.json").unlink()   # what a crash after the manifest went and before it came back leaves
+    with pytest.raises(ValueError, match="no complete kvtransfer calibration"):
+        load_calibration(ck)
+    with pytest.warns(UserWarning, match="cut while being written"):
+        resumed = kt.collect_moments(*pair, ids, checkpoint_path=ck, **kwargs)
+    for kind in ("k", "v"):
+        for name, t in reference.train.stats[kind].items():
+            assert torch.equal(resumed.train.stats[kind][name], t)
+        assert torch.equal(resumed.heldout.y(kind), reference.heldout.y(kind))
+
+
+def test_a_piece_from_another_write_is_refused(tmp_path):
+    from kvtransfer.io import load_tensor_dir, save_tensor_dir
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    save_tensor_dir(a, {"w": torch.arange(40.).view(10, 4)}, {"x": 1}, piece_bytes=32)
+    save_tensor_dir(b, {"w": torch.zeros(10, 4)}, {"x": 2}, piece_bytes=32)
+    tensors, manifest = load_tensor_dir(a)
+    assert torch.equal(tensors["w"], torch.arange(40.).view(10, 4)) and manifest["x"] == 1
+    assert len(manifest["tensors"]["w"]["pieces"]) == 5
+    (b / "w@00002.safetensors").replace(a / "w@00002.safetensors")
+    with pytest.raises(ValueError, match="another write"):
+        load_tensor_dir(a)

@@ -19,7 +19,7 @@ import torch
 
 from .. import __version__
 from .. import plan as resource_plan
-from ..calibrate import collect_moments, split_heldout
+from ..calibrate import collect_moments, load_calibration, split_heldout
 from ..context import describe as describe_context
 from ..data import read_documents, stream_hf_documents, token_sequences
 from ..io import atomic_save_tensors, atomic_write_json, load_tensors
@@ -32,8 +32,10 @@ from .keys import artifact_key
 
 STAGES = ("calibrate", "fit", "eval", "bench", "report")
 # Layout of a calibration artifact; part of its cache key, so artifacts of another layout are never misread.
-# 1: train + held-out moments; 2: train moments + held-out raw features (moments.HeldOut).
-MOMENTS_FORMAT = 2
+# 1: train + held-out moments; 2: train moments + held-out raw features (moments.HeldOut), one file each;
+# 3: the same as a tensor directory `calibration/` (calibrate.save_calibration: pieces + manifest), which is
+# also the calibration's checkpoint -- the finished checkpoint is the artifact, nothing is copied.
+MOMENTS_FORMAT = 3
 
 
 def parse_stages(stage) -> list[str]:
@@ -159,8 +161,8 @@ class Run:
             done = directory / "calibration.json"
             if not done.exists():
                 self._calibrate(directory, key_space)
-            self._memo[memo] = (Moments.load(directory / "train.safetensors"),
-                                HeldOut.load(directory / "heldout.safetensors"), json.loads(done.read_text()))
+            calib = load_calibration(directory / "calibration")
+            self._memo[memo] = (calib.train, calib.heldout, json.loads(done.read_text()))
         return self._memo[memo]
 
     def _calibrate(self, directory: Path, key_space: str) -> None:
@@ -186,12 +188,12 @@ class Run:
             heldout_fraction=calib["heldout_fraction"], heldout_observations=calib.get("heldout_observations"),
             seed=self.cfg.get("seed", 0), key_space=key_space,
             capture=calib.get("capture", "co-resident"), feature_dir=directory / "features",
-            checkpoint_path=directory / "checkpoint.safetensors", checkpoint_every=calib.get("checkpoint_every", 64),
+            checkpoint_path=directory / "calibration", checkpoint_every=calib.get("checkpoint_every", 64),
             dtype=dtype, compute_dtype=compute, store_device=calib.get("store_device", "cpu"),
             feature_sink=sampler, progress=self.progress)
         seconds = time.perf_counter() - started
-        result.train.save(directory / "train.safetensors")
-        result.heldout.save(directory / "heldout.safetensors")
+        if not result.train.info.get("complete"):
+            raise RuntimeError(f"calibration in {directory} did not finish")
         if sampler is not None:
             sampler.save(directory / "mlp_sample.safetensors")
         info = {"sequences": result.train.info["sequences"], "heldout_sequences": result.heldout.info["heldout_sequences"],
@@ -203,8 +205,7 @@ class Run:
                 "domain": calib.get("domain") or _domain_name(calib),
                 **describe_context(self.model("source")[1], self.context_start),
                 "seconds": round(seconds, 2)}
-        atomic_write_json(directory / "calibration.json", info)
-        (directory / "checkpoint.safetensors").unlink(missing_ok=True)
+        atomic_write_json(directory / "calibration.json", info)  # the calibration/ checkpoint is now the artifact
         shutil.rmtree(directory / "features", ignore_errors=True)
 
     def _release(self, side: str) -> None:

@@ -99,7 +99,7 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
                     target_layers: list[int] | None = None, capture: str = "co-resident",
                     feature_dir: str | Path | None = None, checkpoint_path: str | Path | None = None,
                     checkpoint_every: int = 64, checkpoint_piece_bytes: int = PIECE_BYTES, dtype: torch.dtype = torch.float64,
-                    compute_dtype: torch.dtype | None = None, store_device="cpu",
+                    compute_dtype: torch.dtype | None = None, store_device="cpu", accumulate: str = "host",
                     stop_after_batches: int | None = None, feature_sink: Callable | None = None,
                     progress: Callable | None = None) -> CalibrationMoments:
     """Stream calibration sequences through source and target; return train/held-out moments.
@@ -111,6 +111,10 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     pairs whose full moments do not fit. dtype / store_device: accumulator precision and location
     (float64 on host by default; float32 halves memory). compute_dtype: precision of each batch's
     products (default dtype; float32 is fast on GPUs, merged into the accumulator's dtype).
+    accumulate: "host" (the batch's products are formed, shipped to `store_device` and merged there) or
+    "device" (the train moments live on the target's device in `dtype` -- float32 on a GPU -- with float64
+    means, merged in place per batch by `Moments.accumulate`; store_device then holds only the held-out
+    features; compute_dtype is ignored).
     checkpoint_path: a directory (`save_calibration`'s layout) rewritten every `checkpoint_every` sequences
     in place, one piece of <= checkpoint_piece_bytes at a time (disk peak: the calibration + one piece);
     a rerun with the same inputs resumes from it and ends bit-identical to an uninterrupted run. After
@@ -122,6 +126,8 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     checkpoint.
     progress: optional callable wrapping an iterable (e.g. tqdm).
     """
+    if accumulate not in ("host", "device"):
+        raise ValueError(f"accumulate must be 'host' or 'device', got {accumulate!r}")
     if capture not in ("co-resident", "sequential"):
         raise ValueError(f"capture must be 'co-resident' or 'sequential', got {capture!r}")
     if capture == "sequential" and feature_dir is None:
@@ -140,7 +146,7 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     settings = {"stride": stride, "batch_size": batch_size, "heldout_fraction": heldout_fraction,
                 "heldout_observations": heldout_observations, "seed": seed,
                 "key_space": key_space, "target_layers": target_layers, "dtype": str(dtype),
-                "compute_dtype": str(compute_dtype)}
+                "compute_dtype": str(compute_dtype) if accumulate == "host" else str(dtype), "accumulate": accumulate}
     fingerprint = _fingerprint(token_ids, settings)
 
     split, done = None, 0
@@ -177,11 +183,15 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
                 "tokens_per_seq": token_ids.shape[1], **settings}
         src_layers = list(range(src_shape.n_layers))
         held_total = len(held_idx) * len(subsample_positions(token_ids.shape[1], stride))
-        split = {"train": Moments(src_layers, tgt_layers, src_shape.width, tgt_shape.width, dtype, store_device,
-                                  info=dict(info)),
+        train_device = tgt_model.device if accumulate == "device" else store_device
+        split = {"train": Moments(src_layers, tgt_layers, src_shape.width, tgt_shape.width, dtype, train_device,
+                                  info=dict(info), wide=accumulate == "device"),
                  "heldout": HeldOut.sampled(src_layers, tgt_layers, src_shape.width, tgt_shape.width,
                                             total=held_total, capacity=heldout_observations, seed=seed,
                                             device=store_device, info=dict(info))}
+
+    elif accumulate == "device":
+        split["train"].to(tgt_model.device)   # resumed from a checkpoint read to the store
 
     end = len(batches) if stop_after_batches is None else min(len(batches), done + stop_after_batches)
     for i in wrap(range(done, end), desc="calibration", initial=done, total=len(batches)):
@@ -196,7 +206,9 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
             x = kv_features(src_model, token_ids[idx].to(src_model.device), stride=stride, key_space=key_space,
                             codec=src_codec)
         x = {k: t.to(y["k"].device) for k, t in x.items()}
-        if name == "train":
+        if name == "train" and accumulate == "device":
+            split[name].accumulate(x, y)
+        elif name == "train":
             split[name].add(x, y, compute_dtype=compute_dtype)
         else:
             split[name].add(x, y)

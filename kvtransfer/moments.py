@@ -10,6 +10,19 @@ x = concat over all source layers of the layer's KV heads flattened, width L_s *
 
 all about the running mean. Batches are merged with Chan et al.'s pairwise update, so shards of
 the data (or of the target layers' columns) merge exactly, and large offsets never cancel.
+
+Two ways to add a batch:
+* `add` (calib.accumulate=host): the batch's centred products are formed in `compute_dtype` on the
+  batch's device, then shipped to the moments' store and merged there (today's fp64-on-host path).
+* `accumulate` (calib.accumulate=device): the moments live on the batch's device (e.g. the GPU, in
+  float32) and each batch is merged in place by ONE GEMM per matrix, with no [Dx, Dx] / [Dx, Dy]
+  temporary: C += [xc; e_x; d_x]^T [yc; -m e_y; w d_y], where xc = x - c are the rows centred at c (the
+  batch mean rounded to the accumulator dtype), e = batch mean - c (turns sums about c into sums about the
+  batch mean), d = batch mean - running mean and w = n_a m / (n_a + m) (Chan's merge term). Means, the
+  centring corrections and cyy are kept in float64 ("wide" moments): they are tiny, and the Chan term and
+  the running mean are where cancellation between large offsets (attention-sink outliers, value biases)
+  would otherwise cost digits; the [Dx, Dx] / [Dx, Dy] sums themselves are sums of centred products, which
+  float32 holds to ~1e-7 relative, and the ridge solve is float64 on the host (`ridge.solve_spd`).
 """
 from __future__ import annotations
 
@@ -42,13 +55,21 @@ class Moments:
     n: int = 0
     info: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
+    wide: bool = False   # mean_x, mean_y, cyy in float64 whatever `dtype` (see the module docstring)
 
     def __post_init__(self):
         if not self.stats:
             dx, dy = self.dx, self.dy
             z = lambda *s: torch.zeros(*s, dtype=self.dtype, device=self.device)  # noqa: E731
-            self.stats = {kind: {"mean_x": z(dx), "mean_y": z(dy), "cxx": z(dx, dx), "cxy": z(dx, dy),
-                                 "cyy": z(dy)} for kind in KINDS}
+            v = (lambda *s: torch.zeros(*s, dtype=torch.float64, device=self.device)) if self.wide else z  # noqa: E731
+            self.stats = {kind: {"mean_x": v(dx), "mean_y": v(dy), "cxx": z(dx, dx), "cxy": z(dx, dy),
+                                 "cyy": v(dy)} for kind in KINDS}
+
+    def to(self, device) -> "Moments":
+        """Move every statistic to `device` (in place); returns self."""
+        self.stats = {kind: {name: t.to(device) for name, t in st.items()} for kind, st in self.stats.items()}
+        self.device = device
+        return self
 
     @property
     def dx(self) -> int:
@@ -92,18 +113,52 @@ class Moments:
                            "cyy": (yc * yc).sum(0)}
         self._merge(batch, m)
 
+    @torch.no_grad()
+    def accumulate(self, x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> None:
+        """Merge a batch in place on the moments' device (x[kind] [m, dx], y[kind] [m, dy], any float dtype):
+        one GEMM per matrix, no batch-product temporaries (formula in the module docstring)."""
+        m = next(iter(x.values())).shape[0]
+        if m == 0:
+            return
+        n_a = self.n
+        n = n_a + m
+        w = n_a * m / n
+        for kind in KINDS:
+            a = self.stats[kind]
+            dt = a["cxx"].dtype
+            xb, yb = x[kind].to(device=self.device, dtype=dt), y[kind].to(device=self.device, dtype=dt)
+            if xb.shape != (m, self.dx) or yb.shape != (m, self.dy):
+                raise ValueError(f"batch {kind}: x {tuple(xb.shape)}, y {tuple(yb.shape)}; "
+                                 f"expected ({m}, {self.dx}) and ({m}, {self.dy})")
+            mx, my = xb.sum(0, dtype=torch.float64) / m, yb.sum(0, dtype=torch.float64) / m
+            cx, cy = mx.to(dt), my.to(dt)                        # centring points (exact in dt)
+            ex, ey = mx - cx.double(), my - cy.double()          # batch mean - centring point
+            dx, dy = mx - a["mean_x"].double(), my - a["mean_y"].double()   # batch mean - running mean
+            xc, yc = xb - cx, yb - cy
+            lx = torch.cat([xc, ex[None].to(dt), dx[None].to(dt)])
+            rx = torch.cat([xc, (-m * ex)[None].to(dt), (w * dx)[None].to(dt)])
+            ry = torch.cat([yc, (-m * ey)[None].to(dt), (w * dy)[None].to(dt)])
+            a["cxx"].addmm_(lx.T, rx)
+            a["cxy"].addmm_(lx.T, ry)
+            sq = (yc * yc).sum(0, dtype=torch.float64) - m * ey * ey + w * dy * dy
+            a["cyy"] += sq.to(a["cyy"].dtype)
+            a["mean_x"] += (dx * (m / n)).to(a["mean_x"].dtype)
+            a["mean_y"] += (dy * (m / n)).to(a["mean_y"].dtype)
+        self.n = n
+
     def _merge(self, other_stats: dict, n_other: int) -> None:
         n_a, n_b = self.n, n_other
         n = n_a + n_b
         for kind in KINDS:
             a, b = self.stats[kind], other_stats[kind]
-            b = {name: t.to(device=self.device, dtype=self.dtype) for name, t in b.items()}
+            b = {name: t.to(device=self.device, dtype=a[name].dtype) for name, t in b.items()}
             dx, dy = b["mean_x"] - a["mean_x"], b["mean_y"] - a["mean_y"]
             w = n_a * n_b / n
+            dt = a["cxx"].dtype
             a["cxx"] += b["cxx"]
-            a["cxx"].addr_(dx, dx, alpha=w)
+            a["cxx"].addr_(dx.to(dt), dx.to(dt), alpha=w)
             a["cxy"] += b["cxy"]
-            a["cxy"].addr_(dx, dy, alpha=w)
+            a["cxy"].addr_(dx.to(dt), dy.to(dt), alpha=w)
             a["cyy"] += b["cyy"] + w * dy * dy
             a["mean_x"] += dx * (n_b / n)
             a["mean_y"] += dy * (n_b / n)
@@ -133,7 +188,7 @@ class Moments:
                         "cxy": torch.cat([s.stats[kind]["cxy"] for s in shards], dim=1),
                         "cyy": torch.cat([s.stats[kind]["cyy"] for s in shards])} for kind in KINDS}
         return cls(first.source_layers, [t for s in shards for t in s.target_layers], first.source_width,
-                   first.target_width, first.dtype, first.device, first.n, dict(first.info), stats)
+                   first.target_width, first.dtype, first.device, first.n, dict(first.info), stats, first.wide)
 
     # -- views used by the solvers ------------------------------------------------------------
     def cov_xx(self, kind: str, columns: torch.Tensor) -> torch.Tensor:
@@ -150,7 +205,7 @@ class Moments:
         tensors = {f"{prefix}{kind}.{name}": t for kind in KINDS for name, t in self.stats[kind].items()}
         meta = {"source_layers": self.source_layers, "target_layers": self.target_layers,
                 "source_width": self.source_width, "target_width": self.target_width,
-                "dtype": str(self.dtype).removeprefix("torch."), "n": self.n, "info": self.info}
+                "dtype": str(self.dtype).removeprefix("torch."), "n": self.n, "info": self.info, "wide": self.wide}
         return tensors, meta
 
     @classmethod
@@ -159,7 +214,7 @@ class Moments:
         dtype = getattr(torch, meta["dtype"])
         stats = {kind: {name: tensors[f"{prefix}{kind}.{name}"].to(device) for name in _STATS} for kind in KINDS}
         return cls(meta["source_layers"], meta["target_layers"], meta["source_width"], meta["target_width"],
-                   dtype, device, meta["n"], meta.get("info", {}), stats)
+                   dtype, device, meta["n"], meta.get("info", {}), stats, bool(meta.get("wide", False)))
 
     def save(self, path) -> None:
         """Write to one safetensors file (atomic)."""

@@ -19,6 +19,9 @@ calibrate  (`collect_moments`) both models on the device (co-resident; `capture=
            the disk holds the calibration + one piece at the peak; the finished checkpoint is the artifact
            (no final copy); sequential capture first writes every batch's source features to disk. The run
            then reloads it (`Run.moments`, kept for the rest of the process).
+           `calib.accumulate=device`: the train moments live on the target's GPU in `calib.dtype` (means and
+           cyy float64) and each batch is merged in place by one GEMM per matrix (`Moments.accumulate`): no
+           batch products, no device->host traffic except one piece per checkpoint write.
 fit        train moments + held-out features in host memory (device cpu), the single-source R² pass and
            one ridge solve per (target layer, kind) in float64 on the host CPU (`fit_layer`, Cholesky),
            the float64 weights of every layer until `Mapper.from_ridge` stacks them (3x float64 at its
@@ -402,6 +405,9 @@ class Setup:
         if self.store == "cuda" and self.device == "cpu":
             self.store = "cpu"
         self.sequential = c.get("capture", "co-resident") == "sequential"
+        if c.get("accumulate", "host") not in ("host", "device"):
+            raise ValueError(f"calib.accumulate must be host or device, got {c.get('accumulate')!r}")
+        self.in_place = c.get("accumulate", "host") == "device"   # Moments.accumulate (on the target's device)
         shard = c.get("target_layers")
         self.t_layers = len(shard) if shard else tgt.layers
         self.dx, self.dy = src.layers * src.width, self.t_layers * tgt.width
@@ -426,8 +432,9 @@ class Setup:
 
     @property
     def moments(self) -> int:
-        """The train moments in calib.dtype."""
-        return moments_bytes(self.dx, self.dy, self.a)
+        """The train moments in calib.dtype (calib.accumulate=device: means and cyy in float64)."""
+        wide = 2 * (self.dx + 2 * self.dy) * (8 - self.a) if self.in_place else 0
+        return moments_bytes(self.dx, self.dy, self.a) + wide
 
     @property
     def heldout(self) -> int:
@@ -519,10 +526,16 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
     fwd_t = forward_bytes(tgt, s.batch, s.seq, w, math_attention=math_attn)
     fwd_s = forward_bytes(src, s.batch, s.seq, w, math_attention=math_attn)
     feat_y, feat_x = 2 * m * dy * 4, 2 * m * dx * 4
-    prod = moments_kind_bytes(dx, dy, s.c)                       # one kind's batch products
-    add_work = 2 * prod + 2 * m * (dx + dy) * s.c * (2 if s.c != 4 else 1)   # both kinds + xb/yb/xc/yc
-    moments_dev = s.calibration if s.store == "cuda" else 0
-    merge_dev = moments_kind_bytes(dx, dy, s.a) if (s.store == "cuda" and s.c != s.a) else 0
+    if s.in_place:   # Moments.accumulate: the train moments on the device, merged by one GEMM per matrix
+        # one kind at a time: xb/yb in dtype (when not float32), centred rows xc/yc, the [m+2, .] operands
+        add_work = m * (dx + dy) * s.a * (1 if s.a == 4 else 2) + (m + 2) * (2 * dx + dy) * s.a
+        moments_dev = s.moments + (s.heldout if s.store == "cuda" else 0)
+        merge_dev = 0
+    else:
+        prod = moments_kind_bytes(dx, dy, s.c)                       # one kind's batch products
+        add_work = 2 * prod + 2 * m * (dx + dy) * s.c * (2 if s.c != 4 else 1)   # both kinds + xb/yb/xc/yc
+        moments_dev = s.calibration if s.store == "cuda" else 0
+        merge_dev = moments_kind_bytes(dx, dy, s.a) if (s.store == "cuda" and s.c != s.a) else 0
     accumulate = feat_x + feat_y + add_work + merge_dev
     if s.sequential:  # pass 1: source alone, features to disk; pass 2: target + moments
         phase1 = s.weights("src") + fwd_s + feat_x
@@ -535,12 +548,18 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
     else:
         dev = {"source + target weights": s.weights("src", "tgt"), "train moments + held-out features": moments_dev,
                "prefill / features + batch products": max(fwd_t, feat_y + fwd_s, accumulate)}
-    host_moments = s.calibration if s.store == "cpu" else 0
-    if s.store == "cpu" and (s.device == "cuda" or s.c != s.a):
+    if s.in_place:
+        host_moments = (s.heldout if s.store == "cpu" else 0) + (s.moments if s.device == "cpu" else 0)
+    else:
+        host_moments = s.calibration if s.store == "cpu" else 0
+    if s.in_place:
+        merge_host = 0
+    elif s.store == "cpu" and (s.device == "cuda" or s.c != s.a):
         merge_host = moments_kind_bytes(dx, dy, s.a) + (dx * max(dx, dy) * s.c if s.c != s.a else 0)
     else:
         merge_host = 0
-    merge_host = max(merge_host, s.piece)   # or, at a checkpoint, one piece being serialised
+    # or, at a checkpoint, one piece being serialised (+ its device->host copy when the moments are on the GPU)
+    merge_host = max(merge_host, s.piece * (2 if s.in_place and s.device == "cuda" else 1))
     loads = [s.load_host(x) for x in ("src", "tgt") if x not in loaded]
     loop_host = host_moments + merge_host + s.mlp_sample + s.n_seq * s.seq * 8
     # models load (on the host, then .to(device)) before the moments are allocated: the larger phase
@@ -558,11 +577,15 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
     # time
     r = s.rates
     fwd = s.n_seq * (prefill_flops(src, s.seq, s.seq) + prefill_flops(tgt, s.seq, s.seq)) / s.flops_rate(s.mdtype)
-    cdt = {8: "float64", 4: "float32", 2: "bfloat16"}[s.c]
+    cdt = {8: "float64", 4: "float32", 2: "bfloat16"}[s.a if s.in_place else s.c]
     products = s.n_batches * 2 * 2 * m * (dx * dx + dx * dy) / (r.flops.get(cdt) or r.flops["float32"])
     elems = s.n_batches * 2 * (dx * dx + dx * dy)
-    link = elems * s.c / r.link if (s.device == "cuda" and s.store == "cpu" and r.link) else 0.0
-    merge = elems * (s.c + 6 * s.a) / (r.host_bw if s.store == "cpu" else r.bw)
+    if s.in_place:   # the merge is inside the GEMM (C += A^T B reads and writes C once per batch)
+        link = s.n_checkpoints * s.moments / r.link if (s.device == "cuda" and r.link) else 0.0
+        merge = elems * 2 * s.a / (r.bw if s.device == "cuda" else r.host_bw)
+    else:
+        link = elems * s.c / r.link if (s.device == "cuda" and s.store == "cpu" and r.link) else 0.0
+        merge = elems * (s.c + 6 * s.a) / (r.host_bw if s.store == "cpu" else r.bw)
     ckpt = (s.n_checkpoints * s.checkpoint + s.calibration) / r.disk  # + the reload
     feats = 2 * s.features / r.disk
     load = s.load_seconds(*[x for x in ("src", "tgt") if x not in loaded])
@@ -882,6 +905,9 @@ def knob_candidates(cfg: dict, stage: str, node: Node, target_layers: int) -> li
     if stage in ("calibrate", "report"):
         if str(c.get("compute_dtype") or c.get("dtype", "float64")) == "float64" and node.gpus > 0:
             out.append(("calib.compute_dtype", "float32", "float32 batch products on the device"))
+        if c.get("accumulate", "host") != "device" and node.gpus > 0:
+            out.append(("calib.accumulate", "device", "train moments on the GPU in calib.dtype, merged in place "
+                        "per batch (no batch products, nothing shipped to the host)"))
         if c.get("capture", "co-resident") != "sequential":
             out.append(("calib.capture", "sequential", "one model in memory at a time; features go to disk"))
         else:
@@ -964,7 +990,9 @@ def make_plan(cfg: dict, node: Node, *, shapes: tuple[ModelShape, ModelShape] | 
                      "k": s.k, "dx": s.dx, "dy": s.dy, "p": s.p, "observations": obs,
                      "p_over_n": round(s.p / max(1, obs), 4), "calib_dtype": str(s.calib.get("dtype", "float64")),
                      "compute_dtype": str(s.calib.get("compute_dtype") or s.calib.get("dtype", "float64")),
-                     "capture": s.calib.get("capture", "co-resident"), "store_device": s.store,
+                     "capture": s.calib.get("capture", "co-resident"),
+                     "store_device": (s.device if s.in_place else s.store),
+                     "accumulate": "device (in place)" if s.in_place else "host",
                      "moments_split_gib": round(s.moments / GiB, 2),
                      "heldout_observations": s.held_rows, "heldout_gib": round(s.heldout / GiB, 2),
                      "source_weights_gib": round(weight_bytes(src, s.w) / GiB, 2),
@@ -1046,7 +1074,8 @@ def format_plan(plan: dict, *, markdown: bool = False, details: bool = True) -> 
              f"protocol: {pr['n_sequences']} x {pr['seq_len']} tokens, stride {pr['stride']}, "
              f"batch {pr['batch_size']}, "
              f"k={pr['k']}; Dx {pr['dx']:,}, Dy {pr['dy']:,}, p {pr['p']:,}, n {pr['observations']:,} "
-             f"(p/n {pr['p_over_n']:.3f}); moments {pr['calib_dtype']} on {pr['store_device']} "
+             f"(p/n {pr['p_over_n']:.3f}); moments {pr['calib_dtype']} on {pr['store_device']}, accumulated "
+             f"{pr.get('accumulate', 'host')} "
              f"({pr['moments_split_gib']:.1f} GiB train; held-out {pr.get('heldout_observations', 0):,} rows of raw "
              f"features, {pr.get('heldout_gib', 0.0):.1f} GiB), products {pr['compute_dtype']}, capture {pr['capture']}; "
              f"weights {pr['source_weights_gib']:.1f} + {pr['target_weights_gib']:.1f} GiB",

@@ -94,6 +94,32 @@ def test_plan_figures_of_qwen3_14b_to_32b(cfg_14_32, plan_14_32):
     assert half["stages"]["calibrate"]["disk_gib"] * P.GiB == pytest.approx(split / 2 + held + P.GiB, rel=1e-3)
 
 
+def test_device_accumulation_by_hand(cfg_14_32):
+    """calib.accumulate=device + float32: the train moments (float32 matrices, float64 means / cyy) on the GPU
+    next to both models, no batch products and no per-batch device->host copies; the host keeps the held-out
+    features; 14B -> 32B calibrate then fits 1 x H200."""
+    dev = dict(cfg_14_32, calib=dict(cfg_14_32["calib"], dtype="float32", accumulate="device"))
+    plan = P.make_plan(dev, H200, rates=FIXED_RATES, knobs=False)
+    cal = plan["stages"]["calibrate"]
+    train = 2 * ((40_960 ** 2 + 40_960 * 65_536) * 4 + (40_960 + 2 * 65_536) * 8)
+    assert cal["parts"]["gpu"]["train moments + held-out features"] * P.GiB == pytest.approx(train, rel=1e-6)
+    # batch working set: one kind's [m, Dx + Dy] rows centred + the [m + 2, .] GEMM operands, m = 4 x 256
+    m = 4 * 256
+    work = 2 * m * (40_960 + 65_536) * 4 + m * (40_960 + 65_536) * 4 + (m + 2) * (2 * 40_960 + 65_536) * 4
+    assert cal["parts"]["gpu"]["prefill / features + batch products"] * P.GiB == pytest.approx(
+        max(work, P.forward_bytes(P.load_shape(cfg_14_32["pair"]["target"]), 4, 1024, 2, math_attention=False)),
+        rel=1e-3)
+    held = 2 * 8192 * (40_960 + 65_536) * 4 + 8192 * 8
+    assert cal["parts"]["host"]["train moments + held-out features + merge of one kind"] * P.GiB == pytest.approx(
+        held + 2 * P.GiB + 500 * 1024 * 8, rel=1e-3)   # + one checkpoint piece and its device->host copy
+    assert cal["parts"]["disk"]["checkpoint, rewritten in place (calibration + one piece)"] * P.GiB == pytest.approx(
+        train + held + P.GiB, rel=1e-3)
+    assert cal["parts"]["seconds"]["device->host copies"] == pytest.approx(8 * train / FIXED_RATES.link, rel=1e-3)
+    assert cal["fits"] and plan["protocol"]["accumulate"] == "device (in place)"
+    host = P.make_plan(cfg_14_32, H200, rates=FIXED_RATES, knobs=False)["stages"]["calibrate"]["parts"]["seconds"]
+    assert host["device->host copies"] > 10 * cal["parts"]["seconds"]["device->host copies"]
+
+
 def test_sequential_capture_adds_the_feature_files(cfg_14_32):
     seq = dict(cfg_14_32, calib=dict(cfg_14_32["calib"], capture="sequential"))
     plan = P.make_plan(seq, H200, rates=FIXED_RATES, knobs=False)
@@ -207,8 +233,8 @@ def test_execute_refuses_before_loading_anything(tmp_path, monkeypatch, cfg_14_3
 
 
 # -- simulation: the plan's calibration sizes vs a real collect_moments ---------------------------------
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,accumulate", [("float64", "host"), ("float32", "host"), ("float32", "device")])
+def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkeypatch, dtype, accumulate):
     """Random Qwen3 models from the real config class at 1/8 of 14B -> 32B's per-layer KV width (one
     kv head x 128 = 128 features per layer; 5 -> 8 layers): the moments' tensor bytes, the checkpoint
     directory, the disk peak while it is rewritten in place (old pieces + one temp piece) and the
@@ -222,7 +248,8 @@ def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkey
     n_seq, seq_len, stride, batch = 8, 32, 2, 4
     cfg = _compose("pair=tiny", f"calib.n_sequences={n_seq}", f"calib.seq_len={seq_len}", f"calib.stride={stride}",
                    f"calib.batch_size={batch}", "calib.heldout_fraction=0.25", f"calib.dtype={dtype}",
-                   "calib.capture=sequential", "calib.checkpoint_every=4", "device=cpu")
+                   "calib.capture=sequential", "calib.checkpoint_every=4", "device=cpu",
+                   f"calib.accumulate={accumulate}")
     shapes = (P.shape_from_config(src_cfg, "s"), P.shape_from_config(tgt_cfg, "t"))
     setup = P.Setup(cfg, *shapes, P.Node(), FIXED_RATES)
     assert (setup.dx, setup.dy) == (5 * 128, 8 * 128) == (40_960 // 64, 65_536 // 64)
@@ -240,7 +267,7 @@ def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkey
     result = collect_moments(src, tgt, random_ids(n_seq, seq_len, seed=3), stride=stride, batch_size=batch,
                              heldout_fraction=0.25, capture="sequential", feature_dir=tmp_path / "features",
                              checkpoint_path=ckpt_dir, checkpoint_every=4,
-                             dtype=getattr(torch, dtype))
+                             dtype=getattr(torch, dtype), accumulate=accumulate)
     monkeypatch.undo()
     actual = sum(t.numel() * t.element_size() for kind in result.train.stats.values() for t in kind.values())
     assert actual == pytest.approx(setup.moments, rel=0.15)

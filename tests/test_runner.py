@@ -162,6 +162,18 @@ def test_calibration_artifact_layout_is_part_of_the_moments_key(tiny_pair_dirs, 
     assert other.moments_dir("stripped") != now
 
 
+def test_device_accumulation_through_the_pipeline(tiny_pair_dirs, tmp_path):
+    """calib.accumulate=device + float32 calibrates into calibration/ (the finished checkpoint) and fits."""
+    cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "calib.accumulate=device", "calib.dtype=float32", "stage=fit")
+    summary = execute(cfg, tmp_path / "run")
+    run = Run(cfg, tmp_path / "run")
+    directory = run.moments_dir("stripped")
+    assert (directory / "calibration" / "manifest.json").exists() and not (directory / "features").exists()
+    train, held, info = run.moments()
+    assert train.wide and train.stats["k"]["cxx"].dtype == torch.float32 and held.n == info["heldout_observations"]
+    assert all(-10 < v <= 1 for kind in ("k", "v") for v in summary["r2"][kind].values())
+
+
 def test_mlp_mapper_through_the_pipeline(tiny_pair_dirs, tmp_path):
     cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "mapper=mlp", "mapper.hidden=32", "mapper.epochs=2",
                     "calib.mlp_samples=256", "stage=fit")

@@ -168,3 +168,88 @@ def test_a_piece_from_another_write_is_refused(tmp_path):
     (b / "w@00002.safetensors").replace(a / "w@00002.safetensors")
     with pytest.raises(ValueError, match="another write"):
         load_tensor_dir(a)
+
+
+# -- accumulation on the device in float32, merged in place ------------------------------------------------
+@pytest.fixture(scope="module")
+def fp64_and_device(pair):
+    ids = random_ids(40, 32, seed=1)
+    kw = dict(stride=STRIDE, batch_size=BATCH, heldout_fraction=0.2)
+    return (kt.collect_moments(*pair, ids, **kw),                                            # today's path
+            kt.collect_moments(*pair, ids, accumulate="device", dtype=torch.float64, **kw),
+            kt.collect_moments(*pair, ids, accumulate="device", dtype=torch.float32, **kw))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def test_in_place_chan_merge_is_the_same_algebra(fp64_and_device):
+    """accumulate=device in float64: another kernel order (one GEMM per matrix with the Chan and centring
+    rows appended) than today's product-then-merge, so not bitwise; the same numbers to fp64 rounding
+    (measured <= 6 eps relative to each statistic's largest entry; a wrong Chan or centring term is O(1))."""
+    ref, d64, _ = fp64_and_device
+    eps = torch.finfo(torch.float64).eps
+    assert d64.train.n == ref.train.n
+    for kind in ("k", "v"):
+        for name, t in ref.train.stats[kind].items():
+            assert _rel(d64.train.stats[kind][name], t) <= 64 * eps, (kind, name)
+
+
+def test_float32_device_accumulation_keeps_the_mapper_within_float32_rounding(fp64_and_device):
+    """Tolerances, measured on these tiny models -> bound (why):
+    * sums of centred products, float32 accumulator: 1.5 eps32 relative to the largest entry -> 16 eps32
+      (each entry is a sum of m-row GEMMs about the batch mean plus 8 in-place merges; float32 rounding of
+      centred terms, no cancellation of offsets since the means, corrections and cyy are float64);
+    * means: float64 sums of the same float32 features (measured: equal) -> 64 eps64;
+    * R² (train and held-out matrices, fit R²): <= 3.2e-7 absolute -> 32 eps32 = 3.8e-6 (R² is a ratio of
+      sums that inherit the moments' relative error);
+    * the fitted map's outputs on held-out rows: <= 1.4e-6 of the target's spread (12 eps32, the moments'
+      error times the conditioning of Cxx + lambda I at k=all) -> 128 eps32 = 1.5e-5;
+    and the top-k selection is the same. A batch lost, a wrong Chan term or float32 *solves* are >= 1e-3 off."""
+    ref, _, d32 = fp64_and_device
+    eps32 = torch.finfo(torch.float32).eps
+    for kind in ("k", "v"):
+        st = d32.train.stats[kind]
+        assert st["cxx"].dtype == st["cxy"].dtype == torch.float32
+        assert st["mean_x"].dtype == st["mean_y"].dtype == st["cyy"].dtype == torch.float64
+        for name, t in ref.train.stats[kind].items():
+            if name.startswith("mean"):   # float64 either way (mean() vs sum(dtype=float64) / m: not bitwise)
+                assert _rel(st[name], t) <= 64 * torch.finfo(torch.float64).eps, name
+            else:
+                assert _rel(st[name], t) <= 16 * eps32, (kind, name)
+    r_ref = kt.r2_matrix(ref.train, heldout=ref.heldout, head_dim=HEAD_DIM)
+    r_dev = kt.r2_matrix(d32.train, heldout=d32.heldout, head_dim=HEAD_DIM)
+    for split in ("train", "heldout"):
+        for kind in ("k", "v"):
+            torch.testing.assert_close(r_dev[split][kind], r_ref[split][kind], rtol=0, atol=32 * eps32)
+    for k in (1, "all"):
+        selected = kt.select_topk(r_ref["train"], k)
+        assert kt.select_topk(r_dev["train"], k) == selected
+        f_ref = kt.fit_ridge(ref.train, selected, heldout=ref.heldout, head_dim=HEAD_DIM)
+        f_dev = kt.fit_ridge(d32.train, selected, heldout=d32.heldout, head_dim=HEAD_DIM)
+        held = ref.heldout
+        for kind in ("k", "v"):
+            torch.testing.assert_close(f_dev.r2["heldout"][kind], f_ref.r2["heldout"][kind], rtol=0, atol=32 * eps32)
+            for t, a, b in zip(ref.train.target_layers, f_ref.weights[kind], f_dev.weights[kind]):
+                x = held.x(kind)[:, a.columns].double()
+                y = held.y(kind)[:, held.target_columns(t)].double()
+                diff = x @ (a.weight - b.weight) + (a.bias - b.bias)
+                assert float(diff.norm() / (y - y.mean(0)).norm()) <= 128 * eps32, (k, kind, t)
+
+
+def test_device_accumulation_resumes_bit_identically(pair, tmp_path):
+    ids = random_ids(20, 24, seed=4)
+    kw = dict(stride=STRIDE, batch_size=BATCH, heldout_fraction=0.2, checkpoint_every=4, accumulate="device",
+              dtype=torch.float32, checkpoint_piece_bytes=4096)
+    reference = kt.collect_moments(*pair, ids, **kw)
+    ck = tmp_path / "ck"
+    kt.collect_moments(*pair, ids, checkpoint_path=ck, stop_after_batches=2, **kw)
+    resumed = kt.collect_moments(*pair, ids, checkpoint_path=ck, **kw)
+    # the same kernels on the same shapes in the same order; the checkpoint holds float32 / float64 exactly
+    for kind in ("k", "v"):
+        for name, t in reference.train.stats[kind].items():
+            assert torch.equal(resumed.train.stats[kind][name], t) and resumed.train.stats[kind][name].dtype == t.dtype
+    assert load_calibration(ck).train.wide
+    with pytest.raises(ValueError, match="other data or settings"):   # a host-mode rerun does not resume it
+        kt.collect_moments(*pair, ids, checkpoint_path=ck, **dict(kw, accumulate="host"))

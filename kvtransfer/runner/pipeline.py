@@ -190,6 +190,7 @@ class Run:
             capture=calib.get("capture", "co-resident"), feature_dir=directory / "features",
             checkpoint_path=directory / "calibration", checkpoint_every=calib.get("checkpoint_every", 64),
             dtype=dtype, compute_dtype=compute, store_device=calib.get("store_device", "cpu"),
+            accumulate=calib.get("accumulate", "host"),
             feature_sink=sampler, progress=self.progress)
         seconds = time.perf_counter() - started
         if not result.train.info.get("complete"):

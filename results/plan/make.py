@@ -21,6 +21,10 @@ from kvtransfer import plan as P  # noqa: E402
 PAIRS = ("qwen3_14b_32b", "qwen3_8b_32b", "llama31_8b_70b", "ministral3_3b_8b", "ministral3_3b_14b",
          "ministral3_8b_14b")
 NODES = ("h200", "8xh100")
+# issue 10 §2's device accumulation, planned next to the defaults: (node, overrides, folder suffix, title)
+VARIANTS = [(node, [], "", "") for node in NODES] + [
+    ("h200", ["calib.dtype=float32", "calib.accumulate=device"], "_fp32_device",
+     " -- with `calib.dtype=float32 calib.accumulate=device` (train moments on the GPU, merged in place)")]
 
 
 def cell(stage: dict) -> str:
@@ -41,18 +45,18 @@ def main() -> None:
              "held-out as `calib.heldout_observations` raw feature rows, co-resident capture, `device_map: null`)? Cells name the over-budget resource and the smallest "
              "knob set the plan found that makes the stage fit. Figures in GiB; full tables per pair in "
              "`<node>/<pair>/plan.md`.", ""]
-    for node in NODES:
+    for node, overrides, suffix, title in VARIANTS:
         spec = P.NODES[node]
         lines += [f"## {spec['name']}: {spec['gpus']} x {spec['gpu_gib']} GiB GPU, {spec['host_gib']:.0f} GiB host, "
-                  f"{spec['disk_gib']:.0f} GiB disk", "",
-                  "| pair | k | train moments (fp64) | held-out rows, GiB | weights s + t | " + " | ".join(P.STAGES) + " |",
+                  f"{spec['disk_gib']:.0f} GiB disk{title}", "",
+                  f"| pair | k | train moments ({'fp32' if suffix else 'fp64'}) | held-out rows, GiB | weights s + t | " + " | ".join(P.STAGES) + " |",
                   "|---|---|---|---|---|" + "---|" * len(P.STAGES)]
         figures = ["", "| pair | " + " | ".join(f"{s} GPU / host / disk, time" for s in P.STAGES) + " |",
                    "|---|" + "---|" * len(P.STAGES)]
         for pair in PAIRS:
-            out = HERE / node / pair
+            out = HERE / f"{node}{suffix}" / pair
             with contextlib.redirect_stdout(io.StringIO()):
-                P.main([f"pair={pair}", "--node", node, "--out", str(out)])
+                P.main([f"pair={pair}", *overrides, "--node", node, "--out", str(out)])
             plan = json.loads((out / "plan.json").read_text())
             pr, st = plan["protocol"], plan["stages"]
             lines.append(f"| {pair} | {pr['k']} | {pr['moments_split_gib']:.1f} | "

@@ -26,6 +26,7 @@ Two ways to add a batch:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,19 @@ import torch
 from .io import atomic_save_tensors, load_tensors
 
 KINDS = ("k", "v")
+
+
+@contextlib.contextmanager
+def full_precision_matmul():
+    """float32 GEMMs in true float32 while accumulating: a process that enabled TF32 (e.g.
+    torch.set_float32_matmul_precision("high")) would otherwise round every product to ~1e-3."""
+    cuda = torch.backends.cuda.matmul
+    prev = cuda.allow_tf32
+    cuda.allow_tf32 = False
+    try:
+        yield
+    finally:
+        cuda.allow_tf32 = prev
 _STATS = ("mean_x", "mean_y", "cxx", "cxy", "cyy")
 _FEATURES = ("x", "y")
 
@@ -109,8 +123,9 @@ class Moments:
                                  f"expected ({m}, {self.dx}) and ({m}, {self.dy})")
             mx, my = xb.mean(0), yb.mean(0)
             xc, yc = xb - mx, yb - my
-            batch[kind] = {"mean_x": mx, "mean_y": my, "cxx": xc.T @ xc, "cxy": xc.T @ yc,
-                           "cyy": (yc * yc).sum(0)}
+            with full_precision_matmul():
+                batch[kind] = {"mean_x": mx, "mean_y": my, "cxx": xc.T @ xc, "cxy": xc.T @ yc,
+                               "cyy": (yc * yc).sum(0)}
         self._merge(batch, m)
 
     @torch.no_grad()
@@ -123,6 +138,11 @@ class Moments:
         n_a = self.n
         n = n_a + m
         w = n_a * m / n
+        with full_precision_matmul():
+            self._accumulate(x, y, m, n, w)
+        self.n = n
+
+    def _accumulate(self, x, y, m: int, n: int, w: float) -> None:
         for kind in KINDS:
             a = self.stats[kind]
             dt = a["cxx"].dtype
@@ -144,7 +164,6 @@ class Moments:
             a["cyy"] += sq.to(a["cyy"].dtype)
             a["mean_x"] += (dx * (m / n)).to(a["mean_x"].dtype)
             a["mean_y"] += (dy * (m / n)).to(a["mean_y"].dtype)
-        self.n = n
 
     def _merge(self, other_stats: dict, n_other: int) -> None:
         n_a, n_b = self.n, n_other

@@ -253,3 +253,22 @@ def test_device_accumulation_resumes_bit_identically(pair, tmp_path):
     assert load_calibration(ck).train.wide
     with pytest.raises(ValueError, match="other data or settings"):   # a host-mode rerun does not resume it
         kt.collect_moments(*pair, ids, checkpoint_path=ck, **dict(kw, accumulate="host"))
+
+
+def test_accumulation_turns_tf32_off_and_restores_it(monkeypatch):
+    """TF32 rounds float32 GEMMs to ~1e-3: accumulation forces true float32 and leaves the setting as found."""
+    from kvtransfer.moments import full_precision_matmul
+
+    seen = []
+    real_addmm = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda self, *a, **k: (
+        seen.append(torch.backends.cuda.matmul.allow_tf32), real_addmm(self, *a, **k))[1])
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    m = Moments([0], [0], 3, 2, dtype=torch.float32, wide=True)
+    g = torch.Generator().manual_seed(0)
+    m.accumulate({k: torch.randn(5, 3, generator=g) for k in ("k", "v")},
+                 {k: torch.randn(5, 2, generator=g) for k in ("k", "v")})
+    assert seen == [False] * 4 and torch.backends.cuda.matmul.allow_tf32
+    with full_precision_matmul():
+        assert not torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cuda.matmul.allow_tf32

@@ -25,7 +25,8 @@ calibrate  (`collect_moments`) both models on the device (co-resident; `capture=
 fit        train moments + held-out features in host memory (device cpu), the single-source R² pass and
            one ridge solve per (target layer, kind) in float64 on the host CPU (`fit_layer`, Cholesky),
            the float64 weights of every layer until `Mapper.from_ridge` stacks them (3x float64 at its
-           peak); both models are loaded (for the mapper's pair identity).
+           peak); no model is loaded (the mapper's pair identity comes from the configs, `Run.identity`;
+           an MLP mapper trains on the GPU and loads both).
 eval       both models + the float32 mapper on the target's device, per batch a source prefill, the
            mapped cache (`map_layers`' buffers) and the scorer's logits; wall time from token counts of the
            configured tasks (approximate dataset sizes and prompt lengths, `EVAL_TASKS`).
@@ -622,7 +623,7 @@ def _fit(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> U
     u = Usage()
     r = s.rates
     moments = s.calibration
-    dev = {"source + target weights": s.weights("src", "tgt")}
+    dev = {"source + target weights": s.weights("src", "tgt") if s.mapper_kind == "mlp" else 0.0}
     if s.mapper_kind == "mlp":
         hidden = int(s.cfg["mapper"].get("hidden", 1024))
         n = int(s.calib.get("mlp_samples") or 0)
@@ -640,14 +641,15 @@ def _fit(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> U
                 max(r2_work, w64 + _fit_transient(s, s.p), 3 * w64)}
         fit_s = (_r2_flops(s) + _ridge_flops(s, s.p)) / r.host_flops["float64"]
         fit_s += 2 * s.t_layers * 3 * s.p * s.p * s.a / r.host_bw  # gathers of the [p, p] blocks
-    loads = [s.load_host(x) for x in ("src", "tgt") if x not in loaded]
+    loads = [s.load_host(x) for x in ("src", "tgt") if x not in loaded] if s.mapper_kind == "mlp" else []
     host = {"train moments + held-out features": moments if not held_host else held_host, **work,
             "model loading (after the moments are read)": max(loads) if loads and s.device == "cuda" else 0.0}
     _place(s, u, dev, host)
     u.parts["disk"] = {"earlier artifacts": disk_before, "mapper (float32)": s.mapper_w32}
     u.disk = sum(u.parts["disk"].values())
     u.parts["seconds"] = {"read moments": 0.0 if held_host else moments / r.disk, "solves (host float64)": fit_s,
-                          "load weights": s.load_seconds(*[x for x in ("src", "tgt") if x not in loaded]),
+                          "load weights": s.load_seconds(*[x for x in ("src", "tgt") if x not in loaded])
+                          if s.mapper_kind == "mlp" else 0.0,
                           "save mapper": s.mapper_w32 / r.disk}
     u.seconds = sum(u.parts["seconds"].values())
     if s.mapper_kind == "ridge":
@@ -854,7 +856,8 @@ def stage_usage(s: Setup) -> dict[str, Usage]:
         for x in prior:
             if x == "calibrate":
                 loaded |= {"tgt"} if s.sequential else {"src", "tgt"}
-            if x in ("fit", "eval", "report") or (x == "bench" and not (s.cfg.get("bench") or {}).get("shapes_only")):
+            if x in ("eval", "report") or (x == "fit" and s.mapper_kind == "mlp") or (
+                    x == "bench" and not (s.cfg.get("bench") or {}).get("shapes_only")):
                 loaded |= {"src", "tgt"}
         held = s.calibration if any(x in prior for x in ("calibrate", "fit")) else 0.0
         disk_before = weights_disk + (persistent["calibrate"] if stage != "calibrate" else 0) + (

@@ -183,9 +183,12 @@ def test_refusal_names_the_knobs_with_their_figures(cfg_14_32):
     msg = str(err.value)
     assert "calibrate" in msg and "calib.dtype=float32" in msg and "calib.capture=sequential" in msg
     assert "plan.enforce=false" in msg and "GiB" in msg
-    # on 8 x H100 the GPU side is what fails, and device_map=auto (with float32 moments) is named
+    # on 8 x H100 the GPU side is what fails (eval: both models on cuda:0), and device_map=auto is named
     with pytest.raises(P.PlanError, match="device_map=auto"):
-        P.check_plan(cfg_14_32, H100x8, rates=FIXED_RATES, stages=["fit"])
+        P.check_plan(cfg_14_32, H100x8, rates=FIXED_RATES, stages=["eval"])
+    # the ridge fit loads no model (config-only pair identity): it fits 8 x H100 and uses no GPU
+    fit = P.check_plan(cfg_14_32, H100x8, rates=FIXED_RATES, stages=["fit"])["stages"]["fit"]
+    assert fit["fits"] and fit["gpu_gib"] <= 1.0
 
 
 def test_the_knob_figures_are_recomputed_plans(cfg_14_32, plan_14_32):

@@ -174,6 +174,24 @@ def test_device_accumulation_through_the_pipeline(tiny_pair_dirs, tmp_path):
     assert all(-10 < v <= 1 for kind in ("k", "v") for v in summary["r2"][kind].values())
 
 
+def test_ridge_fit_loads_no_model_and_keeps_the_pair_identity(tiny_pair_dirs, tmp_path, monkeypatch):
+    """Issue 10 §2: the ridge fit needs the moments only; the mapper's identity (model id, config hash,
+    geometry, RoPE type) comes from the configs and equals the loaded models' identity."""
+    import kvtransfer.runner.pipeline as pipeline
+    from kvtransfer.models import load_model, model_identity
+
+    execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=calibrate"), tmp_path / "cal")
+
+    def no_load(*a, **k):
+        raise AssertionError("the ridge fit loaded a model")
+
+    monkeypatch.setattr(pipeline, "load_model", no_load)
+    execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit"), tmp_path / "fit")
+    mapper = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit"), "x").mapper()
+    assert mapper.source == model_identity(load_model(tiny_pair_dirs["small"])[0])
+    assert mapper.target == model_identity(load_model(tiny_pair_dirs["large"])[0])
+
+
 def test_mlp_mapper_through_the_pipeline(tiny_pair_dirs, tmp_path):
     cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "mapper=mlp", "mapper.hidden=32", "mapper.epochs=2",
                     "calib.mlp_samples=256", "stage=fit")

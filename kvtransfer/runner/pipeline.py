@@ -105,6 +105,19 @@ class Run:
                 check_same_tokenizer(self._models["source"][1], self._models["target"][1])
         return self._models[side]
 
+    def identity(self, side: str):
+        """What `models.model_identity` reads of the source/target -- the loaded model when it is in memory,
+        else a config-only stand-in (config + name_or_path as `load_model` sets it), so no weights load."""
+        if side in self._models:
+            return self._models[side][0]
+        from types import SimpleNamespace
+
+        from transformers import AutoConfig
+
+        ref = self.model_ref(side)
+        cfg = AutoConfig.from_pretrained(ref, trust_remote_code=self.cfg.get("trust_remote_code", False))
+        return SimpleNamespace(config=cfg, name_or_path=ref)
+
     @property
     def device(self) -> str:
         """Resolved compute device."""
@@ -264,15 +277,17 @@ class Run:
     def _fit(self, directory: Path) -> None:
         train, heldout, info = self.moments()
         selected = self.selected_layers()
-        source, target = self.model("source")[0], self.model("target")[0]
         mcfg = self.cfg["mapper"]
         started = time.perf_counter()
-        if mcfg["kind"] == "ridge":
+        if mcfg["kind"] == "ridge":  # the solve needs no model: the mapper's pair identity comes from the configs
             fit = fit_ridge(train, selected, lam=self.lam, heldout=heldout, head_dim=self.target_head_dim(),
                             force=mcfg.get("force", False), stride=info["stride"], progress=self.progress)
-            mapper = Mapper.from_ridge(fit, source, target, key_space=self.key_space, calibration=info)
+            mapper = Mapper.from_ridge(fit, self.identity("source"), self.identity("target"), key_space=self.key_space,
+                                       calibration=info)
         elif mcfg["kind"] == "mlp":
             from ..mlp import FeatureSampler, fit_mlp
+
+            source, target = self.model("source")[0], self.model("target")[0]
 
             sample_path = self.moments_dir(self.key_space) / "mlp_sample.safetensors"
             if not sample_path.exists():

@@ -17,8 +17,9 @@ calibrate  (`collect_moments`) both models on the device (co-resident; `capture=
            the largest tensor). The checkpoint (train moments + held-out features, a tensor directory:
            `io.save_tensor_dir`) is rewritten in place one piece (<= `io.PIECE_BYTES` of rows) at a time, so
            the disk holds the calibration + one piece at the peak; the finished checkpoint is the artifact
-           (no final copy); sequential capture first writes every batch's source features to disk. The run
-           then reloads it (`Run.moments`, kept for the rest of the process).
+           (no final copy); sequential capture first writes every batch's source features to disk. Nothing
+           is read back: each later stage reads the moments it needs and releases them
+           (`Run.release_moments`), so eval and bench hold none.
            `calib.accumulate=device`: the train moments live on the target's GPU in `calib.dtype` (means and
            cyy float64) and each batch is merged in place by one GEMM per matrix (`Moments.accumulate`): no
            batch products, no device->host traffic except one piece per checkpoint write.
@@ -587,12 +588,12 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
     else:
         link = elems * s.c / r.link if (s.device == "cuda" and s.store == "cpu" and r.link) else 0.0
         merge = elems * (s.c + 6 * s.a) / (r.host_bw if s.store == "cpu" else r.bw)
-    ckpt = (s.n_checkpoints * s.checkpoint + s.calibration) / r.disk  # + the reload
+    ckpt = s.n_checkpoints * s.checkpoint / r.disk
     feats = 2 * s.features / r.disk
     load = s.load_seconds(*[x for x in ("src", "tgt") if x not in loaded])
     u.parts["seconds"] = {"load weights": load, "forward passes": fwd, "batch products": products,
                           "device->host copies": link, "merge into the moments": merge,
-                          "checkpoints + reload": ckpt, "feature files": feats}
+                          "checkpoints": ckpt, "feature files": feats}
     u.seconds = sum(u.parts["seconds"].values())
     if s.n_checkpoints > 0 and s.checkpoint > 8 * GiB:
         u.notes.append(f"{s.n_checkpoints} checkpoints, each rewriting {s.checkpoint / GiB:.1f} GiB")
@@ -809,28 +810,27 @@ def _bench(s: Setup, held_host: float, loaded: frozenset, disk_before: float) ->
 
 
 def _report(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> Usage:
-    """Report: with report.rotated_heatmap a second calibration (rotated keys) while the stripped
-    moments are held, whose moments are then held too; Table-7 ridge fits for report.variance_k
-    (those the p/n guard lets through) on the stripped moments."""
+    """Report: with report.rotated_heatmap a second calibration (rotated keys) -- the stripped moments are
+    released before it (`Run.release_moments`) and read back for the Table-7 ridge fits for
+    report.variance_k (those the p/n guard lets through)."""
     u = Usage()
     r = s.rates
     rep = s.cfg.get("report") or {}
-    stripped = held_host or s.calibration
+    stripped = s.calibration
     n_obs = s.n_train * s.kept
     ks = [s.src.layers if k == "all" else int(k) for k in rep.get("variance_k", [])]
     ks = [k for k in ks if k <= s.src.layers and k * s.src.width / max(1, n_obs) < 0.5]
     fits_host = max([_fit_transient(s, k * s.src.width) + mapper_params(s.src.width, s.tgt, k) * 8 for k in ks] or [0])
     secs = {"Table-7 fits (host float64)": sum(_ridge_flops(s, k * s.src.width) for k in ks) / r.host_flops["float64"],
-            "read moments": 0.0 if held_host else stripped / r.disk}
+            "read moments": stripped / r.disk}
     dev = {"source + target weights": s.weights("src", "tgt")}
-    host = {"stripped moments (held)": stripped, "Table-7 fits (largest k)": fits_host}
+    host = {"held from earlier stages": held_host, "stripped moments (read back)": stripped,
+            "Table-7 fits (largest k)": fits_host}
     disk = {"earlier artifacts": disk_before}
     if rep.get("rotated_heatmap"):
-        rot = _calibrate(s, held_host=stripped, loaded=loaded, disk_before=disk_before)
-        rot_extra = sum(rot.host_parts.values()) - stripped
-        host = {"stripped moments (held)": stripped,
-                "rotated calibration peak, then rotated moments + Table-7 fits":
-                max(rot_extra, s.calibration + fits_host)}
+        rot = _calibrate(s, held_host=held_host, loaded=loaded, disk_before=disk_before)
+        host = {"rotated calibration peak (nothing else held), or moments + Table-7 fits":
+                max(sum(rot.host_parts.values()), held_host + s.calibration + fits_host)}
         dev = rot.dev_parts
         disk = {"earlier artifacts": disk_before, "rotated calibration": rot.disk - disk_before}
         secs["rotated calibration + its R² matrix"] = rot.seconds + _r2_flops(s) / r.host_flops["float64"]
@@ -859,7 +859,7 @@ def stage_usage(s: Setup) -> dict[str, Usage]:
             if x in ("eval", "report") or (x == "fit" and s.mapper_kind == "mlp") or (
                     x == "bench" and not (s.cfg.get("bench") or {}).get("shapes_only")):
                 loaded |= {"src", "tgt"}
-        held = s.calibration if any(x in prior for x in ("calibrate", "fit")) else 0.0
+        held = 0.0   # every stage reads the moments it needs and releases them (`Run.release_moments`)
         disk_before = weights_disk + (persistent["calibrate"] if stage != "calibrate" else 0) + (
             persistent["fit"] if stage not in ("calibrate", "fit") else 0)
         fn = {"calibrate": _calibrate, "fit": _fit, "eval": _eval, "bench": _bench, "report": _report}[stage]

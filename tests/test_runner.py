@@ -192,6 +192,31 @@ def test_ridge_fit_loads_no_model_and_keeps_the_pair_identity(tiny_pair_dirs, tm
     assert mapper.target == model_identity(load_model(tiny_pair_dirs["large"])[0])
 
 
+def test_moments_are_read_only_where_needed_and_released(tiny_pair_dirs, tmp_path, monkeypatch):
+    """Issue 10 §2: a calibrate-only run reads no moments back; the report's rotated-key calibration does not
+    sit next to the stripped moments; nothing holds them after the run's last stage that needs them."""
+    import kvtransfer.runner.pipeline as pipeline
+
+    reads, held_at_calibration = [], {}
+    real_load, real_cal = pipeline.load_calibration, Run._calibrate
+    monkeypatch.setattr(pipeline, "load_calibration", lambda d, **k: reads.append(d) or real_load(d, **k))
+
+    def spy(self, directory, key_space):
+        held_at_calibration[key_space] = [k for k in self._memo if k.startswith("moments/")]
+        return real_cal(self, directory, key_space)
+
+    monkeypatch.setattr(Run, "_calibrate", spy)
+    execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=calibrate"), tmp_path / "cal")
+    assert reads == [] and held_at_calibration == {"stripped": []}
+    released = []
+    real_release = Run.release_moments
+    monkeypatch.setattr(Run, "release_moments", lambda self: released.append(
+        [k for k in self._memo if k.startswith("moments/")]) or real_release(self))
+    execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=[fit,report]", "report.rotated_heatmap=true"), tmp_path / "rep")
+    assert held_at_calibration["rotated"] == []   # the stripped moments were released first
+    assert released[0] == ["moments/stripped"] and released[1] == ["moments/rotated"]
+
+
 def test_mlp_mapper_through_the_pipeline(tiny_pair_dirs, tmp_path):
     cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "mapper=mlp", "mapper.hidden=32", "mapper.epochs=2",
                     "calib.mlp_samples=256", "stage=fit")

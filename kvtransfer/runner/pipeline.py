@@ -178,6 +178,23 @@ class Run:
             self._memo[memo] = (calib.train, calib.heldout, json.loads(done.read_text()))
         return self._memo[memo]
 
+    def calibration_info(self, key_space: str | None = None) -> dict:
+        """The calibration's provenance (calibration.json), calibrating first when needed; loads no moments."""
+        key_space = key_space or self.key_space
+        directory = self.moments_dir(key_space)
+        done = directory / "calibration.json"
+        if not done.exists():
+            self._calibrate(directory, key_space)
+        return json.loads(done.read_text())
+
+    def release_moments(self) -> None:
+        """Drop the moments read by `moments` (tens of GB at paper scale); a later call reads them again."""
+        for key in [k for k in self._memo if k.startswith("moments/")]:
+            del self._memo[key]
+        import gc
+
+        gc.collect()
+
     def _calibrate(self, directory: Path, key_space: str) -> None:
         calib = self.cfg["calib"]
         directory.mkdir(parents=True, exist_ok=True)
@@ -441,16 +458,20 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
                      "source": run.model_ref("source"), "target": run.model_ref("target"), "stages": stages,
                      "ablation": cfg.get("ablation", {}), "environment": environment()}
     r2_figure: dict = {}
+    # moments are read only where a stage needs them and released after it (issue 10 §2): eval and bench never
+    # hold them, and the rotated-key calibration of the report does not sit next to the stripped moments
     if "calibrate" in stages or "report" in stages:
-        _, _, info = run.moments()
-        summary["calibration"] = info
+        summary["calibration"] = run.calibration_info()
         if "report" in stages:
             r2_figure = {f"{run.key_space} keys": run.r2()["train"]}
+            run.release_moments()
             if cfg.get("report", {}).get("rotated_heatmap"):
                 other = "rotated" if run.key_space == "stripped" else "stripped"
                 r2_figure[f"{other} keys"] = run.r2(other)["train"]
+                run.release_moments()
     if any(s in stages for s in ("fit", "eval", "report")):
         mapper = run.mapper()
+        run.release_moments()
         summary["mapper"] = {"kind": mapper.kind, "k": mapper.k, "lambda": mapper.lam,
                              "selection": cfg["mapper"].get("selection", "topk"),
                              "selected_layers": mapper.selected_layers.tolist(), "key_space": mapper.key_space,
@@ -472,6 +493,7 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
         summary["speed"] = benchmark(run)
     if "report" in stages:
         summary["variance_explained"] = run.variance_vs_k()
+        run.release_moments()
         from ..report.outputs import write_outputs
 
         summary["outputs"] = write_outputs(cfg, summary, out_dir, r2_figure)

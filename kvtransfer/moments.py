@@ -51,8 +51,32 @@ _STATS = ("mean_x", "mean_y", "cxx", "cxy", "cyy")
 _FEATURES = ("x", "y")
 
 
+class FeatureLayout:
+    """Column layout shared by moments and held-out features: x concatenates the source layers'
+    features (source_width each), y this shard's target layers' (target_width each)."""
+
+    @property
+    def dx(self) -> int:
+        """Width of the source feature vector x."""
+        return len(self.source_layers) * self.source_width
+
+    @property
+    def dy(self) -> int:
+        """Width of the target feature vector y (this shard's target layers only)."""
+        return len(self.target_layers) * self.target_width
+
+    def source_columns(self, layers) -> torch.Tensor:
+        """Column indices into x of the given source layers, in the given order."""
+        return _block_columns(self.source_layers, layers, self.source_width)
+
+    def target_columns(self, layer: int) -> slice:
+        """Column slice into y of one target layer."""
+        i = self.target_layers.index(layer)
+        return slice(i * self.target_width, (i + 1) * self.target_width)
+
+
 @dataclass
-class Moments:
+class Moments(FeatureLayout):
     """Centred moments of (source, target) KV features for kinds "k" and "v".
 
     `source_layers` / `target_layers` name the model layers whose features occupy consecutive
@@ -84,25 +108,6 @@ class Moments:
         self.stats = {kind: {name: t.to(device) for name, t in st.items()} for kind, st in self.stats.items()}
         self.device = device
         return self
-
-    @property
-    def dx(self) -> int:
-        """Width of the source feature vector x."""
-        return len(self.source_layers) * self.source_width
-
-    @property
-    def dy(self) -> int:
-        """Width of the target feature vector y (this shard's target layers only)."""
-        return len(self.target_layers) * self.target_width
-
-    def source_columns(self, layers) -> torch.Tensor:
-        """Column indices into x of the given source layers, in the given order."""
-        return _block_columns(self.source_layers, layers, self.source_width)
-
-    def target_columns(self, layer: int) -> slice:
-        """Column slice into y of one target layer."""
-        i = self.target_layers.index(layer)
-        return slice(i * self.target_width, (i + 1) * self.target_width)
 
     @torch.no_grad()
     def add(self, x: dict[str, torch.Tensor], y: dict[str, torch.Tensor], compute_dtype=None) -> None:
@@ -258,7 +263,7 @@ def _block_columns(all_layers: list[int], layers, width: int) -> torch.Tensor:
 
 
 @dataclass
-class HeldOut:
+class HeldOut(FeatureLayout):
     """Raw held-out features: a seeded uniform subsample of at most `capacity` held-out observations.
 
     Held-out R² needs no held-out moments (a second [Dx, Dx] + [Dx, Dy] per kind): the residuals of a
@@ -307,21 +312,6 @@ class HeldOut:
     @property
     def capacity(self) -> int:
         return int(self.select.numel())
-
-    @property
-    def dx(self) -> int:
-        return len(self.source_layers) * self.source_width
-
-    @property
-    def dy(self) -> int:
-        return len(self.target_layers) * self.target_width
-
-    def source_columns(self, layers) -> torch.Tensor:
-        return _block_columns(self.source_layers, layers, self.source_width)
-
-    def target_columns(self, layer: int) -> slice:
-        i = self.target_layers.index(layer)
-        return slice(i * self.target_width, (i + 1) * self.target_width)
 
     def x(self, kind: str) -> torch.Tensor:
         """Kept source features [n, Dx]."""

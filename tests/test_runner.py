@@ -225,6 +225,25 @@ def test_mlp_mapper_through_the_pipeline(tiny_pair_dirs, tmp_path):
     assert set(summary["r2"]["k"]) == {"train"}
 
 
+def test_one_calibration_serves_ridge_and_mlp(tiny_pair_dirs, tmp_path):
+    # the feature sample is kept whenever calib.mlp_samples > 0, not only when the run fits an MLP:
+    # a ridge run's calibration must let a later MLP run fit without calibrating again
+    ridge = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "calib.mlp_samples=256", "stage=[calibrate,fit]"),
+                    tmp_path / "ridge")
+    assert ridge["mapper"]["kind"] == "ridge"
+    calibrated = []
+    monkey = Run._calibrate
+    Run._calibrate = lambda self, d, k: calibrated.append(k) or monkey(self, d, k)
+    try:
+        mlp = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "mapper=mlp", "mapper.hidden=32", "mapper.epochs=1",
+                                "calib.mlp_samples=256", "stage=fit"), tmp_path / "mlp")
+    finally:
+        Run._calibrate = monkey
+    assert calibrated == [] and mlp["mapper"]["kind"] == "mlp"
+    env = mlp["environment"]
+    assert len(env["commit"]) == 40 and isinstance(env["dirty"], bool)  # the checkout that produced the numbers
+
+
 def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
     cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "stage=[eval,report]", "eval.limit=6", "eval.max_gen_toks=4",
                     "eval.ppl.prefixes=[0,16,48]", "eval.ppl.continuation=16", "eval.ppl.windows=3",

@@ -6,8 +6,8 @@
 # Each run writes results/qwen25coder/runs/<name>/ (summary.json, tables/, figures/) and is skipped
 # once that summary exists. Stage artifacts (moments, mappers, per-(mode, task) eval results) live
 # in artifacts/qwen25coder and are shared: a variant recomputes only what it changes.
-# STEPS="name ..." runs a subset; FULL=1 adds the runs that need a second calibration (rotated-key
-# ablations, the MLP's feature sample), ~25 min each on 2 cores.
+# STEPS="name ..." runs a subset; FULL=1 adds Table 2's rotated-key ablations, which need a second
+# calibration (~25 min on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REAL=${KVT_REAL_DIR:-$HOME/.cache/kvtransfer-real}
@@ -26,29 +26,33 @@ run() {  # run NAME OVERRIDES...
   echo "[$name] $(date -u +%H:%M:%S) done"
 }
 
-# 1. calibration on broad-domain text (Wikipedia), Table 7 / heatmap / R² vs k, main eval (sink 1)
-run wiki_k8_sink1 stage=[calibrate,fit,eval,report]
-# 2. the same map without the native sink (only `transfer` is recomputed)
+# 1. calibration on broad-domain text (Wikipedia, with the MLP's feature sample), k = 8, native sink 1
+run wiki_k8_sink1 stage=[calibrate,fit,eval]
+# 2. the main configuration: the same map on every task (WinoGrande, MMLU, GSM8K CoT, CoQA added;
+#    HellaSwag/ARC/perplexity and every baseline come from the cache), Table 7 / heatmap / R² vs k
+run main stage=[fit,eval,report] "$MORE_TASKS" eval.coqa.enabled=true
+# 3. the same map without the native sink (only `transfer` is recomputed)
 run wiki_k8_sink0 stage=[fit,eval] eval.native_sink=0
-# 3. Table 2 ablation that needs no second calibration: the content-space map without re-rotation
+# 4. Table 2 ablation that needs no second calibration: the content-space map without re-rotation
 run wiki_no_rerotation stage=[fit,eval] ablation=no_rerotation
-# 4. speed on the loaded models (mapper vs target re-prefill, 256-2,048 tokens)
-run speed stage=[bench]
-# 5. calibration on the handbook (technical prose), sink 1 and 0
-run handbook_k8_sink1 stage=[calibrate,fit,eval,report] $HANDBOOK
-run handbook_k8_sink0 stage=[fit,eval] $HANDBOOK eval.native_sink=0
-# 6. the k with the best held-out R² (from run 1's Table 7)
+# 5. the k with the best held-out R² (from the main run's Table 7)
 BEST_K=$(python - <<'PY'
 import json, pathlib
-p = pathlib.Path("results/qwen25coder/runs/wiki_k8_sink1/summary.json")
+p = pathlib.Path("results/qwen25coder/runs/main/summary.json")
 rows = [r for r in json.loads(p.read_text()).get("variance_explained", []) if "k_heldout" in r] if p.exists() else []
 print(max(rows, key=lambda r: r["k_heldout"] + r["v_heldout"])["k"] if rows else 8)
 PY
 )
 [[ "$BEST_K" != 8 ]] && run "wiki_k${BEST_K}_sink1" stage=[fit,eval] pair.k="$BEST_K"
-# 7. the main configuration with every task (reuses everything above; adds WinoGrande, MMLU, GSM8K CoT)
-run main stage=[fit,eval,report] "$MORE_TASKS" eval.limit=100
-if [[ "${FULL:-0}" == 1 ]]; then
-  for a in no_rope no_rope_k1 no_rope_k1_no_ridge; do run "wiki_$a" stage=[calibrate,fit,eval] ablation=$a; done
-  run wiki_mlp stage=[calibrate,fit,eval] mapper=mlp calib.mlp_samples=16384 mapper.epochs=5
+# 6. the MLP mapper on the same calibration's feature sample
+run wiki_mlp stage=[fit,eval] mapper=mlp mapper.epochs=5
+# 7. speed on the loaded models (mapper vs target re-prefill, 256-2,048 tokens)
+run speed stage=[bench]
+# 8. calibration on the handbook (technical prose), sink 1 and 0
+run handbook_k8_sink1 stage=[calibrate,fit,eval,report] $HANDBOOK
+run handbook_k8_sink0 stage=[fit,eval] $HANDBOOK eval.native_sink=0
+if [[ "${FULL:-0}" == 1 ]]; then  # Table 2's rotated-key variants share one rotated-key calibration
+  for a in no_rope no_rope_k1 no_rope_k1_no_ridge; do
+    run "wiki_$a" stage=[calibrate,fit,eval] ablation=$a calib.mlp_samples=0 "eval.tasks=[hellaswag]"
+  done
 fi

@@ -200,7 +200,8 @@ class Run:
         directory.mkdir(parents=True, exist_ok=True)
         ids = self.token_ids()
         sampler = None
-        if self.cfg["mapper"]["kind"] == "mlp" and calib.get("mlp_samples", 0) and key_space == self.key_space:
+        # the MLP's feature sample is kept whenever asked for, so one calibration serves ridge and MLP fits
+        if calib.get("mlp_samples", 0) and key_space == self.key_space:
             from ..mlp import FeatureSampler
 
             n_train = len(split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))[0])
@@ -392,13 +393,29 @@ def _domain_name(calib: dict) -> str:
     return str(calib.get("dataset"))
 
 
+def _git_state() -> dict:
+    """{"commit": sha, "dirty": bool} of the checkout kvtransfer runs from; {} outside a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return {}
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+        return {"commit": sha.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
 def environment() -> dict:
     """Versions and device of this process, for summary.json."""
     import transformers
 
     env = {"kvtransfer": __version__, "python": platform.python_version(), "torch": torch.__version__,
            "transformers": transformers.__version__, "platform": platform.platform(),
-           "cpu_count": __import__("os").cpu_count()}
+           "cpu_count": __import__("os").cpu_count(), **_git_state()}
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda

@@ -40,8 +40,11 @@ def load_model(name_or_path: str, *, dtype="auto", device: str | None = None, de
     """Load `(model, tokenizer)`: a causal LM in eval mode and its tokenizer.
 
     `name_or_path` is an HF hub id or a local directory. `dtype` is a torch dtype or one of
-    "auto", "bfloat16", "float16", "float32". `device_map` (e.g. "auto") spreads a large model over
-    GPUs; otherwise the model is moved to `device` (default: CUDA if available, else CPU).
+    "auto", "bfloat16", "float16", "float32". `device_map` ("auto", "balanced", "sequential" or an
+    explicit {module name: device} dict, as transformers takes it; needs `accelerate`) spreads a model
+    that does not fit one GPU over several, layer by layer (`layer_devices` then says where each
+    layer's cache must live); otherwise the model is moved to `device` (default: CUDA if available,
+    else CPU).
     For `mistral3` checkpoints the returned model is the text stack as a `*ForCausalLM`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -83,6 +86,37 @@ def _load_text_stack(name_or_path, kwargs):
 def decoder(model):
     """The decoder body of a causal LM (embeddings + layers + final norm, no LM head)."""
     return getattr(model, model.base_model_prefix)
+
+
+def device_map_for(cfg: dict, side: str):
+    """The `device_map` for the model playing `side` ("source" | "target") in a plain run config.
+
+    Its own `pair.<side>.device_map` when set -- the key follows the model, so under
+    `pair.direction=reverse` the map written next to a model still loads that model -- else the
+    run-wide `device_map` (both models). None means: load whole and move to the run's device.
+    """
+    if side not in ("source", "target"):
+        raise ValueError(f"side must be source or target, got {side!r}")
+    pair = cfg.get("pair") or {}
+    if pair.get("direction", "forward") == "reverse":
+        side = {"source": "target", "target": "source"}[side]
+    own = (pair.get(side) or {}).get("device_map")
+    return own if own is not None else cfg.get("device_map")
+
+
+def layer_devices(model) -> list[torch.device]:
+    """Per decoder layer, the device its attention reads the KV cache on: `layer.self_attn.k_proj.weight.device`.
+
+    With a `device_map` the layers of one model sit on several devices; a cache handed to the model
+    must hold each layer's keys and values on that layer's device. Layers without a `self_attn.k_proj`
+    fall back to the device of their first parameter.
+    """
+    devices = []
+    for layer in decoder(model).layers:
+        k_proj = getattr(getattr(layer, "self_attn", None), "k_proj", None)
+        weight = getattr(k_proj, "weight", None)
+        devices.append(weight.device if weight is not None else next(layer.parameters()).device)
+    return devices
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from . import rope
 from .cache import KVLayers, layers_to_cache, positions_from_mask, prefill
 from .mapper import MapperBase
-from .models import kv_shape
+from .models import kv_shape, layer_devices
 from .rope import RopeCodec
 
 _CODECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -208,8 +208,9 @@ def transfer(source_cache, mapper: MapperBase, source_model, target_model, *, at
     `positions` [batch, seq] directly; default positions 0..seq-1. native_sink=N: the target
     prefills the first N real tokens of each row itself (all of a row with fewer; needs
     `input_ids` [batch, seq]) and only later positions keep their mapped values. Returns a
-    DynamicCache (or layers with `as_layers=True`) in the target model's dtype on the mapper's
-    device.
+    DynamicCache (or layers with `as_layers=True`) in the target model's dtype, each layer's keys
+    and values on the device that target layer runs on (`place_on_layers`: the mapper's device
+    unless the target is spread by a `device_map`).
     """
     if check_pair:
         mapper.check_pair(source_model, target_model)
@@ -226,7 +227,22 @@ def transfer(source_cache, mapper: MapperBase, source_model, target_model, *, at
         if input_ids is None:
             raise ValueError("native_sink needs input_ids (the target computes the first tokens itself)")
         mapped = _with_native_sink(mapped, target_model, input_ids, attention_mask, native_sink)
+    mapped = place_on_layers(mapped, target_model)
     return mapped if as_layers else layers_to_cache(mapped, target_model.config)
+
+
+def place_on_layers(layers: KVLayers, model) -> KVLayers:
+    """Each layer's (keys, values) on the device `model` reads that layer's cache on (`models.layer_devices`).
+
+    A model loaded whole keeps every layer on one device and nothing moves; one spread by a
+    `device_map` reads layer t's cache where layer t's k_proj weight lives, so the mapped cache
+    (built on the mapper's device) is moved there layer by layer. Tensors already in place are
+    returned as they are (no copy).
+    """
+    devices = layer_devices(model)
+    if len(devices) != len(layers):
+        raise ValueError(f"{len(layers)} cache layers for a model with {len(devices)} decoder layers")
+    return [(k.to(d), v.to(d)) for (k, v), d in zip(layers, devices)]
 
 
 def _with_native_sink(mapped: KVLayers, target_model, input_ids, attention_mask, n_sink: int) -> KVLayers:

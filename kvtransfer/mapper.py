@@ -13,6 +13,9 @@ The ridge kind (the paper's) stores
     weight  [L_t, 2, p, q]   bias [L_t, 2, q]        y = x @ weight[t] + bias[t]
 with L_t * 2 * p * q (+ biases) parameters, as counted in the paper. The MLP kind (the paper's
 fallback) stores per (target layer, K/V, head) a 3-layer MLP with standardised inputs and outputs.
+The factored kind holds the map families of kvtransfer.families (head-local support, reduced rank,
+attention-weighted fits). Every artifact carries `native_sink`, the number of leading context
+positions the target computes itself when the map is applied, so the map and its sink travel together.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ class MapperBase:
     lam: float = 0.01
     calibration: dict = field(default_factory=dict)
     r2: dict = field(default_factory=dict)
+    native_sink: int = 0  # first N context positions the target computes itself when this map is applied
     kind = "base"
     _FLOAT_TENSORS: ClassVar[tuple[str, ...]] = ()  # per kind: its floating-point tensor attributes
 
@@ -58,7 +62,12 @@ class MapperBase:
     @property
     def n_parameters(self) -> int:
         """Number of trainable values in the mapper."""
-        return sum(t.numel() for name, t in self.tensors().items() if name != "selected_layers")
+        return sum(t.numel() for name, t in self.tensors().items() if t.is_floating_point())
+
+    @property
+    def apply_flops_per_token(self) -> int:
+        """FLOPs (2 per multiply-add) to map one token's K and V for every target layer."""
+        raise NotImplementedError
 
     @property
     def device(self) -> torch.device:
@@ -120,7 +129,8 @@ class MapperBase:
                 "source": self.source, "target": self.target, "key_space": self.key_space, "k": self.k,
                 "lambda": self.lam, "selected_layers": self.selected_layers.tolist(),
                 "shapes": {name: list(t.shape) for name, t in self.tensors().items()},
-                "n_parameters": self.n_parameters, "calibration": self.calibration, "r2": self.r2,
+                "n_parameters": self.n_parameters, "apply_flops_per_token": self.apply_flops_per_token,
+                "native_sink": self.native_sink, "calibration": self.calibration, "r2": self.r2,
                 **self.extra_manifest()}
 
     def save(self, directory: str | Path) -> Path:
@@ -159,7 +169,8 @@ class MapperBase:
         kind = mapper_class(manifest["kind"])
         common = dict(selected_layers=tensors["selected_layers"], source=manifest["source"],
                       target=manifest["target"], key_space=manifest["key_space"], lam=manifest["lambda"],
-                      calibration=manifest.get("calibration", {}), r2=manifest.get("r2", {}))
+                      calibration=manifest.get("calibration", {}), r2=manifest.get("r2", {}),
+                      native_sink=int(manifest.get("native_sink", 0)))
         mapper = kind.from_tensors(tensors, common, manifest)
         if source_model is not None and target_model is not None:
             mapper.check_pair(source_model, target_model)
@@ -187,6 +198,11 @@ class Mapper(MapperBase):
                    selected_layers=torch.tensor(fit.selected_layers, dtype=torch.long),
                    source=model_identity(source_model), target=model_identity(target_model), key_space=key_space,
                    lam=fit.lam, calibration=dict(calibration or {}, observations=fit.observations), r2=r2)
+
+    @property
+    def apply_flops_per_token(self) -> int:
+        L, kinds, p, q = self.weight.shape
+        return L * kinds * (2 * p * q + q)
 
     def map_features(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """x [2, rows, p] -> x @ weight[layer] + bias[layer], [2, rows, q]."""
@@ -240,12 +256,91 @@ class MLPMapper(MapperBase):
     def n_parameters(self) -> int:
         return sum(getattr(self, n).numel() for n in ("w1", "b1", "w2", "b2", "w3", "b3"))
 
+    @property
+    def apply_flops_per_token(self) -> int:
+        L, kinds, heads, p, hidden = self.w1.shape
+        d = self.w3.shape[-1]
+        per_head = 2 * (p * hidden + hidden * hidden + hidden * d) + 2 * p + 2 * hidden + d  # GEMMs, norm, biases
+        return L * kinds * heads * per_head
+
     def extra_manifest(self) -> dict:
         return {"hidden": self.w1.shape[-1]}
 
     @classmethod
     def from_tensors(cls, tensors, common, manifest) -> "MLPMapper":
         return cls(**{name: tensors[name] for name in cls._NAMES}, **common)
+
+
+@dataclass(kw_only=True)
+class FactoredMapper(MapperBase):
+    """Linear maps with a restricted support and/or rank (kvtransfer.families): per target layer and
+    K/V, output group g (all q columns, or one target KV head) reads feature columns columns[g] and
+        y_g = x[:, columns[g]] @ down[t, :, g] (@ up[t, :, g]) + bias[t, :, g]
+    down [L_t, 2, G, p_g, r] and up [L_t, 2, G, r, q_g] for rank r; at full rank up is absent and
+    down [L_t, 2, G, p_g, q_g] is the map. columns [G, p_g] int64.
+    """
+
+    columns: torch.Tensor
+    down: torch.Tensor
+    bias: torch.Tensor
+    up: torch.Tensor | None = None
+    support: str = "full"
+    weighting: str = "none"
+    kind = "factored"
+
+    @property
+    def _FLOAT_TENSORS(self) -> tuple[str, ...]:  # noqa: N802 (the base class's per-kind attribute)
+        return ("down", "bias") if self.up is None else ("down", "up", "bias")
+
+    @property
+    def rank(self) -> int | None:
+        """The maps' rank (None: full rank)."""
+        return None if self.up is None else self.up.shape[-2]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return super().tensors() | {"columns": self.columns}
+
+    @property
+    def apply_flops_per_token(self) -> int:
+        L, kinds, groups, p_g, r = self.down.shape
+        per_group = 2 * p_g * r + (0 if self.up is None else 2 * r * self.up.shape[-1])
+        return L * kinds * (groups * per_group + self.bias.shape[-1])
+
+    def map_features(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """x [2, rows, p] -> [2, rows, q] through this layer's grouped (low-rank) maps."""
+        groups = self.columns.shape[0]
+        if groups == 1 and self.columns.shape[1] == x.shape[-1]:
+            xg = x[:, None]  # full support: no gather
+        else:
+            xg = x[:, :, self.columns.to(x.device)].permute(0, 2, 1, 3)  # [2, G, rows, p_g]
+        y = xg @ self.down[layer]
+        if self.up is not None:
+            y = y @ self.up[layer]
+        y = y.permute(0, 2, 1, 3).flatten(2)  # [2, rows, G * q_g]
+        return y + self.bias[layer][:, None, :]
+
+    def extra_manifest(self) -> dict:
+        return {"support": self.support, "rank": self.rank, "weighting": self.weighting}
+
+    @classmethod
+    def from_family(cls, fit, source_model, target_model, *, key_space: str = "stripped",
+                    calibration: dict | None = None) -> "FactoredMapper":
+        """Pack a `families.FamilyFit` into a mapper for the given models (or model_identity dicts)."""
+        def stack(per_kind):
+            return torch.stack([torch.stack([per_kind[kind][t] for kind in ("k", "v")])
+                                for t in range(len(fit.selected_layers))]).float()
+        up = None if fit.rank is None else stack(fit.up)
+        return cls(columns=fit.columns.long(), down=stack(fit.down), up=up, bias=stack(fit.bias),
+                   support=fit.support, weighting=fit.weighting,
+                   selected_layers=torch.tensor(fit.selected_layers, dtype=torch.long),
+                   source=model_identity(source_model), target=model_identity(target_model), key_space=key_space,
+                   lam=fit.lam, calibration=dict(calibration or {}, observations=fit.observations),
+                   r2={split: {kind: v.tolist() for kind, v in per.items()} for split, per in fit.r2.items()})
+
+    @classmethod
+    def from_tensors(cls, tensors, common, manifest) -> "FactoredMapper":
+        return cls(columns=tensors["columns"], down=tensors["down"], up=tensors.get("up"), bias=tensors["bias"],
+                   support=manifest.get("support", "full"), weighting=manifest.get("weighting", "none"), **common)
 
 
 def mlp_forward(p: dict, x: torch.Tensor, denormalise: bool = True) -> torch.Tensor:
@@ -263,8 +358,8 @@ def _cat(blocks: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
 
 
 def mapper_class(kind: str) -> type:
-    """The class of mapper kind `kind` ("ridge", "mlp"); ValueError for an unknown kind."""
-    kinds = {cls.kind: cls for cls in (Mapper, MLPMapper)}  # kind name, as written in manifests -> class
+    """The class of mapper kind `kind` ("ridge", "mlp", "factored"); ValueError for an unknown kind."""
+    kinds = {cls.kind: cls for cls in (Mapper, MLPMapper, FactoredMapper)}  # kind name, as written in manifests -> class
     if kind not in kinds:
         raise ValueError(f"unknown mapper kind {kind!r} (known: {sorted(kinds)})")
     return kinds[kind]

@@ -97,6 +97,29 @@ def moments_eps(moments: Moments) -> float:
     return eps
 
 
+def reduced_rank(weight: torch.Tensor, cxy: torch.Tensor, rank: int, *, metric_sqrt: torch.Tensor | None = None,
+                 metric_inv_sqrt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact rank-`rank` ridge map as factors (down [p, r], up [r, q]), fp64.
+
+    weight = (Cxx + lam I)^-1 Cxy [p, q] is the full-rank ridge solution and cxy = Cxy [p, q]. With
+    output metric Gamma (given as Gamma^1/2 and Gamma^-1/2, default I) this minimises
+        |(Y - X W) Gamma^1/2|^2 + lam |W Gamma^1/2|^2   subject to rank(W) <= r
+    (ridge as least squares on data augmented with sqrt(lam) I, then reduced-rank regression): with
+    M = Gamma^1/2 Cxy^T weight Gamma^1/2 (= the augmented fitted values' Gram matrix) and V_r its top-r
+    eigenvectors, W_r = weight Gamma^1/2 V_r V_r^T Gamma^-1/2 = down @ up. Not a truncated SVD of W.
+    """
+    w = weight.double()
+    m = cxy.double().T @ w
+    if metric_sqrt is not None:
+        m = metric_sqrt @ m @ metric_sqrt
+    m = (m + m.T) / 2
+    _, evecs = torch.linalg.eigh(m)
+    v = evecs[:, -rank:].flip(-1)  # top-r, largest first
+    if metric_sqrt is None:
+        return w @ v, v.T.contiguous()
+    return w @ metric_sqrt @ v, v.T @ metric_inv_sqrt
+
+
 @dataclass
 class LayerFit:
     """Affine map for one target layer and kind: y = x[:, columns] @ weight + bias.

@@ -199,15 +199,16 @@ class _serial_elementwise:
 @torch.no_grad()
 def transfer(source_cache, mapper: MapperBase, source_model, target_model, *, attention_mask=None,
              positions: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
-             native_sink: int = 0, rope_at_inference: bool = True, chunk_tokens: int = 8192,
+             native_sink: int | None = None, rope_at_inference: bool = True, chunk_tokens: int = 8192,
              as_layers: bool = False, check_pair: bool = True):
     """Map a source model's prefilled cache into a fresh target `DynamicCache`.
 
     source_cache: a `DynamicCache` or per-layer (keys, values) [batch, n_kv_s, seq, d_s].
     attention_mask: [batch, seq] 0/1 for left-padded batches (positions derived from it), or give
-    `positions` [batch, seq] directly; default positions 0..seq-1. native_sink=N: the target
-    prefills the first N real tokens of each row itself (all of a row with fewer; needs
-    `input_ids` [batch, seq]) and only later positions keep their mapped values. Returns a
+    `positions` [batch, seq] directly; default positions 0..seq-1. native_sink=N (default: the
+    mapper artifact's `native_sink`): the target prefills the first N real tokens of each row itself
+    (all of a row with fewer; needs `input_ids` [batch, seq]) and only later positions keep their
+    mapped values. Returns a
     DynamicCache (or layers with `as_layers=True`) in the target model's dtype, each layer's keys
     and values on the device that target layer runs on (`place_on_layers`: the mapper's device
     unless the target is spread by a `device_map`).
@@ -223,9 +224,11 @@ def transfer(source_cache, mapper: MapperBase, source_model, target_model, *, at
     mapped = map_layers(layers, mapper, positions, source_codec=codec_for(source_model),
                         target_codec=codec_for(target_model), target_n_kv=tgt.n_kv,
                         out_dtype=target_model.dtype, rope_at_inference=rope_at_inference, chunk_tokens=chunk_tokens)
+    native_sink = mapper.native_sink if native_sink is None else native_sink
     if native_sink > 0:
         if input_ids is None:
-            raise ValueError("native_sink needs input_ids (the target computes the first tokens itself)")
+            raise ValueError(f"native_sink={native_sink} (the mapper's) needs input_ids: the target computes the "
+                             "first tokens itself")
         mapped = _with_native_sink(mapped, target_model, input_ids, attention_mask, native_sink)
     mapped = place_on_layers(mapped, target_model)
     return mapped if as_layers else layers_to_cache(mapped, target_model.config)

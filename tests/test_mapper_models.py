@@ -1,4 +1,5 @@
 """Mapper artifact, native sink, NaN detection, model loading, tokenizer check, diagnostics."""
+import copy
 import json
 
 import pytest
@@ -82,6 +83,13 @@ def test_native_sink_makes_first_positions_exact(pair):
         assert not torch.allclose(pk[0, :, :2], nk[0, :, :2], atol=1e-3)  # the sink really was mapped before
     with pytest.raises(ValueError, match="needs input_ids"):
         kt.transfer(src, mapper, source, target, native_sink=1)
+    # a map that carries its sink is applied with it unless told otherwise
+    carried = copy.copy(mapper)
+    carried.native_sink = 2
+    by_default = kt.transfer(src, carried, source, target, attention_mask=mask, input_ids=ids, as_layers=True)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(by_default, sunk))
+    with pytest.raises(ValueError, match="needs input_ids"):
+        kt.transfer(src, carried, source, target, attention_mask=mask)
 
 
 def test_non_finite_mapping_is_detected(pair):

@@ -7,6 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from kvtransfer.runner import Run, artifact_key, execute, parse_stages
+from kvtransfer.mapper import load_mapper
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = sorted(p.stem for p in (ROOT / "conf" / "pair").glob("*.yaml"))
@@ -225,6 +226,35 @@ def test_mlp_mapper_through_the_pipeline(tiny_pair_dirs, tmp_path):
     assert set(summary["r2"]["k"]) == {"train"}
 
 
+def test_the_map_carries_its_native_sink(tiny_pair_dirs, tmp_path):
+    # mapper.native_sink is fitted into the artifact; evaluating it with another sink is refused with the fix
+    base = ("stage=[fit,eval]", "eval.tasks=[tiny_cloze]", "eval.limit=3", "eval.ppl.enabled=false",
+            "eval.coqa.enabled=false", "eval.bootstrap=10", "eval.fidelity.enabled=false", "eval.modes=[transfer]")
+    summary = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, *base, "mapper.native_sink=2"), tmp_path / "a")
+    assert summary["mapper"]["native_sink"] == 2
+    mapper = load_mapper(summary["mapper"]["path"])
+    assert mapper.native_sink == 2
+    with pytest.raises(ValueError, match="set mapper.native_sink=1"):
+        execute(_tiny_cfg(tiny_pair_dirs, tmp_path, *base, "mapper.native_sink=2", "eval.native_sink=1"),
+                tmp_path / "b")
+
+
+def test_map_families_through_the_pipeline(tiny_pair_dirs, tmp_path):
+    # head-local + reduced rank + attention metric: a factored artifact with its cost in the summary, and
+    # the paper's map keeps its artifact key (families at their defaults do not enter it)
+    paper = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit"), tmp_path / "paper")
+    explicit = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", "mapper.support=full", "mapper.rank=null",
+                                 "mapper.weighting=none", "mapper.native_sink=0"), tmp_path / "explicit")
+    assert paper["mapper"]["path"] == explicit["mapper"]["path"] and paper["mapper"]["kind"] == "ridge"
+    fam = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", "mapper.support=head_local", "mapper.rank=2",
+                            "mapper.weighting=attention", "mapper.metric_sequences=4"), tmp_path / "fam")
+    m = fam["mapper"]
+    assert m["kind"] == "factored" and (m["support"], m["rank"], m["weighting"]) == ("head_local", 2, "attention")
+    assert m["apply_flops_per_token"] < paper["mapper"]["apply_flops_per_token"] / 2
+    assert m["n_parameters"] < paper["mapper"]["n_parameters"] and m["fit_seconds"] is not None
+    assert fam["r2"]["k"]["train"] < paper["r2"]["k"]["train"]  # fewer features, lower rank: a worse in-sample fit
+
+
 def test_one_calibration_serves_ridge_and_mlp(tiny_pair_dirs, tmp_path):
     # the feature sample is kept whenever calib.mlp_samples > 0, not only when the run fits an MLP:
     # a ridge run's calibration must let a later MLP run fit without calibrating again
@@ -337,7 +367,7 @@ def test_k_sweep_and_sink_change_compute_baselines_once(tiny_pair_dirs, tmp_path
             "eval.ppl.continuation=8", "eval.ppl.windows=2", "eval.coqa.enabled=false", "eval.bootstrap=20",
             "eval.fidelity.enabled=false")
     summaries = []
-    for i, extra in enumerate(("pair.k=1", "pair.k=2", "pair.k=all", "pair.k=2 eval.native_sink=1")):
+    for i, extra in enumerate(("pair.k=1", "pair.k=2", "pair.k=all", "pair.k=2 mapper.native_sink=1")):
         cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, *base, *extra.split())
         if i == 0:  # count the target's forward passes from the second run on
             summaries.append(execute(cfg, tmp_path / f"s{i}"))
@@ -352,6 +382,7 @@ def test_k_sweep_and_sink_change_compute_baselines_once(tiny_pair_dirs, tmp_path
             monkeypatch.setattr(run, "prefix_cache", counting)
             continue
         summaries.append(execute(cfg, tmp_path / f"s{i}"))
+    assert [s["mapper"]["native_sink"] for s in summaries] == [0, 0, 0, 1]
     modes = ["target", "source", "transfer", "native_injected", "no_context"]
     assert computed == modes + ["transfer"] * 3, computed
     assert target_forwards == []  # no baseline forward after the first run

@@ -41,7 +41,7 @@ def variant_row(name: str, s: dict) -> dict:
     cfg = s.get("_config", {})
     row = {"run": name, "calibration": cal.get("domain"), "context_start": cal.get("context_start"),
            "k": mapper.get("k"), "mapper": mapper.get("kind"), "ablation": (s.get("ablation") or {}).get("name", "full"),
-           "native_sink": cfg.get("eval", {}).get("native_sink"),
+           "native_sink": mapper.get("native_sink", cfg.get("eval", {}).get("native_sink")),
            "K R² held-out": s.get("r2", {}).get("k", {}).get("heldout"),
            "V R² held-out": s.get("r2", {}).get("v", {}).get("heldout")}
     for task in MC:

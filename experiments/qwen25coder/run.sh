@@ -32,7 +32,7 @@ run wiki_k8_sink1 stage=[calibrate,fit,eval]
 #    HellaSwag/ARC/perplexity and every baseline come from the cache), Table 7 / heatmap / R² vs k
 run main stage=[fit,eval,report] "$MORE_TASKS" eval.coqa.enabled=true
 # 3. the same map without the native sink (only `transfer` is recomputed)
-run wiki_k8_sink0 stage=[fit,eval] eval.native_sink=0
+run wiki_k8_sink0 stage=[fit,eval] mapper.native_sink=0
 # 4. Table 2 ablation that needs no second calibration: the content-space map without re-rotation
 run wiki_no_rerotation stage=[fit,eval] ablation=no_rerotation
 # 5. the k with the best held-out R² (from the main run's Table 7)
@@ -50,7 +50,7 @@ run wiki_mlp stage=[fit,eval] mapper=mlp mapper.epochs=5
 run speed stage=[bench]
 # 8. calibration on the handbook (technical prose), sink 1 and 0
 run handbook_k8_sink1 stage=[calibrate,fit,eval,report] $HANDBOOK
-run handbook_k8_sink0 stage=[fit,eval] $HANDBOOK eval.native_sink=0
+run handbook_k8_sink0 stage=[fit,eval] $HANDBOOK mapper.native_sink=0
 if [[ "${FULL:-0}" == 1 ]]; then  # Table 2's rotated-key variants share one rotated-key calibration
   for a in no_rope no_rope_k1 no_rope_k1_no_ridge; do
     run "wiki_$a" stage=[calibrate,fit,eval] ablation=$a calib.mlp_samples=0 "eval.tasks=[hellaswag]"

@@ -74,13 +74,13 @@ class KVTransferLM(TemplateLM):
 
     Give paths (`source=`, `target=`, `mapper=` a saved mapper dir) or loaded objects
     (`source_model=`, `target_model=`, `tokenizer=`, `mapper=` a Mapper). `native_sink`: the target
-    computes the first N context tokens itself (transfer mode). `rope_at_inference=False`: the
+    computes the first N context tokens itself (transfer mode); default: the mapper artifact's. `rope_at_inference=False`: the
     "no re-rotation at inference" ablation (see `map_layers`). `max_length`: token limit for
     left-truncation (default: the scoring model's config limit, as HFLM resolves it).
     """
 
     def __init__(self, source: str | None = None, target: str | None = None, mapper=None, mode: str = "transfer",
-                 *, source_model=None, target_model=None, tokenizer=None, native_sink: int = 0,
+                 *, source_model=None, target_model=None, tokenizer=None, native_sink: int | None = None,
                  rope_at_inference: bool = True, context_start: str = "tokenizer",
                  allow_context_start_mismatch: bool = False, share_prefix: bool = False,
                  batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
@@ -133,7 +133,11 @@ class KVTransferLM(TemplateLM):
         if mode == "identity" and kv_shape(source_model) != kv_shape(target_model):
             raise ValueError(f"mode=identity needs equal cache shapes, but source is {kv_shape(source_model)} and "
                              f"target is {kv_shape(target_model)}; use mode=transfer with a fitted mapper")
-        self.native_sink = int(native_sink)
+        artifact_sink = self.mapper.native_sink if self.mapper is not None else 0
+        if native_sink is not None and int(native_sink) != artifact_sink and self.mapper is not None:
+            log.warning("native_sink=%s overrides the mapper artifact's native_sink=%s (the map was fitted to be "
+                        "applied with the latter)", native_sink, artifact_sink)
+        self.native_sink = artifact_sink if native_sink is None else int(native_sink)
         self.share_prefix = str(share_prefix).lower() in ("true", "1", "yes")
         self.rope_at_inference = str(rope_at_inference).lower() not in ("false", "0", "no")
         self.batch_size_per_gpu = int(batch_size)
@@ -159,6 +163,8 @@ class KVTransferLM(TemplateLM):
         other.mode = mode
         for k, v in changes.items():
             setattr(other, k, v)
+        if "mapper" in changes and "native_sink" not in changes and other.mapper is not None:
+            other.native_sink = other.mapper.native_sink  # a map comes with its sink
         if other.mode == "transfer":
             other.mapper.check_pair(other.source_model, other.target_model)
         if "context_start" in changes or "mapper" in changes:

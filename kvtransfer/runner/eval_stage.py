@@ -138,7 +138,7 @@ def evaluate(run, on_compute=None) -> dict:
     mapper = run.mapper() if any(m not in BASELINE_MODES for m in modes) else None
     lm = KVTransferLM(source_model=source, target_model=target, tokenizer=tokenizer, mapper=mapper,
                       mode="transfer" if mapper is not None else "target", batch_size=ecfg["batch_size"],
-                      native_sink=ecfg.get("native_sink", 0), rope_at_inference=run.rope_at_inference,
+                      native_sink=run.native_sink(mapper) if mapper is not None else 0, rope_at_inference=run.rope_at_inference,
                       context_start=run.context_start, share_prefix=ecfg.get("share_prefix", False),
                       allow_context_start_mismatch=ecfg.get("allow_context_start_mismatch", False))
     per_mode = {}

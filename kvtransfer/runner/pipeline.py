@@ -23,7 +23,7 @@ from ..calibrate import collect_moments, load_calibration, split_heldout
 from ..context import describe as describe_context
 from ..data import read_documents, stream_hf_documents, token_sequences
 from ..io import atomic_save_tensors, atomic_write_json, load_tensors
-from ..mapper import Mapper, load_mapper
+from ..mapper import FactoredMapper, Mapper, load_mapper
 from ..models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model
 from ..moments import HeldOut, Moments
 from ..ridge import UnderdeterminedFit, fit_ridge
@@ -273,7 +273,10 @@ class Run:
     # -- fit ----------------------------------------------------------------------------------------
     def mapper_dir(self) -> Path:
         """Artifact directory of the mapper this config fits."""
-        mapper = dict(self.cfg["mapper"], k=self.k, lam=self.lam)
+        mapper = {key: v for key, v in dict(self.cfg["mapper"], k=self.k, lam=self.lam).items()
+                  if key not in MAPPER_DEFAULTS or v != MAPPER_DEFAULTS[key]}  # keys of the paper's maps stay put
+        if mapper.get("weighting", "none") == "none":
+            mapper.pop("metric_sequences", None)
         moments_key = self.moments_dir(self.key_space).name
         return self.cache_dir / "mappers" / artifact_key(moments_key, mapper, self.cfg["calib"].get("mlp_samples"),
                                                          self.cfg.get("seed", 0))
@@ -297,7 +300,18 @@ class Run:
         selected = self.selected_layers()
         mcfg = self.cfg["mapper"]
         started = time.perf_counter()
-        if mcfg["kind"] == "ridge":  # the solve needs no model: the mapper's pair identity comes from the configs
+        if mcfg["kind"] == "ridge" and _is_family(mcfg):  # head-local support, reduced rank, attention metric
+            from ..families import fit_family
+
+            src, tgt = (kv_shape(self.identity(side)) for side in ("source", "target"))
+            metrics = self.attention_metrics() if mcfg.get("weighting", "none") != "none" else None
+            fit = fit_family(train, selected, n_kv_s=src.n_kv, d_s=src.head_dim, n_kv_t=tgt.n_kv, lam=self.lam,
+                             support=mcfg.get("support", "full"), rank=mcfg.get("rank"),
+                             weighting=mcfg.get("weighting", "none"), metrics=metrics, heldout=heldout,
+                             force=mcfg.get("force", False), stride=info["stride"], progress=self.progress)
+            mapper = FactoredMapper.from_family(fit, self.identity("source"), self.identity("target"),
+                                                key_space=self.key_space, calibration=info)
+        elif mcfg["kind"] == "ridge":  # the solve needs no model: the mapper's pair identity comes from the configs
             fit = fit_ridge(train, selected, lam=self.lam, heldout=heldout, head_dim=self.target_head_dim(),
                             force=mcfg.get("force", False), stride=info["stride"], progress=self.progress)
             mapper = Mapper.from_ridge(fit, self.identity("source"), self.identity("target"), key_space=self.key_space,
@@ -321,14 +335,44 @@ class Run:
         else:
             raise ValueError(f"mapper.kind must be ridge or mlp, got {mcfg['kind']!r}")
         mapper.calibration["fit_seconds"] = round(time.perf_counter() - started, 2)
+        mapper.native_sink = int(mcfg.get("native_sink") or 0)  # the sink travels with the map
         mapper.save(directory)
+
+    def attention_metrics(self) -> dict:
+        """{"k", "v": [L_t, n_kv_t, d_t, d_t]} output metrics of weighting=attention (kvtransfer.families):
+        keys from the target's query energy on the first mapper.metric_sequences train sequences (cached
+        next to the moments), values from its o_proj weights."""
+        from ..families import key_metric, query_energy, value_metric
+
+        n_seq = int(self.cfg["mapper"].get("metric_sequences", 16))
+        target = self.model("target")[0]
+        path = self.moments_dir(self.key_space) / f"query_energy_{n_seq}.safetensors"
+        if path.exists():
+            energy = load_tensors(path)[0]["energy"]
+        else:
+            calib = self.cfg["calib"]
+            train_rows, _ = split_heldout(self.token_ids().shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))
+            energy = query_energy(target, self.token_ids()[train_rows[:n_seq]], batch_size=calib["batch_size"])
+            atomic_save_tensors(path, {"energy": energy}, {"sequences": str(n_seq)})
+        return {"k": key_metric(energy, kv_shape(target).n_kv), "v": value_metric(target)}
+
+    def native_sink(self, mapper=None) -> int:
+        """Leading context positions the target computes itself: the mapper artifact's `native_sink`
+        (mapper.native_sink when it was fitted). eval.native_sink, when set, must agree with it."""
+        mapper = mapper or self.mapper()
+        asked = self.cfg.get("eval", {}).get("native_sink")
+        if asked is not None and int(asked) != mapper.native_sink:
+            raise ValueError(f"eval.native_sink={asked} but the mapper at {self.mapper_dir()} was fitted to be applied "
+                             f"with native_sink={mapper.native_sink}; the sink is part of the map: set "
+                             f"mapper.native_sink={asked} (fits that map) and drop eval.native_sink")
+        return mapper.native_sink
 
     # -- fidelity on held-out text ------------------------------------------------------------------
     def fidelity(self) -> dict:
         """What the target does with the mapped cache on held-out calibration sequences.
 
         Up to eval.fidelity.sequences held-out sequences: the first seq_len - continuation tokens
-        (continuation at most seq_len / 2) are the prefix (source prefill -> mapper, with eval.native_sink), the rest the continuation.
+        (continuation at most seq_len / 2) are the prefix (source prefill -> mapper, with its native sink), the rest the continuation.
         Returns {"per_layer": compare_caches(...), "per_position": position_diagnostics(...),
         "sequences", "prefix", "continuation", "native_sink"}; cached next to the mapper.
         """
@@ -339,7 +383,8 @@ class Run:
         ecfg = self.cfg.get("eval", {})
         fcfg = ecfg.get("fidelity") or {}
         n_seq, cont = int(fcfg.get("sequences", 4)), int(fcfg.get("continuation", 32))
-        sink = int(ecfg.get("native_sink", 0))
+        mapper = self.mapper()
+        sink = self.native_sink(mapper)
         path = self.mapper_dir() / f"fidelity_{artifact_key(n_seq, cont, sink, self.rope_at_inference)}.json"
         if path.exists():
             return json.loads(path.read_text())
@@ -350,7 +395,7 @@ class Run:
         cont = min(cont, rows.shape[1] // 2)  # short calibration sequences: half prefix, half continuation
         source, target = self.model("source")[0], self.model("target")[0]
         prefix, continuation = rows[:, :-cont], rows[:, -cont:]
-        mapper = self.mapper().to(target.device)
+        mapper = mapper.to(target.device)
         src = prefill(source, prefix.to(source.device))
         mapped = transfer(src, mapper, source, target, input_ids=prefix.to(source.device), native_sink=sink,
                           rope_at_inference=self.rope_at_inference, as_layers=True)
@@ -391,6 +436,16 @@ def _domain_name(calib: dict) -> str:
     if calib.get("files"):
         return "+".join(Path(f).stem for f in calib["files"])
     return str(calib.get("dataset"))
+
+
+# mapper keys added after the first artifacts: at these values they do not enter the artifact key
+MAPPER_DEFAULTS = {"support": "full", "rank": None, "weighting": "none", "native_sink": 0}
+
+
+def _is_family(mcfg: dict) -> bool:
+    """Whether the ridge config asks for a map family beyond the paper's (kvtransfer.families)."""
+    return (mcfg.get("support", "full") != "full" or mcfg.get("rank") is not None
+            or mcfg.get("weighting", "none") != "none")
 
 
 def _git_state() -> dict:
@@ -492,7 +547,8 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
         summary["mapper"] = {"kind": mapper.kind, "k": mapper.k, "lambda": mapper.lam,
                              "selection": cfg["mapper"].get("selection", "topk"),
                              "selected_layers": mapper.selected_layers.tolist(), "key_space": mapper.key_space,
-                             "n_parameters": mapper.n_parameters, "path": str(run.mapper_dir()),
+                             "n_parameters": mapper.n_parameters, "apply_flops_per_token": mapper.apply_flops_per_token,
+                             "native_sink": mapper.native_sink, **mapper.extra_manifest(), "path": str(run.mapper_dir()),
                              "fit_seconds": mapper.calibration.get("fit_seconds")}
         summary["calibration"] = {k: v for k, v in mapper.calibration.items() if k != "fit_seconds"}
         summary["r2"] = _mean_r2(mapper.r2)

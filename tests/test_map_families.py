@@ -1,0 +1,240 @@
+"""Map families (kvtransfer.families): head-local support, exact reduced-rank ridge, attention metric,
+the factored mapper kind, cost accounting, and the native sink carried by the artifact."""
+import pytest
+import torch
+
+import kvtransfer as kt
+from kvtransfer.families import (fit_family, head_groups, key_metric, map_cost, query_energy, support_columns,
+                                 value_metric)
+from kvtransfer.mapper import FactoredMapper, Mapper, load_mapper
+from kvtransfer.moments import HeldOut, Moments
+from kvtransfer.ridge import fit_ridge, reduced_rank
+from kvtransfer.transfer import codec_for, map_layers, map_layers_reference
+from tiny_models import random_ids, tiny_model
+
+N_S, D_S, N_T, D_T = 2, 4, 2, 6  # source 2 kv x 4, target 2 kv x 6
+W_S, Q = N_S * D_S, N_T * D_T
+
+
+def _synthetic(n=900, seed=0):
+    """Correlated source features of 3 layers and targets of 2 layers that depend on them (plus noise)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(3 * W_S, 3 * W_S, generator=g, dtype=torch.float64) / 3
+    x = {kind: torch.randn(n, 3 * W_S, generator=g, dtype=torch.float64) @ mix for kind in ("k", "v")}
+    y = {kind: torch.cat([x[kind] @ torch.randn(3 * W_S, Q, generator=g, dtype=torch.float64) / 4 + 0.5
+                          + 0.3 * torch.randn(n, Q, generator=g, dtype=torch.float64) for _ in range(2)], 1)
+         for kind in ("k", "v")}
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def moments():
+    x, y = _synthetic()
+    train = Moments([0, 1, 2], [0, 1], W_S, Q)
+    train.add({k: v[:700] for k, v in x.items()}, {k: v[:700] for k, v in y.items()})
+    held = HeldOut([0, 1, 2], [0, 1], W_S, Q, select=torch.arange(200))
+    held.add({k: v[700:].float() for k, v in x.items()}, {k: v[700:].float() for k, v in y.items()})
+    return train, held, x, y
+
+
+SELECTED = [[2, 0], [1, 2]]
+
+
+def test_head_groups_follow_head_axis_shares():
+    assert head_groups(8, 8) == [[i] for i in range(8)]
+    assert head_groups(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert head_groups(2, 8) == [[0], [0], [0], [0], [1], [1], [1], [1]]
+    assert head_groups(3, 2) == [[0, 1], [1, 2]]   # the middle source head straddles both halves
+    assert head_groups(2, 3) == [[0], [0, 1], [1]]
+    cols = support_columns("head_local", 2, 2, 4, 2)
+    # target head 1 reads source head 1 (dims 4..7) of both stacked layers (offset 8 per layer)
+    assert cols[1].tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def _augmented_rrr(x, y, lam, rank, gamma):
+    """Reduced-rank ridge by brute force on explicit data: ridge = least squares on [X; sqrt(lam) I],
+    metric by whitening the outputs, rank by the SVD of the fitted values."""
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    evals, evecs = torch.linalg.eigh(gamma)
+    s, s_inv = (evecs * evals.sqrt()) @ evecs.T, (evecs * evals.rsqrt()) @ evecs.T
+    xa = torch.cat([xc, lam ** 0.5 * torch.eye(x.shape[1], dtype=x.dtype)])
+    ya = torch.cat([yc @ s, torch.zeros(x.shape[1], y.shape[1], dtype=x.dtype)])
+    w = torch.linalg.lstsq(xa, ya).solution
+    _, _, vh = torch.linalg.svd(xa @ w, full_matrices=False)
+    v = vh[:rank].T
+    return w @ v @ v.T @ s_inv
+
+
+def _objective(x, y, w, lam, gamma):
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    r = yc - xc @ w
+    return float(((r @ gamma) * r).sum() + lam * ((w @ gamma) * w).sum())
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_reduced_rank_is_the_exact_constrained_optimum(weighted):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 10, generator=g, dtype=torch.float64) @ torch.randn(10, 10, generator=g, dtype=torch.float64)
+    y = x @ torch.randn(10, 7, generator=g, dtype=torch.float64) + torch.randn(300, 7, generator=g, dtype=torch.float64)
+    a = torch.randn(7, 7, generator=g, dtype=torch.float64)
+    gamma = a @ a.T + 0.5 * torch.eye(7, dtype=torch.float64) if weighted else torch.eye(7, dtype=torch.float64)
+    lam, rank = 3.0, 3
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    cxx, cxy = xc.T @ xc, xc.T @ yc
+    w_full = torch.linalg.solve(cxx + lam * torch.eye(10, dtype=torch.float64), cxy)
+    evals, evecs = torch.linalg.eigh(gamma)
+    s, s_inv = (evecs * evals.sqrt()) @ evecs.T, (evecs * evals.rsqrt()) @ evecs.T
+    down, up = reduced_rank(w_full, cxy, rank, metric_sqrt=s if weighted else None,
+                            metric_inv_sqrt=s_inv if weighted else None)
+    assert down.shape == (10, rank) and up.shape == (rank, 7)
+    w_r = down @ up
+    assert torch.linalg.matrix_rank(w_r) == rank
+    brute = _augmented_rrr(x, y, lam, rank, gamma)
+    assert torch.allclose(w_r, brute, atol=1e-9, rtol=1e-7)
+    best = _objective(x, y, w_r, lam, gamma)
+    u, sv, vh = torch.linalg.svd(w_full)  # the naive alternative: truncate W's SVD in the raw metric
+    naive = (u[:, :rank] * sv[:rank]) @ vh[:rank]
+    assert best < _objective(x, y, naive, lam, gamma)
+    for i in range(5):  # and no rank-r neighbour does better
+        e = torch.randn(10, 1, generator=g, dtype=torch.float64) @ torch.randn(1, rank, generator=g, dtype=torch.float64)
+        assert best <= _objective(x, y, (down + 1e-3 * e) @ up, lam, gamma) + 1e-9
+    full_down, full_up = reduced_rank(w_full, cxy, 7)  # full rank: the ridge map itself
+    assert torch.allclose(full_down @ full_up, w_full, atol=1e-10)
+
+
+def test_full_support_full_rank_is_the_papers_ridge(moments):
+    train, held, *_ = moments
+    ridge = fit_ridge(train, SELECTED, lam=0.5, heldout=held, head_dim=D_T)
+    fam = fit_family(train, SELECTED, n_kv_s=N_S, d_s=D_S, n_kv_t=N_T, lam=0.5, heldout=held)
+    for kind in ("k", "v"):
+        for t in range(2):
+            assert torch.allclose(fam.down[kind][t][0], ridge.weights[kind][t].weight, atol=1e-12)
+            assert torch.allclose(fam.bias[kind][t], ridge.weights[kind][t].bias, atol=1e-12)
+        for split in ("train", "heldout"):
+            assert torch.allclose(fam.r2[split][kind], ridge.r2[split][kind], atol=1e-12)
+
+
+def test_head_local_fits_each_head_on_its_own_source_heads(moments):
+    train, held, x, y = moments
+    fam = fit_family(train, SELECTED, n_kv_s=N_S, d_s=D_S, n_kv_t=N_T, lam=0.5, support="head_local", heldout=held)
+    assert fam.columns.shape == (N_T, 2 * D_S)
+    # independent check: ridge on exactly those columns of the raw features, target head h's outputs only
+    for t, layers in enumerate(SELECTED):
+        for kind in ("k", "v"):
+            xs = torch.cat([x[kind][:700, s * W_S:(s + 1) * W_S] for s in layers], 1)
+            for h in range(N_T):
+                xh = xs[:, fam.columns[h]]
+                yh = y[kind][:700, t * Q + h * D_T:t * Q + (h + 1) * D_T]
+                xc, yc = xh - xh.mean(0), yh - yh.mean(0)
+                w = torch.linalg.solve(xc.T @ xc + 0.5 * torch.eye(xh.shape[1], dtype=torch.float64), xc.T @ yc)
+                assert torch.allclose(fam.down[kind][t][h], w, atol=1e-9)
+    full = fit_family(train, SELECTED, n_kv_s=N_S, d_s=D_S, n_kv_t=N_T, lam=0.5)
+    # fewer features cannot fit the training data better than all of them
+    assert (fam.r2["train"]["k"] <= full.r2["train"]["k"] + 1e-12).all()
+
+
+def test_weighting_needs_rank_and_lowers_the_weighted_error(moments):
+    train, held, x, y = moments
+    g = torch.Generator().manual_seed(5)
+    metrics = {}
+    for kind in ("k", "v"):
+        a = torch.randn(2, N_T, D_T, D_T, generator=g, dtype=torch.float64)
+        metrics[kind] = a @ a.transpose(-1, -2) + 0.1 * torch.eye(D_T, dtype=torch.float64)
+    with pytest.raises(ValueError, match="set mapper.rank"):
+        fit_family(train, SELECTED, n_kv_s=N_S, d_s=D_S, n_kv_t=N_T, weighting="attention", metrics=metrics)
+    with pytest.raises(ValueError, match="mapper.rank=99"):
+        fit_family(train, SELECTED, n_kv_s=N_S, d_s=D_S, n_kv_t=N_T, rank=99)
+    plain = fit_family(train, SELECTED, n_kv_s=N_S, d_s=D_S, n_kv_t=N_T, lam=1e-6, rank=3)
+    weighted = fit_family(train, SELECTED, n_kv_s=N_S, d_s=D_S, n_kv_t=N_T, lam=1e-6, rank=3, weighting="attention",
+                          metrics=metrics)
+    for t, layers in enumerate(SELECTED):
+        xs = torch.cat([x["k"][:700, s * W_S:(s + 1) * W_S] for s in layers], 1)
+        ys = y["k"][:700, t * Q:(t + 1) * Q]
+        gamma = torch.block_diag(*metrics["k"][t])
+        err = {name: _objective(xs, ys, f.down["k"][t][0] @ f.up["k"][t][0], 0.0, gamma)
+               for name, f in (("plain", plain), ("weighted", weighted))}
+        assert err["weighted"] < err["plain"]
+
+
+def _mapper(fam, model_s, model_t):
+    return FactoredMapper.from_family(fam, model_s, model_t)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    source = tiny_model("qwen3", layers=3, hidden=16, heads=4, kv_heads=N_S, head_dim=D_S, name="fam-src")
+    target = tiny_model("llama", layers=2, hidden=24, heads=4, kv_heads=N_T, head_dim=D_T, name="fam-tgt")
+    return source, target
+
+
+@pytest.mark.parametrize("support,rank", [("full", None), ("full", 4), ("head_local", None), ("head_local", 3)])
+def test_factored_mapper_applies_saves_and_costs_what_it_says(moments, pair, tmp_path, support, rank):
+    train, held, *_ = moments
+    source, target = pair
+    fam = fit_family(train, SELECTED, n_kv_s=N_S, d_s=D_S, n_kv_t=N_T, lam=0.5, support=support, rank=rank,
+                     heldout=held)
+    mapper = _mapper(fam, source, target)
+    mapper.native_sink = 2
+    # the map equals the expanded [p, q] matrix it stands for
+    x = torch.randn(2, 5, 2 * W_S)
+    for t in range(2):
+        for i, kind in enumerate(("k", "v")):
+            w = torch.zeros(2 * W_S, Q, dtype=torch.float64)
+            for g, cols in enumerate(fam.columns):
+                block = fam.down[kind][t][g] if rank is None else fam.down[kind][t][g] @ fam.up[kind][t][g]
+                w[cols, g * (Q // len(fam.columns)):(g + 1) * (Q // len(fam.columns))] = block
+            expected = x[i].double() @ w + fam.bias[kind][t]
+            assert torch.allclose(mapper.map_features(t, x)[i].double(), expected, atol=1e-5)
+    cost = map_cost(2, 2, N_S, D_S, N_T, D_T, support=support, rank=rank)
+    assert cost == {"n_parameters": mapper.n_parameters, "apply_flops_per_token": mapper.apply_flops_per_token}
+    mapper.save(tmp_path / "m")
+    back = load_mapper(tmp_path / "m", source, target)
+    assert isinstance(back, FactoredMapper) and back.native_sink == 2 and back.rank == rank
+    assert back.support == support
+    assert torch.equal(back.map_features(1, x), mapper.map_features(1, x))
+    # and it goes through the transfer path like the paper's map
+    ids = random_ids(2, 12, seed=4)
+    layers = kt.prefill(source, ids)
+    pos = torch.arange(12).expand(2, 12)
+    args = dict(source_codec=codec_for(source), target_codec=codec_for(target), target_n_kv=N_T)
+    fast, ref = map_layers(layers, back, pos, **args), map_layers_reference(layers, back, pos, **args)
+    for (kf, vf), (kr, vr) in zip(fast, ref):
+        assert torch.allclose(kf, kr, atol=1e-5) and torch.allclose(vf, vr, atol=1e-5)
+
+
+def test_ridge_cost_matches_the_paper_count_and_head_local_is_8x_cheaper_at_14b_32b():
+    # Qwen3-14B -> 32B: 64 target layers, k = 8, 8 kv x 128 on both sides
+    full = map_cost(64, 8, 8, 128, 8, 128)
+    assert full["n_parameters"] == 64 * 2 * (8 * 8 * 128 * 8 * 128 + 8 * 128)  # L_t * 2 * (p q + q), ~1.07 B
+    assert full["apply_flops_per_token"] == 64 * 2 * (2 * 8192 * 1024 + 1024)
+    local = map_cost(64, 8, 8, 128, 8, 128, support="head_local")
+    assert full["apply_flops_per_token"] / local["apply_flops_per_token"] == pytest.approx(8, rel=1e-3)
+    low = map_cost(64, 8, 8, 128, 8, 128, rank=128)
+    assert low["apply_flops_per_token"] < full["apply_flops_per_token"] / 4
+    ridge = Mapper(weight=torch.zeros(2, 2, 16, 12), bias=torch.zeros(2, 2, 12), selected_layers=torch.zeros(2, 2),
+                   source={}, target={})
+    assert ridge.apply_flops_per_token == map_cost(2, 2, N_S, D_S, N_T, D_T)["apply_flops_per_token"]
+
+
+def test_attention_metric_from_the_targets_queries_and_output_projection(pair):
+    _, target = pair
+    ids = random_ids(3, 10, seed=7)
+    energy = query_energy(target, ids, batch_size=2)
+    # independent: the q of layer 1 from its input hidden states through the layer's own modules
+    out = target(input_ids=ids, output_hidden_states=True)
+    layer = target.model.layers[1]
+    h = layer.input_layernorm(out.hidden_states[1])
+    q = layer.self_attn.q_proj(h).view(3, 10, 4, D_T).double()
+    assert torch.allclose(energy[1], (q * q).mean((0, 1)), rtol=1e-5)
+    gk = key_metric(energy, N_T)
+    diag = gk[1].diagonal(dim1=-2, dim2=-1)
+    assert torch.allclose(diag[:, :D_T // 2], diag[:, D_T // 2:])          # rotary pairs share a weight
+    assert torch.allclose(gk[1].sum((-1, -2)), torch.full((N_T,), float(D_T), dtype=torch.float64))  # trace d
+    grouped = (q * q).mean((0, 1)).view(N_T, 2, D_T).sum(1)
+    pair_mean = (grouped[:, :D_T // 2] + grouped[:, D_T // 2:]) / 2
+    assert torch.allclose(diag[:, :D_T // 2] / diag[:, :D_T // 2].sum(-1, keepdim=True),
+                          pair_mean / pair_mean.sum(-1, keepdim=True), rtol=1e-5)
+    gv = value_metric(target)
+    wo = layer.self_attn.o_proj.weight.double()  # [hidden, 4 * D_T]; kv head 0 serves query heads 0, 1
+    manual = wo[:, :D_T].T @ wo[:, :D_T] + wo[:, D_T:2 * D_T].T @ wo[:, D_T:2 * D_T]
+    assert torch.allclose(gv[1, 0], manual * (D_T / manual.trace()), rtol=1e-6)

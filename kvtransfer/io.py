@@ -1,6 +1,8 @@
 """Atomic, never-overwriting file output and safetensors helpers (no pickles anywhere)."""
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import json
 import os
@@ -160,3 +162,19 @@ def load_tensor_dir(directory: str | Path, device="cpu") -> tuple[dict[str, torc
             del piece
         out[name] = t
     return out, manifest
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | Path):
+    """Hold an exclusive advisory lock (fcntl.flock) on the file `path` for the block; other processes
+    taking the same lock wait. For jobs of one sweep that would otherwise compute one artifact twice."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -381,7 +381,12 @@ class Setup:
         self.device = run_device(cfg, node)
         self.notes = ([f"device={cfg.get('device')} but the node has no GPU: planned on the CPU"]
                       if self.device == "cpu" and str(cfg.get("device", "auto")).startswith("cuda") else [])
-        self.spread = node.gpus if (self.device == "cuda" and cfg.get("device_map") and node.gpus > 1) else 1
+        from .models import device_map_for
+
+        # per model: its own pair.<side>.device_map, else the run-wide one (models.device_map_for)
+        self.mapped = {attr: bool(device_map_for(cfg, side)) for attr, side in (("src", "source"), ("tgt", "target"))}
+        self.spread = {attr: node.gpus if (self.device == "cuda" and on and node.gpus > 1) else 1
+                       for attr, on in self.mapped.items()}
         mdtype = pair.get("dtype", "auto")
         self.w = 2 if mdtype == "auto" else dtype_bytes(mdtype)
         self.mdtype = "bfloat16" if self.w == 2 else ("float32" if self.w == 4 else "float64")
@@ -424,7 +429,7 @@ class Setup:
 
     # device-side bytes: on the GPU (per GPU, weights spread by device_map) or on the host (cpu runs)
     def weights(self, *sides: str) -> float:
-        return sum(weight_bytes(getattr(self, s), self.w) for s in sides) / self.spread
+        return sum(weight_bytes(getattr(self, s), self.w) / self.spread[s] for s in sides)
 
     def math_attention(self) -> bool:
         return self.device == "cpu" or self.cfg.get("attn_implementation") == "eager"
@@ -481,7 +486,7 @@ class Setup:
     def load_host(self, side: str) -> float:
         """Host bytes while loading one model: the whole checkpoint (from_pretrained loads on the CPU, then
         .to(device)), or one shard with device_map."""
-        if self.device == "cuda" and self.cfg.get("device_map"):
+        if self.device == "cuda" and self.mapped[side]:
             return LOAD_SHARD
         return weight_bytes(getattr(self, side), self.w, with_extra=True)
 

@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "kvtransfer"
 
 # The numerical core: what `import kvtransfer` offers (models, RoPE, caches, moments, calibration,
-# selection, ridge, the mapper kinds, transfer, diagnostics, data, io) plus the package's data tables.
+# selection, ridge, map families, the mapper kinds, transfer, diagnostics, data, io) plus the package's data tables.
 CORE = {"kvtransfer", "kvtransfer.models", "kvtransfer.rope", "kvtransfer.cache", "kvtransfer.context",
-        "kvtransfer.moments", "kvtransfer.calibrate", "kvtransfer.select", "kvtransfer.ridge", "kvtransfer.mapper",
+        "kvtransfer.moments", "kvtransfer.calibrate", "kvtransfer.select", "kvtransfer.ridge", "kvtransfer.families",
+        "kvtransfer.mapper",
         "kvtransfer.mlp", "kvtransfer.transfer", "kvtransfer.diagnostics", "kvtransfer.data", "kvtransfer.io",
         "kvtransfer.resources", "kvtransfer.resources.model_configs"}
 # The parts built on the core, and what each may import besides the core and itself. Only the runner

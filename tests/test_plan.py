@@ -285,3 +285,16 @@ def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkey
     features = sum(f.stat().st_size for f in (tmp_path / "features").iterdir())
     assert features == pytest.approx(disk["sequential source features"], rel=0.15)
     assert len(peaks) >= 2 and size < max(peaks)
+
+
+def test_a_per_model_device_map_spreads_only_that_model(cfg_14_32):
+    # pair.target.device_map=auto on 8 GPUs: the target's weights are divided over the GPUs, the source's not;
+    # the run-wide key spreads both (models.device_map_for decides for each model, as loading does)
+    node = P.Node(gpus=8, gpu_gib=80, host_gib=1024, disk_gib=1000)
+    gib = lambda cfg: P.make_plan(cfg, node, rates=FIXED_RATES)["stages"]["calibrate"]["parts"]["gpu"][  # noqa: E731
+        "source + target weights"] * P.GiB
+    src, tgt = 2 * 14_768_307_200, 2 * 32_762_123_264
+    pair = dict(cfg_14_32["pair"], target=dict(cfg_14_32["pair"]["target"], device_map="auto"))
+    assert gib(dict(cfg_14_32, pair=pair)) == pytest.approx(src + tgt / 8, rel=1e-3)
+    assert gib(dict(cfg_14_32, device_map="auto")) == pytest.approx((src + tgt) / 8, rel=1e-3)
+    assert gib(cfg_14_32) == pytest.approx(src + tgt, rel=1e-3)

@@ -339,9 +339,10 @@ def test_bench_stage_times_the_run_models(tiny_pair_dirs, tmp_path):
 def test_sweep_collection_writes_one_table(tmp_path):
     from kvtransfer.report.sweep import collect
 
+    # the second job's name holds a path override, which nests its directory (Hydra keeps the slashes)
     for i, (k, ret) in enumerate(((1, 0.5), (4, 0.9))):
-        run = tmp_path / f"{i}_mapper.k={k}"
-        run.mkdir()
+        run = tmp_path / (f"{i}_mapper.k={k}" if i == 0 else f"{i}_cache_dir=/x/y,mapper.k={k}")
+        run.mkdir(parents=True)
         (run / "summary.json").write_text(json.dumps({
             "pair": "tiny", "ablation": {"name": "full"}, "mapper": {"kind": "ridge", "k": k, "lambda": 0.01},
             "r2": {"k": {"train": 0.8, "heldout": 0.7}},
@@ -352,6 +353,7 @@ def test_sweep_collection_writes_one_table(tmp_path):
 
     sweep = pd.read_csv(tmp_path / "sweep.csv")
     assert list(sweep["k"]) == [1, 4] and list(sweep["tiny_cloze_retention"]) == [0.5, 0.9]
+    assert list(sweep["run"]) == ["0_mapper.k=1", "1_cache_dir=/x/y,mapper.k=4"]
 
 
 def test_k_sweep_and_sink_change_compute_baselines_once(tiny_pair_dirs, tmp_path, monkeypatch):
@@ -393,3 +395,28 @@ def test_k_sweep_and_sink_change_compute_baselines_once(tiny_pair_dirs, tmp_path
     # the mapped mode really changed with k (else the sweep would prove nothing)
     ppl = [{r["prefix"]: r["transfer"] for r in s["ppl"]}[16] for s in summaries]
     assert len({round(p, 6) for p in ppl}) >= 3, ppl
+
+
+def test_concurrent_jobs_calibrate_once(tmp_path, monkeypatch):
+    # two jobs of one sweep reach the same calibration together: the second waits on the lock, then
+    # finds the first one's artifact instead of calibrating into the same directory again
+    import threading
+    import time as _time
+
+    calls = []
+
+    def fake_locked(self, directory, key_space):
+        calls.append(threading.current_thread().name)
+        _time.sleep(0.3)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "calibration.json").write_text("{}")
+
+    monkeypatch.setattr(Run, "_calibrate_locked", fake_locked)
+    run = Run.__new__(Run)
+    directory = tmp_path / "moments" / "abc"
+    jobs = [threading.Thread(target=Run._calibrate, args=(run, directory, "stripped"), name=f"job{i}") for i in range(2)]
+    for j in jobs:
+        j.start()
+    for j in jobs:
+        j.join()
+    assert len(calls) == 1 and (directory / "calibration.json").exists()

@@ -10,12 +10,15 @@ from . import tables
 
 
 def collect(sweep_dir: str | Path) -> dict[str, Path]:
-    """Read every */summary.json under `sweep_dir`; write sweep tables there; returns their paths."""
+    """Read every summary.json below `sweep_dir` (any depth: an override holding a path, e.g.
+    pair.source.path=/x/y, nests Hydra's job directory); write sweep tables there; returns their paths."""
     sweep_dir = Path(sweep_dir)
     summaries = []
-    for path in sorted(sweep_dir.glob("*/summary.json")):
+    for path in sorted(sweep_dir.rglob("summary.json")):
+        if path.parent == sweep_dir:
+            continue  # not a job of the sweep
         s = json.loads(path.read_text())
-        s["_run"] = path.parent.name
+        s["_run"] = str(path.parent.relative_to(sweep_dir))
         summaries.append(s)
     if not summaries:
         return {}

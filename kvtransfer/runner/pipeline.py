@@ -22,7 +22,7 @@ from .. import plan as resource_plan
 from ..calibrate import collect_moments, load_calibration, split_heldout
 from ..context import describe as describe_context
 from ..data import read_documents, stream_hf_documents, token_sequences
-from ..io import atomic_save_tensors, atomic_write_json, load_tensors
+from ..io import atomic_save_tensors, atomic_write_json, exclusive_lock, load_tensors
 from ..mapper import FactoredMapper, Mapper, load_mapper
 from ..models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model
 from ..moments import HeldOut, Moments
@@ -196,6 +196,12 @@ class Run:
         gc.collect()
 
     def _calibrate(self, directory: Path, key_space: str) -> None:
+        # jobs of one sweep start together: one calibrates, the others wait and then read its artifact
+        with exclusive_lock(directory.parent / f"{directory.name}.lock"):
+            if not (directory / "calibration.json").exists():
+                self._calibrate_locked(directory, key_space)
+
+    def _calibrate_locked(self, directory: Path, key_space: str) -> None:
         calib = self.cfg["calib"]
         directory.mkdir(parents=True, exist_ok=True)
         ids = self.token_ids()

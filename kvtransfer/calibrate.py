@@ -121,7 +121,8 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     the last batch it holds the finished calibration (`load_calibration` reads it).
     stop_after_batches: process at most this many batches in this call (then checkpoint) -- for
     time-boxed jobs; the result is partial unless the run has finished.
-    feature_sink: optional callable(split, batch_index, x, y) given every batch's features (e.g. to
+    feature_sink: optional callable(split, batch_index, x, y) given every batch's features (with a
+    `checkpoint()` method, called before each moments checkpoint, it can keep its state across resumes; e.g. to
     keep a bounded sample for training an MLP mapper); not replayed for batches restored from a
     checkpoint.
     progress: optional callable wrapping an iterable (e.g. tqdm).
@@ -215,6 +216,8 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
         if feature_sink is not None:
             feature_sink(name, i, x, y)
         if checkpoint_path is not None and ((i + 1) % every == 0 or i + 1 == end):
+            if hasattr(feature_sink, "checkpoint"):  # first: a sink ahead of the moments skips what it has
+                feature_sink.checkpoint()
             _mark(split, i + 1, len(batches))
             _save_checkpoint(checkpoint_path, split, i + 1, fingerprint, checkpoint_piece_bytes)
     _mark(split, end, len(batches))

@@ -10,7 +10,9 @@ so loading and applying an MLP mapper never needs this module.
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -23,22 +25,49 @@ class FeatureSampler:
     """Keeps ~`max_rows` random train rows of calibration features, as a `collect_moments` sink.
 
     Call as sink(split, batch_index, x, y) with x/y {"k", "v"} -> [rows, width]. `n_batches` is the
-    number of train batches, so each keeps ceil(max_rows / n_batches) rows (seeded per batch).
+    number of train batches, so each keeps ceil(max_rows / n_batches) rows (seeded per batch). With
+    `state_path`, `checkpoint()` (called by `collect_moments` before each moments checkpoint) writes the
+    rows kept so far and a new sampler on the same path starts from them, so a resumed calibration ends
+    with the same sample; a batch offered twice is kept once. `complete` says whether every train batch
+    was seen.
     """
 
-    def __init__(self, max_rows: int, n_batches: int, seed: int = 0):
+    def __init__(self, max_rows: int, n_batches: int, seed: int = 0, state_path=None):
         self.per_batch = math.ceil(max_rows / max(1, n_batches))
+        self.n_batches = n_batches
         self.seed = seed
+        self.state_path = state_path
         self.parts: dict[str, list[torch.Tensor]] = {"xk": [], "xv": [], "yk": [], "yv": []}
+        self.batches: list[int] = []
+        if state_path is not None and Path(state_path).exists():
+            tensors, meta = load_tensors(state_path)
+            self.batches = json.loads(meta["batches"])
+            counts = json.loads(meta["rows"])
+            for name in self.parts:
+                self.parts[name] = list(tensors[name].split(counts)) if counts else []
 
     def __call__(self, split: str, batch_index: int, x: dict, y: dict) -> None:
-        if split != "train":
+        if split != "train" or batch_index in self.batches:
             return
         rows = x["k"].shape[0]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_index)
         keep = torch.randperm(rows, generator=g)[: self.per_batch].sort().values
         for name, t in (("xk", x["k"]), ("xv", x["v"]), ("yk", y["k"]), ("yv", y["v"])):
             self.parts[name].append(t[keep.to(t.device)].float().cpu())
+        self.batches.append(batch_index)
+
+    @property
+    def complete(self) -> bool:
+        """Whether all `n_batches` train batches contributed their rows."""
+        return len(self.batches) == self.n_batches
+
+    def checkpoint(self) -> None:
+        """Write the rows kept so far to `state_path` (atomic); no-op without a path."""
+        if self.state_path is None or not self.batches:
+            return
+        counts = [t.shape[0] for t in self.parts["xk"]]
+        atomic_save_tensors(self.state_path, self.tensors(), {"batches": json.dumps(self.batches),
+                                                              "rows": json.dumps(counts)})
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """{"xk", "xv": [n, dx], "yk", "yv": [n, dy]} float32."""

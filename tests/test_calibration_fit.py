@@ -165,12 +165,23 @@ def test_resumed_calibration_is_bit_identical(qwen, tmp_path):
     # pieces of <= 4 KiB: every large tensor of the checkpoint goes to disk in row blocks
     kwargs = dict(stride=2, batch_size=4, heldout_fraction=0.2, checkpoint_every=4, heldout_observations=20,
                   checkpoint_piece_bytes=4096)
-    reference = kt.collect_moments(qwen, other, ids, **kwargs)
+    from kvtransfer.mlp import FeatureSampler
+
+    # the MLP's feature sample rides along: 4 train batches, 3 rows kept from each
+    sample_ref = FeatureSampler(12, 4, seed=1)
+    reference = kt.collect_moments(qwen, other, ids, feature_sink=sample_ref, **kwargs)
     ck = tmp_path / "calib.ckpt.safetensors"
-    partial = kt.collect_moments(qwen, other, ids, checkpoint_path=ck, stop_after_batches=2, **kwargs)
+    state = tmp_path / "sample.partial.safetensors"
+    partial = kt.collect_moments(qwen, other, ids, checkpoint_path=ck, stop_after_batches=2,
+                                 feature_sink=FeatureSampler(12, 4, seed=1, state_path=state), **kwargs)
     assert not partial.train.info["complete"] and ck.is_dir() and len(list(ck.glob("train.k.cxy@*"))) > 1
-    resumed = kt.collect_moments(qwen, other, ids, checkpoint_path=ck, **kwargs)
+    sample = FeatureSampler(12, 4, seed=1, state_path=state)   # a new process: starts from the saved rows
+    assert 0 < len(sample.batches) < 4 and not sample.complete
+    resumed = kt.collect_moments(qwen, other, ids, checkpoint_path=ck, feature_sink=sample, **kwargs)
     assert resumed.train.info["complete"]
+    assert sample.complete and sample_ref.complete
+    for name, t in sample_ref.tensors().items():
+        assert torch.equal(sample.tensors()[name], t), name
     # bitwise on every machine: the same batches go through the same kernels in the same order, and
     # the checkpoint stores the running fp64 state exactly
     a, b = reference.train, resumed.train

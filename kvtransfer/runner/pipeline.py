@@ -211,7 +211,8 @@ class Run:
             from ..mlp import FeatureSampler
 
             n_train = len(split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))[0])
-            sampler = FeatureSampler(calib["mlp_samples"], -(-n_train // calib["batch_size"]), self.cfg.get("seed", 0))
+            sampler = FeatureSampler(calib["mlp_samples"], -(-n_train // calib["batch_size"]), self.cfg.get("seed", 0),
+                                     state_path=directory / "mlp_sample.partial.safetensors")
         dtype = getattr(torch, calib.get("dtype", "float64"))
         compute = getattr(torch, calib["compute_dtype"]) if calib.get("compute_dtype") else None
         if calib.get("capture", "co-resident") == "sequential":
@@ -233,7 +234,13 @@ class Run:
         if not result.train.info.get("complete"):
             raise RuntimeError(f"calibration in {directory} did not finish")
         if sampler is not None:
+            if not sampler.complete:
+                raise RuntimeError(f"the MLP feature sample in {directory} covers {len(sampler.batches)} of "
+                                   f"{sampler.n_batches} train batches (a calibration resumed from a checkpoint "
+                                   "written without it); delete that directory and calibrate again, or set "
+                                   "calib.mlp_samples=0")
             sampler.save(directory / "mlp_sample.safetensors")
+            (directory / "mlp_sample.partial.safetensors").unlink(missing_ok=True)
         info = {"sequences": result.train.info["sequences"], "heldout_sequences": result.heldout.info["heldout_sequences"],
                 "tokens_per_seq": calib["seq_len"], "stride": calib["stride"], "observations": result.train.n,
                 "heldout_observations": result.heldout.n, "heldout_observations_total": result.heldout.seen,

@@ -147,6 +147,25 @@ def bench_pair(pair: str, tokens: Sequence[int] = DEFAULT_TOKENS, *, layers: int
     return out
 
 
+def time_mapper(mapper, source_config, target_config, tokens: int = 1024, *, device="cpu", dtype=torch.float32,
+                warmup: int = 2, repeats: int = 7, n_inputs: int = 2) -> dict:
+    """Apply time (ms, `timing.time_fn` stats) of a fitted mapper of any kind on random source caches of
+    `tokens` tokens (batch 1): strip, map, re-rotate, build the target cache, as `map_layers` does in
+    evaluation; mapper in its own dtype, caches in `dtype`."""
+    s_shape, t_shape = kv_shape(source_config), kv_shape(target_config)
+    used = sorted(set(mapper.selected_layers.flatten().tolist()))
+    inputs = _rand_source(s_shape, used, tokens, n_inputs, device, dtype, seed=tokens)
+    s_codec = RopeCodec(rope_only(source_config, device), initial_positions=tokens)
+    t_codec = RopeCodec(rope_only(target_config, device), initial_positions=tokens)
+    pos = torch.arange(tokens, device=device)
+
+    def run_mapper(src):
+        return layers_to_cache(map_layers(src, mapper, pos, source_codec=s_codec, target_codec=t_codec,
+                                          target_n_kv=t_shape.n_kv, out_dtype=dtype), target_config)
+
+    return timing.time_fn(run_mapper, inputs, warmup=warmup, repeats=repeats, device=device)
+
+
 def _free(device) -> None:
     import gc
 

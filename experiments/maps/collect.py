@@ -1,0 +1,138 @@
+"""Collect the map-family runs (experiments/maps/run.sh) and the paper's map from experiments/qwen25coder
+into results/maps/: one row per map (cost, fidelity, task retention), and the cost of each family at the
+six paper pairs' real shapes.
+
+    python experiments/maps/collect.py [--no-timing]
+
+Every number comes from a run's summary.json, except the CPU apply time at 1,024 tokens, which this
+script measures on the loaded artifacts (`bench.measure.time_mapper`: warm-up 2, median of 7) unless
+--no-timing; run it on an idle machine. Runs not finished yet are left out, never invented.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from kvtransfer.bench.shapes import PAIRS, real_config
+from kvtransfer.families import map_cost
+from kvtransfer.io import atomic_write_bytes, atomic_write_json
+from kvtransfer.models import kv_shape
+
+PAPER_RUNS = {"paper_k8_sink1": "results/qwen25coder/runs/wiki_k8_sink1",
+              "paper_k8_sink0": "results/qwen25coder/runs/wiki_k8_sink0"}
+QWEN3_14B_32B = PAIRS["qwen3_14b_32b"]
+
+
+def _write(df: pd.DataFrame, directory: Path, name: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(directory / f"{name}.csv", df.to_csv(index=False).encode())
+    atomic_write_bytes(directory / f"{name}.md", (df.to_markdown(index=False, floatfmt=".4g") + "\n").encode())
+
+
+def _pm(x, se, pct=False):
+    if x is None:
+        return None
+    s = 100 if pct else 1
+    return f"{s * x:.1f} ± {s * se:.1f}" if pct else f"{x:.3f} ± {se:.3f}"
+
+
+def _family(m: dict) -> tuple[str, int | None]:
+    return m.get("support", "full"), m.get("rank")
+
+
+def shape_cost(pair: str, support: str, rank: int | None) -> dict:
+    """map_cost of one family at a paper pair's real shapes (k as in the paper)."""
+    src, tgt, k = PAIRS[pair]
+    s, t = kv_shape(real_config(src)), kv_shape(real_config(tgt))
+    return map_cost(t.n_layers, k, s.n_kv, s.head_dim, t.n_kv, t.head_dim, support=support, rank=rank)
+
+
+def row_of(name: str, s: dict, timing: dict | None) -> dict:
+    """One table row of a run's summary (plus the measured apply time, if any)."""
+    m, fid = s["mapper"], s.get("fidelity") or {}
+    flops = m.get("apply_flops_per_token")
+    if flops is None:  # summaries written before the cost fields: count them on the artifact
+        from kvtransfer.mapper import load_mapper
+
+        flops = load_mapper(m["path"]).apply_flops_per_token
+    support, rank = _family(m)
+    full = shape_cost("qwen3_14b_32b", "full", None)["apply_flops_per_token"]
+    per_layer = fid.get("per_layer", {})
+    cos = per_layer.get("attn_cosine") or []
+    row = {"map": name, "support": support, "rank": rank, "weighting": m.get("weighting", "none"),
+           # runs made before the sink moved into the artifact name it in their eval config
+           "native_sink": m.get("native_sink", s["_config"].get("eval", {}).get("native_sink")),
+           "params": m["n_parameters"], "apply MFLOP/token": round(flops / 1e6, 3),
+           "FLOPs vs paper @14B->32B": round(shape_cost("qwen3_14b_32b", support, rank)["apply_flops_per_token"] / full, 3),
+           "CPU ms @1K": timing.get("median_ms") if timing else None, "fit s": m.get("fit_seconds"),
+           "K R² held-out": round(s["r2"]["k"]["heldout"], 3), "V R² held-out": round(s["r2"]["v"]["heldout"], 3),
+           "attn cos": round(sum(cos) / len(cos), 4) if cos else None,
+           "next-token KL": round(per_layer["kl"], 3) if "kl" in per_layer else None,
+           "top-1 agree": round(per_layer["top1_agreement"], 3) if "top1_agreement" in per_layer else None}
+    ppl = {r["prefix"]: r for r in s.get("ppl", [])}
+    if 256 in ppl:
+        r = ppl[256]
+        row["ppl@256"] = round(r["transfer"], 2)
+        row["ppl@256 gap closed %"] = round(100 * (r["no_context"] - r["transfer"]) / (r["no_context"] - r["target"]), 1)
+    for task, label in (("hellaswag", "HS"), ("arc_challenge", "ARC")):
+        t = (s.get("tasks") or {}).get(task)
+        if t:
+            row[f"{label} n"] = t["n"]
+            row[f"{label} {t['metric']}"] = _pm(t["transfer"], t["stderr_transfer"])
+            row[f"{label} gap closed %"] = _pm(t["gap_closed"], t["stderr_gap_closed"], pct=True)
+            row[f"{label} floor-norm. retention %"] = _pm(t["floor_normalized"], t["stderr_floor_normalized"], pct=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default="results/maps/runs")
+    ap.add_argument("--out", default="results/maps")
+    ap.add_argument("--no-timing", action="store_true", help="skip the measured CPU apply time")
+    args = ap.parse_args()
+    runs = dict(PAPER_RUNS)
+    runs.update({d.name: str(d) for d in sorted(Path(args.runs).iterdir()) if d.is_dir()} if Path(args.runs).is_dir() else {})
+    summaries = {}
+    for name, d in runs.items():
+        if (Path(d) / "summary.json").exists():
+            s = json.loads((Path(d) / "summary.json").read_text())
+            s["_config"] = json.loads((Path(d) / "config.json").read_text()) if (Path(d) / "config.json").exists() else {}
+            summaries[name] = s
+        else:
+            print(f"missing (not finished): {name}")
+    if not summaries:
+        raise SystemExit("no finished runs: run experiments/qwen25coder/run.sh and experiments/maps/run.sh first")
+    timings = {}
+    if not args.no_timing:
+        from transformers import AutoConfig
+
+        from kvtransfer.bench.measure import time_mapper
+        from kvtransfer.mapper import load_mapper
+
+        any_s = next(iter(summaries.values()))
+        configs = [AutoConfig.from_pretrained(any_s[side]) for side in ("source", "target")]
+        for name, s in summaries.items():
+            timings[name] = time_mapper(load_mapper(s["mapper"]["path"]), *configs, tokens=1024)
+    rows = [row_of(name, s, timings.get(name)) for name, s in summaries.items()]
+    out = Path(args.out)
+    _write(pd.DataFrame(rows), out / "tables", "maps")
+    families = sorted({_family(s["mapper"]) for s in summaries.values()}, key=lambda f: (f[0], f[1] or 0))
+    cost_rows = []
+    for pair in PAIRS:
+        paper = shape_cost(pair, "full", None)
+        for support, rank in families:
+            c = shape_cost(pair, support, rank)
+            cost_rows.append({"pair": pair, "k": PAIRS[pair][2], "support": support, "rank": rank,
+                              "params (M)": round(c["n_parameters"] / 1e6, 1),
+                              "apply GFLOP/token": round(c["apply_flops_per_token"] / 1e9, 4),
+                              "vs paper map": round(c["apply_flops_per_token"] / paper["apply_flops_per_token"], 3)})
+    _write(pd.DataFrame(cost_rows), out / "tables", "cost_paper_pairs")
+    atomic_write_json(out / "maps.json", {"rows": rows, "timing_ms_1k": timings, "runs": runs})
+    print(pd.DataFrame(rows).to_markdown(index=False))
+
+
+if __name__ == "__main__":
+    main()

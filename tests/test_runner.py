@@ -413,6 +413,7 @@ def test_concurrent_jobs_calibrate_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Run, "_calibrate_locked", fake_locked)
     run = Run.__new__(Run)
+    run.cache_dir = tmp_path
     directory = tmp_path / "moments" / "abc"
     jobs = [threading.Thread(target=Run._calibrate, args=(run, directory, "stripped"), name=f"job{i}") for i in range(2)]
     for j in jobs:

@@ -197,7 +197,7 @@ class Run:
 
     def _calibrate(self, directory: Path, key_space: str) -> None:
         # jobs of one sweep start together: one calibrates, the others wait and then read its artifact
-        with exclusive_lock(directory.parent / f"{directory.name}.lock"):
+        with exclusive_lock(self.cache_dir / "locks" / f"{directory.parent.name}-{directory.name}.lock"):
             if not (directory / "calibration.json").exists():
                 self._calibrate_locked(directory, key_space)
 

@@ -736,6 +736,20 @@ def _eval_longest(s: Setup) -> int:
     return longest
 
 
+def _eval_longest_continuation(s: Setup) -> int:
+    """Longest scored continuation (tokens) over the configured tasks and the perplexity protocol."""
+    e = s.cfg.get("eval") or {}
+    cont = max([EVAL_TASKS.get(t, _UNKNOWN_TASK)["cont"] for t in e.get("tasks", [])] or [1])
+    ppl = e.get("ppl") or {}
+    if ppl.get("enabled"):
+        cont = max(cont, int(ppl.get("continuation", 256)))
+    return cont
+
+
+def _truthy(value) -> bool:
+    return str(value).lower() in ("true", "1", "yes")
+
+
 def _map_buffers(s: Setup, rows: int) -> float:
     """map_layers per chunk (float32 mapper): used source layers [2, rows, used*W_s] (+ stripped keys
     when not in place), gather buffer [2, rows, p]."""
@@ -749,13 +763,18 @@ def _eval(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> 
     e = s.cfg.get("eval") or {}
     b, n = max(1, int(e.get("batch_size", 8))), _eval_longest(s)
     math_attn = s.math_attention()
-    logits = b * n * s.tgt.vocab * (s.w + 4)
-    target_pass = forward_bytes(s.tgt, b, n, s.w, math_attention=math_attn) + logits
+    # logits (model dtype + the float32 log-softmax): for every position of a one-pass forward; with
+    # share_prefix the context is prefilled by the decoder body alone (no LM head, cache.prefill) and only
+    # the last context token + continuation reach the head
+    logit_rows = min(n, _eval_longest_continuation(s) + 1) if _truthy(e.get("share_prefix")) else n
+    logits = b * logit_rows * s.tgt.vocab * (s.w + 4)
+    target_pass = forward_bytes(s.tgt, b, n, s.w, math_attention=math_attn)
     transfer_pass = (forward_bytes(s.src, b, n, s.w, math_attention=math_attn)
                      + s.tgt.layers * 2 * b * n * s.tgt.width * s.w
                      + _map_buffers(s, min(b * n, 8192)))
     dev = {"source + target weights": s.weights("src", "tgt"), "mapper (float32)": s.mapper_w32,
-           f"largest batch ({b} x {n} tokens: caches, activations, logits)": max(target_pass, transfer_pass)}
+           f"largest batch ({b} x {n} tokens: caches, activations)": max(target_pass, transfer_pass),
+           f"logits ({b} x {logit_rows} rows x vocab, + float32 log-softmax)": logits}
     loads = [s.load_host(x) for x in ("src", "tgt") if x not in loaded]
     host = {"held from earlier stages": held_host,
             "model loading / mapper load (transient)": (max(loads + [s.mapper_w32]) if s.device == "cuda"

@@ -298,3 +298,18 @@ def test_a_per_model_device_map_spreads_only_that_model(cfg_14_32):
     assert gib(dict(cfg_14_32, pair=pair)) == pytest.approx(src + tgt / 8, rel=1e-3)
     assert gib(dict(cfg_14_32, device_map="auto")) == pytest.approx((src + tgt) / 8, rel=1e-3)
     assert gib(cfg_14_32) == pytest.approx(src + tgt, rel=1e-3)
+
+
+def test_share_prefix_keeps_the_context_logits_out_of_the_eval_plan(cfg_14_32):
+    # with share_prefix the context goes through the decoder body alone (cache.prefill, no LM head): only
+    # the last context token + the longest continuation reach the [batch, rows, vocab] logits
+    def part(share):
+        cfg = dict(cfg_14_32, eval=dict(cfg_14_32["eval"], share_prefix=share))
+        usage = P.make_plan(cfg, H200, rates=FIXED_RATES)["stages"]["eval"]["parts"]["gpu"]
+        return next(v for k, v in usage.items() if k.startswith("logits")) * P.GiB
+
+    e = cfg_14_32["eval"]
+    b, n = e["batch_size"], 2048                        # MMLU's longest prompt (EVAL_TASKS)
+    rows = max(e["ppl"]["continuation"], 30) + 1        # perplexity continuation vs HellaSwag's endings
+    vocab, w = 151_936, 2                               # Qwen3-32B vocabulary, bf16 logits (+ fp32 log-softmax)
+    assert part(False) - part(True) == pytest.approx(b * (n - rows) * vocab * (w + 4), rel=1e-6)

@@ -24,8 +24,8 @@ run() {  # run NAME OVERRIDES...
 
 run head_local_sink1    mapper.support=head_local
 run rank64_sink1        mapper.rank=64
-run rank32_sink1        mapper.rank=32
-run rank32_attn_sink1   mapper.rank=32 mapper.weighting=attention
-run head_local_sink0    mapper.support=head_local mapper.native_sink=0
-run head_local_rank32_attn_sink1 mapper.support=head_local mapper.rank=32 mapper.weighting=attention
 run rank64_attn_sink1   mapper.rank=64 mapper.weighting=attention
+run rank32_attn_sink1   mapper.rank=32 mapper.weighting=attention
+run rank32_sink1        mapper.rank=32
+run head_local_rank32_attn_sink1 mapper.support=head_local mapper.rank=32 mapper.weighting=attention
+run head_local_sink0    mapper.support=head_local mapper.native_sink=0

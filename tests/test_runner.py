@@ -421,3 +421,21 @@ def test_concurrent_jobs_calibrate_once(tmp_path, monkeypatch):
     for j in jobs:
         j.join()
     assert len(calls) == 1 and (directory / "calibration.json").exists()
+
+
+def test_switching_coqa_on_reuses_every_task_and_perplexity_result(tiny_pair_dirs, tmp_path, monkeypatch):
+    import kvtransfer.runner.eval_stage as stage
+
+    computed: list[tuple[str, str]] = []
+    real_write = stage.atomic_write_json
+    monkeypatch.setattr(stage, "atomic_write_json", lambda path, obj: computed.append(Path(path).name) or
+                        real_write(path, obj))
+    base = ("stage=[eval]", "eval.limit=3", "eval.max_gen_toks=2", "eval.ppl.prefixes=[0,16]",
+            "eval.ppl.continuation=8", "eval.ppl.windows=2", "eval.bootstrap=20", "eval.fidelity.enabled=false",
+            "eval.coqa.conversations=1", "eval.coqa.turns=2", "eval.coqa.max_gen_toks=2")
+    first = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, *base, "eval.coqa.enabled=false"), tmp_path / "a")
+    assert computed and not any("coqa" in name for name in computed)
+    computed.clear()
+    second = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, *base, "eval.coqa.enabled=true"), tmp_path / "b")
+    assert sorted(computed) == ["target.coqa.json", "transfer.coqa.json"], computed
+    assert second["tasks"] == first["tasks"] and second["ppl"] == first["ppl"] and "drift" in second

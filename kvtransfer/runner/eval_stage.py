@@ -110,9 +110,15 @@ MAPPED_ONLY_KEYS = ("native_sink", "allow_context_start_mismatch")
 SELECTION_KEYS = ("modes", "tasks", "fidelity")
 
 
-def result_dirs(run) -> dict[str, Path]:
-    """{"baseline": dir, "mapped": dir}: where per-mode results of this run's config live."""
+def result_dirs(run, part: str = "task") -> dict[str, Path]:
+    """{"baseline": dir, "mapped": dir}: where per-mode results of this run's config live.
+
+    `part` is "task" / "ppl" (benchmark and perplexity results) or "coqa". Whether CoQA runs does not
+    change a task or perplexity result, so their keys see coqa.enabled=false: switching CoQA on reuses
+    every cached task and perplexity result (and keys made before this rule stay valid)."""
     ecfg = {k: v for k, v in run.cfg["eval"].items() if k not in SELECTION_KEYS}
+    if part != "coqa" and isinstance(ecfg.get("coqa"), dict):
+        ecfg["coqa"] = dict(ecfg["coqa"], enabled=False)
     base_cfg = {k: v for k, v in ecfg.items() if k not in MAPPED_ONLY_KEYS}
     baseline = artifact_key(run.pair_identity(), base_cfg, run.context_start, run.cfg.get("seed", 0))
     mapped = artifact_key(run.mapper_dir().name, ecfg, run.rope_at_inference, run.context_start,
@@ -128,7 +134,7 @@ def evaluate(run, on_compute=None) -> dict:
     """
     ecfg = run.cfg["eval"]
     seed = run.cfg.get("seed", 0)
-    dirs = result_dirs(run)
+    dirs = {"task": result_dirs(run), "coqa": result_dirs(run, "coqa")}
     modes = list(ecfg["modes"])
     source, tokenizer = run.model("source")
     target, _ = run.model("target")
@@ -143,8 +149,7 @@ def evaluate(run, on_compute=None) -> dict:
                       allow_context_start_mismatch=ecfg.get("allow_context_start_mismatch", False))
     per_mode = {}
     for mode in modes:
-        directory = dirs["baseline" if mode in BASELINE_MODES else "mapped"]
-        directory.mkdir(parents=True, exist_ok=True)
+        kind = "baseline" if mode in BASELINE_MODES else "mapped"
         limits = ecfg.get("limits") or {}
         parts = {f"task.{t}": (lambda t=t: _benchmarks(lm, mode, dict(ecfg, tasks=[t], limit=limits.get(t, ecfg.get("limit"))),
                                                        seed)[t])
@@ -156,6 +161,8 @@ def evaluate(run, on_compute=None) -> dict:
         result: dict = {"tasks": {}}
         announced = False
         for name, compute in parts.items():
+            directory = dirs["coqa" if name == "coqa" else "task"][kind]
+            directory.mkdir(parents=True, exist_ok=True)
             path = directory / f"{mode}.{name}.json"
             if not path.exists():
                 if on_compute is not None and not announced:

@@ -95,6 +95,8 @@ def main() -> None:
                          "McNemar p (transfer vs target)": r.get("mcnemar_p")})
         _write(pd.DataFrame(rows), tdir, "main_tasks")
         _write(pd.DataFrame(s.get("ppl", [])), tdir, "main_ppl")
+        if s.get("drift"):  # CoQA: per turn, both protocols (transfer vs target answers)
+            _write(pd.DataFrame(s["drift"]), tdir, "main_coqa_drift")
         _write(pd.DataFrame([{"positions": g, **{k: v for k, v in r.items() if k != "positions"}}
                              for g, r in (s.get("fidelity") or {}).get("per_position", {}).items()]),
                tdir, "main_fidelity_positions")

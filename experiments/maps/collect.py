@@ -90,6 +90,7 @@ def row_of(name: str, s: dict, timing: dict | None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="results/maps/runs")
+    ap.add_argument("--fidelity-runs", default="results/maps/fidelity_runs")
     ap.add_argument("--out", default="results/maps")
     ap.add_argument("--no-timing", action="store_true", help="skip the measured CPU apply time")
     args = ap.parse_args()
@@ -119,6 +120,16 @@ def main() -> None:
     rows = [row_of(name, s, timings.get(name)) for name, s in summaries.items()]
     out = Path(args.out)
     _write(pd.DataFrame(rows), out / "tables", "maps")
+    # fidelity-only rows (FIDELITY=1 run.sh): cost, R² and the held-out fidelity of more maps, no benchmark
+    fid_dir = Path(args.fidelity_runs)
+    fid_rows = []
+    for d in sorted(fid_dir.iterdir()) if fid_dir.is_dir() else []:
+        if (d / "summary.json").exists():
+            s = json.loads((d / "summary.json").read_text())
+            s["_config"] = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+            fid_rows.append(row_of(d.name, s, None))
+    if fid_rows:
+        _write(pd.DataFrame(fid_rows).dropna(axis=1, how="all"), out / "tables", "fidelity_sweep")
     families = sorted({_family(s["mapper"]) for s in summaries.values()}, key=lambda f: (f[0], f[1] or 0))
     cost_rows = []
     for pair in PAIRS:

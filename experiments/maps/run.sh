@@ -26,12 +26,11 @@ fid() {  # fid NAME OVERRIDES...
 }
 if [[ "${FIDELITY:-0}" == 1 ]]; then
   fid paper                 # the paper's map, sink 1
-  for r in 16 32 64 128; do
+  for r in 16 32 64; do
     fid "rank$r"            mapper.rank=$r
     fid "rank${r}_attn"     mapper.rank=$r mapper.weighting=attention
   done
   fid head_local            mapper.support=head_local
-  fid head_local_rank32      mapper.support=head_local mapper.rank=32
   fid head_local_rank32_attn mapper.support=head_local mapper.rank=32 mapper.weighting=attention
   exit 0
 fi

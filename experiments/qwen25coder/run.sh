@@ -28,11 +28,12 @@ run() {  # run NAME OVERRIDES...
 
 # 1. calibration on broad-domain text (Wikipedia, with the MLP's feature sample), k = 8, native sink 1
 run wiki_k8_sink1 stage=[calibrate,fit,eval]
-# 2. the main configuration: the same map on every task (WinoGrande, MMLU, CoQA added; HellaSwag/ARC/
-#    perplexity and every baseline come from the cache; GSM8K is step 5b), Table 7 / heatmap / R² vs k.
+# 2. the main configuration: the same map on every task (WinoGrande, MMLU added; HellaSwag/ARC/
+#    perplexity and every baseline come from the cache; GSM8K and CoQA are steps 5b, 5c), Table 7 /
+#    heatmap / R² vs k.
 #    native_injected (the plumbing control, equal to target on HellaSwag/ARC/perplexity above) is left
 #    out here: on MMLU 5-shot and GSM8K generation it would repeat the target's ~30 min on 2 cores
-run main stage=[fit,eval,report] "$MORE_TASKS" eval.coqa.enabled=true "eval.modes=[target,source,transfer,no_context]"
+run main stage=[fit,eval,report] "$MORE_TASKS" "eval.modes=[target,source,transfer,no_context]"
 # 3. the same map without the native sink (only `transfer` is recomputed)
 run wiki_k8_sink0 stage=[fit,eval] mapper.native_sink=0
 # 4. Table 2 ablation that needs no second calibration: the content-space map without re-rotation
@@ -49,6 +50,9 @@ PY
 # 5b. GSM8K CoT on the main configuration (30 items, 8-shot, greedy up to 256 tokens): the dearest task on
 #     2 cores (~15 min per mode); same eval settings as `main`, so its cached results are reused
 run main_gsm8k stage=[eval] "eval.tasks=[gsm8k_cot]" "eval.modes=[target,source,transfer,no_context]"
+# 5c. CoQA drift on the main configuration, both protocols (5 conversations x 10 turns, ~600-token
+#     prompts: ~15 min per mode and protocol on 2 cores); task and perplexity results come from the cache
+run main_coqa stage=[eval] "eval.tasks=[]" eval.coqa.enabled=true "eval.modes=[target,transfer]"
 # 6. the MLP mapper on the same calibration's feature sample (hidden 256, 5 epochs: the paper's 1024 x 20
 #    epochs is ~250 M parameters here, hours of training on 2 cores)
 run wiki_mlp stage=[fit,eval] mapper=mlp mapper.hidden=256 mapper.epochs=5

@@ -87,7 +87,7 @@ def query_energy(model, token_ids: torch.Tensor, *, batch_size: int = 8) -> torc
     n_q = cfg.num_attention_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
     sums = torch.zeros(len(layers), n_q, d, dtype=torch.float64)
-    count = [0]
+    count = 0
     hooks = []
     for i, layer in enumerate(layers):
         attn = _attention(layer)
@@ -102,11 +102,11 @@ def query_energy(model, token_ids: torch.Tensor, *, batch_size: int = 8) -> torc
         for start in range(0, token_ids.shape[0], batch_size):
             batch = token_ids[start:start + batch_size].to(device)
             model(input_ids=batch, use_cache=False)
-            count[0] += batch.numel()
+            count += batch.numel()
     finally:
         for h in hooks:
             h.remove()
-    return sums / max(count[0], 1)
+    return sums / max(count, 1)
 
 
 def _normalised(gamma: torch.Tensor) -> torch.Tensor:
@@ -163,11 +163,6 @@ class FamilyFit:
     support: str
     rank: int | None
     weighting: str
-
-
-def _block_diag_heads(gamma: torch.Tensor) -> torch.Tensor:
-    """[n_kv, d, d] -> the layer's [n_kv * d, n_kv * d] block-diagonal metric."""
-    return torch.block_diag(*gamma)
 
 
 def _sqrt_pair(gamma: torch.Tensor, floor: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,7 +227,7 @@ def fit_family(moments: Moments, selected_layers: list[list[int]], *, n_kv_s: in
                 if weighting == "attention":
                     gamma = metrics[kind][t]  # [n_kv_t, d_t, d_t], model layer t
                     heads = gamma[g * q_g // d_t:(g + 1) * q_g // d_t]
-                    sqrt, inv = _sqrt_pair(_block_diag_heads(heads))
+                    sqrt, inv = _sqrt_pair(torch.block_diag(*heads))  # the group's heads, one block each
                 dn, upm = reduced_rank(w, b, rank, metric_sqrt=sqrt, metric_inv_sqrt=inv)
                 downs.append(dn)
                 ups.append(upm)

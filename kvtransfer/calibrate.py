@@ -62,12 +62,14 @@ def kv_features(model, input_ids: torch.Tensor, *, stride: int = 4, key_space: s
         codec = codec or RopeCodec(model)
     out = {"k": [], "v": []}
     for layer in layers:
-        k, v = cache[layer][0][:, :, keep], cache[layer][1][:, :, keep]
+        keys, values = cache[layer]
+        idx = keep.to(keys.device)   # a model spread by device_map keeps each layer's cache on its own device
+        k, v = keys[:, :, idx], values[:, :, idx]
         if key_space == "stripped":
-            k = codec.strip(k, keep)
+            k = codec.strip(k, idx)
         for kind, t in (("k", k), ("v", v)):
             b, h, s, d = t.shape
-            out[kind].append(t.float().permute(0, 2, 1, 3).reshape(b * s, h * d))
+            out[kind].append(t.float().permute(0, 2, 1, 3).reshape(b * s, h * d).to(input_ids.device))
     return {kind: torch.cat(out[kind], dim=1) for kind in KINDS}
 
 

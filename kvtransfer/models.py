@@ -36,6 +36,7 @@ def _dtype(dtype):
 
 
 def load_model(name_or_path: str, *, dtype="auto", device: str | None = None, device_map=None,
+               max_memory: dict | None = None, offload_folder: str | None = None,
                trust_remote_code: bool = False, attn_implementation: str | None = None):
     """Load `(model, tokenizer)`: a causal LM in eval mode and its tokenizer.
 
@@ -44,7 +45,10 @@ def load_model(name_or_path: str, *, dtype="auto", device: str | None = None, de
     explicit {module name: device} dict, as transformers takes it; needs `accelerate`) spreads a model
     that does not fit one GPU over several, layer by layer (`layer_devices` then says where each
     layer's cache must live); otherwise the model is moved to `device` (default: CUDA if available,
-    else CPU).
+    else CPU). `max_memory` ({gpu index | "cpu": size}, as transformers takes it) caps what each device
+    holds: the layers past the GPU budget stay in host memory and accelerate streams them to the GPU on
+    every forward (weight offload; implies device_map="auto" when none is given). `offload_folder`
+    is where layers past the host budget go (disk offload), passed through as transformers takes it.
     For `mistral3` checkpoints the returned model is the text stack as a `*ForCausalLM`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -53,8 +57,14 @@ def load_model(name_or_path: str, *, dtype="auto", device: str | None = None, de
     kwargs = {"dtype": _dtype(dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if max_memory is not None and device_map is None:
+        device_map = "auto"
     if device_map is not None:
         kwargs["device_map"] = device_map
+    if max_memory is not None:
+        kwargs["max_memory"] = max_memory
+    if offload_folder is not None:
+        kwargs["offload_folder"] = str(offload_folder)
     if config.model_type == "mistral3":
         model = _load_text_stack(name_or_path, kwargs)
     else:
@@ -100,23 +110,92 @@ def device_map_for(cfg: dict, side: str):
     pair = cfg.get("pair") or {}
     if pair.get("direction", "forward") == "reverse":
         side = {"source": "target", "target": "source"}[side]
-    own = (pair.get(side) or {}).get("device_map")
+    spec = pair.get(side) or {}
+    own = spec.get("device_map")
+    if own is None and cfg.get("device_map") is None and spec.get("max_memory") is not None:
+        return "auto"   # a memory cap places layers, so it implies device_map=auto (as load_model does)
     return own if own is not None else cfg.get("device_map")
 
 
+def max_memory_for(cfg: dict, side: str) -> dict | None:
+    """`pair.<side>.max_memory` of the model playing `side`, normalised for transformers: keys are GPU
+    indices (int; "0", "cuda:0" accepted) or "cpu" / "disk", values sizes ("84GiB", "90GB") or bytes.
+
+    Follows the model under `pair.direction=reverse`, like `device_map_for`. None: no cap.
+    """
+    if side not in ("source", "target"):
+        raise ValueError(f"side must be source or target, got {side!r}")
+    pair = cfg.get("pair") or {}
+    if pair.get("direction", "forward") == "reverse":
+        side = {"source": "target", "target": "source"}[side]
+    raw = (pair.get(side) or {}).get("max_memory")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"pair.{side}.max_memory must be a mapping such as {{0: 84GiB, cpu: 100GiB}}, got {raw!r}")
+    out = {}
+    for key, value in raw.items():
+        name = str(key).strip().lower()
+        if name.startswith("cuda:"):
+            name = name[5:]
+        if name.isdigit():
+            out[int(name)] = value
+        elif name in ("cpu", "disk"):
+            out[name] = value
+        else:
+            raise ValueError(f"pair.{side}.max_memory: unknown device {key!r}; use GPU indices (0, 1, ...), cpu or disk")
+        size_bytes(value)   # a size that does not parse fails here, before any weights load
+    return out
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def size_bytes(value) -> int:
+    """Bytes of a memory size as transformers' max_memory takes it: an int (bytes) or "84GiB" / "90GB" / "512MiB"."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a memory size: {value!r}")
+    if isinstance(value, (int, float)):
+        return int(value)
+    text = str(value).strip().lower().replace(" ", "")
+    num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(num):]
+    if unit not in _UNITS or not num:
+        raise ValueError(f"not a memory size: {value!r} (use e.g. 84GiB, 90GB or a byte count)")
+    return int(float(num) * _UNITS[unit])
+
+
 def layer_devices(model) -> list[torch.device]:
-    """Per decoder layer, the device its attention reads the KV cache on: `layer.self_attn.k_proj.weight.device`.
+    """Per decoder layer, the device its attention reads the KV cache on.
 
     With a `device_map` the layers of one model sit on several devices; a cache handed to the model
-    must hold each layer's keys and values on that layer's device. Layers without a `self_attn.k_proj`
-    fall back to the device of their first parameter.
+    must hold each layer's keys and values on that layer's device: where `self_attn.k_proj` runs. An
+    offloaded layer (its weights on the host or disk, `meta` in the module) runs on its accelerate
+    hook's `execution_device`; any other layer where its k_proj weight lives. Layers without a
+    `self_attn.k_proj` fall back to their first parameter (or hook).
     """
     devices = []
     for layer in decoder(model).layers:
         k_proj = getattr(getattr(layer, "self_attn", None), "k_proj", None)
+        module = k_proj if k_proj is not None else layer
+        hook_device = next((_execution_device(m) for m in (module, layer) if _execution_device(m) is not None), None)
         weight = getattr(k_proj, "weight", None)
-        devices.append(weight.device if weight is not None else next(layer.parameters()).device)
+        if hook_device is not None:
+            devices.append(hook_device)
+        else:
+            devices.append(weight.device if weight is not None else next(layer.parameters()).device)
     return devices
+
+
+def _execution_device(module) -> torch.device | None:
+    """The device an accelerate hook runs `module` on (None without a hook that names one)."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or [hook]   # accelerate's SequentialHook holds several
+    device = next((h.execution_device for h in hooks if getattr(h, "execution_device", None) is not None), None)
+    if device is None:
+        return None
+    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,10 @@ eval       both models + the float32 mapper on the target's device, per batch a 
 bench      both models + mapper, the largest `bench.tokens` source caches, mapped cache and target prefill.
 report     Table-7 ridge fits for `report.variance_k` on the held moments and, with
            `report.rotated_heatmap`, a second full calibration on rotated keys while the first is held.
+Weight offload (`pair.<side>.max_memory`, accelerate): the layers past the GPU budget live in host memory
+(`offloaded_bytes`; the GPU keeps the resident layers + room for one offloaded layer) and every forward
+pass copies them to the GPU once: calibrate per batch, eval per forward call (decode steps included),
+bench per timed prefill.
 
 Rates: on a CPU-only run, measured here (a ~0.2 s matmul/copy micro-benchmark); on a GPU, the
 device table `DEVICES` (NVIDIA datasheet peaks x `EFFICIENCY`), and for host-side work on a GPU
@@ -336,6 +340,23 @@ def weight_bytes(m: ModelShape, w: int, *, with_extra: bool = False) -> int:
     return (m.params + (m.load_extra_params if with_extra else 0)) * w
 
 
+def offloaded_bytes(m: ModelShape, w: int, max_memory: dict | None, gpus: int) -> int:
+    """Weights that `max_memory` keeps off the GPUs (on the host, streamed to the GPU on every forward).
+
+    Follows accelerate's `infer_auto_device_map`: modules fill the GPU budgets in order, and once
+    something must be offloaded the first GPU keeps room for the largest offloaded layer (which is
+    copied there to run). GPU keys past the node's `gpus` count for nothing."""
+    if not max_memory:
+        return 0
+    from .models import size_bytes
+
+    total = weight_bytes(m, w)
+    budget = sum(size_bytes(v) for k, v in max_memory.items() if isinstance(k, int) and k < max(1, gpus))
+    if total <= budget:
+        return 0
+    return total - max(0, budget - m.layer_params * w)
+
+
 # -- the stage model ---------------------------------------------------------------------------------
 @dataclass
 class Usage:
@@ -389,6 +410,17 @@ class Setup:
                        for attr, on in self.mapped.items()}
         mdtype = pair.get("dtype", "auto")
         self.w = 2 if mdtype == "auto" else dtype_bytes(mdtype)
+        # weight offload (pair.<side>.max_memory): what stays on the host and is streamed per forward pass
+        from .models import max_memory_for, size_bytes
+
+        self.offload = {}
+        for attr, side in (("src", "source"), ("tgt", "target")):
+            mm = max_memory_for(cfg, side) if self.device == "cuda" else None
+            self.offload[attr] = offloaded_bytes(getattr(self, attr), self.w, mm, node.gpus)
+            cpu = size_bytes(mm["cpu"]) if mm and "cpu" in mm else None
+            if self.offload[attr] and cpu is not None and cpu < self.offload[attr]:
+                self.notes.append(f"pair.{side}.max_memory: cpu {cpu / GiB:.1f} GiB < {self.offload[attr] / GiB:.1f} "
+                                  "GiB offloaded; accelerate puts the rest on disk (offload_folder), not planned here")
         self.mdtype = "bfloat16" if self.w == 2 else ("float32" if self.w == 4 else "float64")
         c = cfg["calib"]
         self.calib = c
@@ -427,9 +459,19 @@ class Setup:
         self.key_space = ab.get("key_space", "stripped")
         self.stages = _parse_stages(cfg.get("stage", "all"))
 
-    # device-side bytes: on the GPU (per GPU, weights spread by device_map) or on the host (cpu runs)
+    # device-side bytes: on the GPU (per GPU, weights spread by device_map) or on the host (cpu runs);
+    # an offloaded model holds its resident part + the one offloaded layer being run
     def weights(self, *sides: str) -> float:
-        return sum(weight_bytes(getattr(self, s), self.w) / self.spread[s] for s in sides)
+        return sum((weight_bytes(getattr(self, s), self.w) - self.offload[s]) / self.spread[s]
+                   + (getattr(self, s).layer_params * self.w if self.offload[s] else 0) for s in sides)
+
+    def offloaded(self, *sides: str) -> float:
+        """Host bytes of the offloaded weights of `sides` (pair.<side>.max_memory)."""
+        return sum(self.offload[s] for s in sides)
+
+    def stream_seconds(self, side: str, passes: float) -> float:
+        """Time to copy `side`'s offloaded weights to the GPU once per forward pass, `passes` times."""
+        return passes * self.offload[side] / (self.rates.link or self.rates.host_bw) if self.offload[side] else 0.0
 
     def math_attention(self) -> bool:
         return self.device == "cpu" or self.cfg.get("attn_implementation") == "eager"
@@ -511,8 +553,12 @@ def _parse_stages(stage) -> list[str]:
     return [s for s in STAGES if s in names]
 
 
-def _place(s: Setup, u: Usage, device_bytes: dict, host_bytes: dict) -> None:
-    """Put 'device' parts on the GPU (or on the host for a CPU run) and sum the peaks."""
+def _place(s: Setup, u: Usage, device_bytes: dict, host_bytes: dict, sides: tuple = ()) -> None:
+    """Put 'device' parts on the GPU (or on the host for a CPU run) and sum the peaks; the offloaded
+    weights of the loaded models `sides` sit on the host."""
+    if s.offloaded(*sides):
+        host_bytes = {**host_bytes, "offloaded weights (max_memory; streamed to the GPU per forward)":
+                      s.offloaded(*sides)}
     u.dev_parts, u.host_parts = dict(device_bytes), dict(host_bytes)
     if s.device == "cuda":
         u.parts["gpu"] = {"CUDA context": RUNTIME_GPU, **device_bytes}
@@ -575,7 +621,9 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
     host = {"held from earlier stages": held_host,
             "train moments + held-out features + merge of one kind": loop_host,
             "model loading (transient, before the moments)": load_extra}
-    _place(s, u, dev, host)
+    # sequential capture holds one model at a time
+    sides = (max(("src", "tgt"), key=lambda x: s.offload[x]),) if s.sequential else ("src", "tgt")
+    _place(s, u, dev, host, sides)
     # disk: [features] + the checkpoint directory rewritten in place, one piece at a time (+ its temp file)
     u.parts["disk"] = {"earlier artifacts": disk_before, "sequential source features": s.features,
                        "checkpoint, rewritten in place (calibration + one piece)": s.checkpoint + s.piece,
@@ -596,9 +644,10 @@ def _calibrate(s: Setup, held_host: float = 0.0, loaded: frozenset = frozenset()
     ckpt = s.n_checkpoints * s.checkpoint / r.disk
     feats = 2 * s.features / r.disk
     load = s.load_seconds(*[x for x in ("src", "tgt") if x not in loaded])
+    stream = s.stream_seconds("src", s.n_batches) + s.stream_seconds("tgt", s.n_batches)
     u.parts["seconds"] = {"load weights": load, "forward passes": fwd, "batch products": products,
                           "device->host copies": link, "merge into the moments": merge,
-                          "checkpoints": ckpt, "feature files": feats}
+                          "checkpoints": ckpt, "feature files": feats, "offloaded weights streamed": stream}
     u.seconds = sum(u.parts["seconds"].values())
     if s.n_checkpoints > 0 and s.checkpoint > 8 * GiB:
         u.notes.append(f"{s.n_checkpoints} checkpoints, each rewriting {s.checkpoint / GiB:.1f} GiB")
@@ -650,7 +699,7 @@ def _fit(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> U
     loads = [s.load_host(x) for x in ("src", "tgt") if x not in loaded] if s.mapper_kind == "mlp" else []
     host = {"train moments + held-out features": moments if not held_host else held_host, **work,
             "model loading (after the moments are read)": max(loads) if loads and s.device == "cuda" else 0.0}
-    _place(s, u, dev, host)
+    _place(s, u, dev, host, ("src", "tgt") if s.mapper_kind == "mlp" else ())
     u.parts["disk"] = {"earlier artifacts": disk_before, "mapper (float32)": s.mapper_w32}
     u.disk = sum(u.parts["disk"].values())
     u.parts["seconds"] = {"read moments": 0.0 if held_host else moments / r.disk, "solves (host float64)": fit_s,
@@ -673,7 +722,7 @@ def _eval_tokens(s: Setup) -> dict:
     gen_default = int(e.get("max_gen_toks", 256))
     b = max(1, int(e.get("batch_size", 8)))
     out = {"source": 0.0, "target": 0.0, "map": 0.0, "decode_batches_source": 0.0, "decode_batches_target": 0.0,
-           "decode_single_target": 0.0}
+           "decode_single_target": 0.0, "passes_source": 0.0, "passes_target": 0.0}   # passes: forward calls
     jobs = []
     for task in e.get("tasks", []):
         t = dict(EVAL_TASKS.get(task, _UNKNOWN_TASK))
@@ -693,21 +742,29 @@ def _eval_tokens(s: Setup) -> dict:
             req, ctx_once = t["items"] * t["choices"], t["items"] * t["contexts"] * t["ctx"]
             full = req * (t["ctx"] + t["cont"])
             short = req * (1 + t["cont"])
+            calls, ctx_calls = math.ceil(req / b), math.ceil(t["items"] * t["contexts"] / b)
             if mode == "target":
                 out["target"] += full
+                out["passes_target"] += calls
             elif mode == "source":
                 out["source"] += full
+                out["passes_source"] += calls
             elif mode in ("transfer", "identity"):
                 out["source"] += ctx_once
                 out["map"] += ctx_once if mode == "transfer" else 0
                 out["target"] += short
+                out["passes_source"] += ctx_calls
+                out["passes_target"] += calls
             elif mode == "native_injected":
                 out["target"] += ctx_once + short
+                out["passes_target"] += ctx_calls + calls
             elif mode == "no_context":
                 out["target"] += req * (2 + t["cont"])
+                out["passes_target"] += calls
             if t["gen"]:
                 side = "source" if mode == "source" else "target"
                 out[f"decode_batches_{side}"] += math.ceil(t["items"] / b) * t["gen"]
+                out[f"passes_{side}"] += math.ceil(t["items"] / b) * t["gen"]
     coqa = e.get("coqa") or {}
     if coqa.get("enabled"):
         conv, turns = int(coqa.get("conversations", 100)), int(coqa.get("turns", 10))
@@ -716,9 +773,11 @@ def _eval_tokens(s: Setup) -> dict:
             if mode == "transfer":
                 out["source"] += n * COQA_CONTEXT
                 out["map"] += n * COQA_CONTEXT
+                out["passes_source"] += n
             else:
                 out["target"] += n * COQA_CONTEXT
             out["decode_single_target"] += n * int(coqa.get("max_gen_toks", 32))
+            out["passes_target"] += n * (1 + int(coqa.get("max_gen_toks", 32)))
     fid = e.get("fidelity") or {}
     if fid.get("enabled", True):
         out["source"] += int(fid.get("sequences", 4)) * s.seq
@@ -780,7 +839,7 @@ def _eval(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> 
             "model loading / mapper load (transient)": (max(loads + [s.mapper_w32]) if s.device == "cuda"
                                                         else s.mapper_w32),
             "lm-eval datasets and requests": GiB if not e.get("data_dir") else GiB / 4}
-    _place(s, u, dev, host)
+    _place(s, u, dev, host, ("src", "tgt"))
     u.parts["disk"] = {"earlier artifacts": disk_before, "HF datasets cache": 2 * GiB if not e.get("data_dir") else 0}
     u.disk = sum(u.parts["disk"].values())
     tok = _eval_tokens(s)
@@ -794,7 +853,9 @@ def _eval(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> 
         "target forward": prefill_flops(s.tgt, tok["target"], 512, lm_head=True) / rate,
         "mapping (float32 GEMMs)": map_flops / s.flops_rate("float32"),
         "generation (memory-bound decode)": (tok["decode_batches_target"] + tok["decode_single_target"]) * step_t
-        + tok["decode_batches_source"] * step_s}
+        + tok["decode_batches_source"] * step_s,
+        "offloaded weights streamed (one copy per forward call)":
+            s.stream_seconds("src", tok["passes_source"]) + s.stream_seconds("tgt", tok["passes_target"])}
     u.seconds = sum(u.parts["seconds"].values())
     u.notes.append("eval time from approximate task sizes and prompt lengths (EVAL_TASKS)")
     return u
@@ -817,7 +878,7 @@ def _bench(s: Setup, held_host: float, loaded: frozenset, disk_before: float) ->
            "mapper": s.mapper_w32, f"caches + prefill at {n_max} tokens": work}
     if bc.get("shapes_only"):
         dev["shapes-only models (bench dtype)"] = s.weights("src", "tgt")
-    _place(s, u, dev, {"held from earlier stages": held_host})
+    _place(s, u, dev, {"held from earlier stages": held_host}, () if bc.get("shapes_only") else ("src", "tgt"))
     u.parts["disk"] = {"earlier artifacts": disk_before}
     u.disk = disk_before
     rate = s.flops_rate(s.mdtype)
@@ -827,7 +888,8 @@ def _bench(s: Setup, held_host: float, loaded: frozenset, disk_before: float) ->
         mp = 2 * 2 * s.p * s.q * s.tgt.layers * t / s.flops_rate("float32")
         mp = max(mp, (s.mapper_w32 + mapped * t / n_max * 2) / r.bw)
         secs += reps * (pf + mp) + n_inputs * prefill_flops(s.src, t, t) / rate
-    u.parts["seconds"] = {"timed runs": secs,
+    stream = s.stream_seconds("tgt", reps * len(tokens)) + s.stream_seconds("src", n_inputs * len(tokens))
+    u.parts["seconds"] = {"timed runs": secs, "offloaded weights streamed": stream,
                           "load weights": s.load_seconds(*[x for x in ("src", "tgt") if x not in loaded])}
     u.seconds = sum(u.parts["seconds"].values())
     return u
@@ -853,12 +915,13 @@ def _report(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -
     disk = {"earlier artifacts": disk_before}
     if rep.get("rotated_heatmap"):
         rot = _calibrate(s, held_host=held_host, loaded=loaded, disk_before=disk_before)
+        rot_host = sum(v for k, v in rot.host_parts.items() if not k.startswith("offloaded weights"))
         host = {"rotated calibration peak (nothing else held), or moments + Table-7 fits":
-                max(sum(rot.host_parts.values()), held_host + s.calibration + fits_host)}
+                max(rot_host, held_host + s.calibration + fits_host)}
         dev = rot.dev_parts
         disk = {"earlier artifacts": disk_before, "rotated calibration": rot.disk - disk_before}
         secs["rotated calibration + its R² matrix"] = rot.seconds + _r2_flops(s) / r.host_flops["float64"]
-    _place(s, u, dev, host)
+    _place(s, u, dev, host, ("src", "tgt"))
     u.parts["disk"] = disk
     u.disk = sum(disk.values())
     u.parts["seconds"] = secs
@@ -1037,38 +1100,93 @@ def _score(over: dict) -> float:
 
 def _knobs_for(cfg, stage, node, rates, src, tgt, headroom, over) -> list[dict]:
     """Each candidate knob's figures for `stage` (the plan recomputed with it), for those that lower an
-    over-budget resource; then the greedy combination of them when it takes more than one."""
+    over-budget resource; then the greedy combination of them when it takes more than one, pruned of
+    the knobs it does not need. Weight offload (`pair.<side>.max_memory`) is a candidate whose value
+    is computed for the config it is added to (what the GPU has left for the target's weights)."""
     def trial(c):
         u = _evaluate(c, src, tgt, node, rates)[stage]
         return u, _over(u, node, headroom, run_device(c, node))
 
+    def resolve(c, item):   # (key, value) for config c; None when the knob has nothing to offer there
+        if item[1] is not _OFFLOAD:
+            return item[0], item[1]
+        offer = _offload_knob(c, stage, node, rates, src, tgt, headroom)
+        return None if offer is None else offer[:2]
+
+    def apply(items):       # the config with `items` added to cfg in order, and what was set
+        c, done = cfg, []
+        for item in items:
+            kv = resolve(c, item)
+            if kv is not None:
+                c = _set(c, *kv)
+                done.append(kv)
+        return c, done
+
     base, _ = trial(cfg)
     need = lambda u: {"gpu": u.gpu, "host": u.host, "disk": u.disk}  # noqa: E731
-    helpful = []
-    n_t = Setup(cfg, src, tgt, node, rates).tgt.layers
-    for key, value, note in knob_candidates(cfg, stage, node, n_t):
-        u, o = trial(_set(cfg, key, value))
-        if any(need(u)[r] < 0.99 * need(base)[r] for r in over):
-            helpful.append((key, value, note, u, o))
-    out = [{"set": f"{k}={_fmt_value(v)}", **_figures(u), "fits": not o, "note": note} for k, v, note, u, o in helpful]
-    current, applied, cur_over, remaining = cfg, [], over, list(helpful)
+    candidates = list(knob_candidates(cfg, stage, node, Setup(cfg, src, tgt, node, rates).tgt.layers))
+    offload = _offload_knob(cfg, stage, node, rates, src, tgt, headroom) if "gpu" in over else None
+    if offload is not None:
+        candidates.append((offload[0], _OFFLOAD, offload[2]))
+    helpful, out = [], []
+    for item in candidates:
+        c, done = apply([item])
+        u, o = trial(c)
+        if done and any(need(u)[r] < 0.99 * need(base)[r] for r in over):
+            helpful.append(item)
+            out.append({"set": " + ".join(f"{k}={_fmt_value(v)}" for k, v in done), **_figures(u), "fits": not o,
+                        "note": item[2]})
+    chosen, cur_over, remaining = [], over, list(helpful)
     while cur_over and remaining:
         scored = []
         for i, item in enumerate(remaining):
-            c = _set(current, item[0], item[1])
-            u, o = trial(c)
-            scored.append((_score(o), i, item, c, u, o))
-        score, _, item, c, u, o = min(scored, key=lambda x: (x[0], x[1]))
+            u, o = trial(apply(chosen + [item])[0])
+            scored.append((_score(o), i, item, o))
+        score, _, item, o = min(scored, key=lambda x: (x[0], x[1]))
         if score >= _score(cur_over):
             break
-        current, cur_over = c, o
-        applied.append((item, u))
+        chosen.append(item)
+        cur_over = o
         remaining.remove(item)
-    if len(applied) > 1:
-        u = applied[-1][1]
-        out.append({"set": " + ".join(f"{it[0]}={_fmt_value(it[1])}" for it, _ in applied), **_figures(u),
+    # prune: a knob the others (with the offload recomputed) no longer need goes, when that is no slower
+    final, _ = trial(apply(chosen)[0])
+    pruned = True
+    while pruned and len(chosen) > 1:
+        pruned = False
+        for item in list(chosen):
+            rest = [x for x in chosen if x is not item]
+            u, o = trial(apply(rest)[0])
+            if _score(o) <= _score(cur_over) and u.seconds <= final.seconds * 1.001:
+                chosen, cur_over, final, pruned = rest, o, u, True
+                break
+    if len(chosen) > 1:
+        c, done = apply(chosen)
+        out.append({"set": " + ".join(f"{k}={_fmt_value(v)}" for k, v in done), **_figures(final),
                     "fits": not cur_over, "note": "together"})
     return out
+
+
+_OFFLOAD = object()   # marks the weight-offload candidate, whose value depends on the config it joins
+
+
+def _offload_knob(cfg, stage, node, rates, src, tgt, headroom) -> tuple | None:
+    """(key, value, note) of the `max_memory` that makes `stage` fit the GPU by keeping part of the target's
+    weights on the host, or None (no single-GPU node, nothing worth keeping resident, or no offload needed).
+    The GPU budget is what the stage leaves after everything but the target's weights, in whole GiB."""
+    s = Setup(cfg, src, tgt, node, rates)
+    if s.device != "cuda" or node.gpus != 1:
+        return None
+    u = stage_usage(s)[stage]
+    budget = math.floor((headroom * node.gpu_gib * GiB - (u.gpu - s.weights("tgt"))) / GiB)
+    layer = s.tgt.layer_params * s.w
+    if budget * GiB < 4 * layer or budget * GiB >= weight_bytes(s.tgt, s.w):
+        return None
+    side = "source" if (cfg.get("pair") or {}).get("direction", "forward") == "reverse" else "target"
+    value = {0: f"{budget}GiB", "cpu": f"{math.floor(headroom * node.host_gib)}GiB"}
+    off = offloaded_bytes(s.tgt, s.w, value, node.gpus)
+    return (f"pair.{side}.max_memory", value,
+            f"keeps {off / GiB:.0f} GiB of the target's layers on the host; accelerate copies them to the GPU "
+            "on every forward pass (time: see the plan's 'offloaded weights streamed')")
 
 
 def _fmt_value(v) -> str:
@@ -1076,6 +1194,8 @@ def _fmt_value(v) -> str:
         return str(v).lower()
     if isinstance(v, list):
         return "[" + ",".join(str(x) for x in v) + "]"
+    if isinstance(v, dict):   # Hydra's override syntax: {0:84GiB,cpu:121GiB}
+        return "{" + ",".join(f"{k}:{x}" for k, x in v.items()) + "}"
     return str(v)
 
 

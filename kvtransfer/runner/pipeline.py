@@ -24,7 +24,7 @@ from ..context import describe as describe_context
 from ..data import read_documents, stream_hf_documents, token_sequences
 from ..io import atomic_save_tensors, atomic_write_json, exclusive_lock, load_tensors
 from ..mapper import FactoredMapper, Mapper, load_mapper
-from ..models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model
+from ..models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model, max_memory_for
 from ..moments import HeldOut, Moments
 from ..ridge import UnderdeterminedFit, fit_ridge
 from ..select import r2_matrix, select_greedy, select_topk
@@ -99,7 +99,8 @@ class Run:
         if side not in self._models:
             self._models[side] = load_model(
                 self.model_ref(side), dtype=self.cfg["pair"].get("dtype", "auto"), device=self.device,
-                device_map=device_map_for(self.cfg, side), trust_remote_code=self.cfg.get("trust_remote_code", False),
+                device_map=device_map_for(self.cfg, side), max_memory=max_memory_for(self.cfg, side),
+                trust_remote_code=self.cfg.get("trust_remote_code", False),
                 attn_implementation=self.cfg.get("attn_implementation"))
             if len(self._models) == 2:
                 check_same_tokenizer(self._models["source"][1], self._models["target"][1])

@@ -33,8 +33,8 @@ def cell(stage: dict) -> str:
     fixes = [kb for kb in stage["knobs"] if kb["fits"]]
     over = "/".join(stage["over"])
     if fixes:
-        best = min(fixes, key=lambda kb: kb["set"].count("+"))
-        return f"**no** ({over}); fits with `{best['set']}`"
+        best = min(fixes, key=lambda kb: (kb["set"].count("+"), kb["seconds"]))
+        return f"**no** ({over}); fits with `{best['set']}` ({P._dur(best['seconds'])})"
     return f"**no** ({over}); no existing knob fits"
 
 

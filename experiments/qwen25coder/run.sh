@@ -61,6 +61,10 @@ run speed stage=[bench]
 # 8. calibration on the handbook (technical prose), sink 1 and 0
 run handbook_k8_sink1 stage=[calibrate,fit,eval,report] $HANDBOOK
 run handbook_k8_sink0 stage=[fit,eval] $HANDBOOK mapper.native_sink=0
+# 9. precision (issue 10 §2): the same calibration with float32 moments accumulated in place (the GPU-node
+#    layout) against the float64 host moments of step 1: held-out R², fidelity and perplexity of its k = 8 map
+run wiki_k8_sink1_fp32 stage=[calibrate,fit,eval] calib.dtype=float32 calib.accumulate=device calib.mlp_samples=0 \
+  "eval.tasks=[]" "eval.modes=[target,transfer,no_context]"
 if [[ "${FULL:-0}" == 1 ]]; then  # Table 2's rotated-key variants share one rotated-key calibration
   for a in no_rope no_rope_k1 no_rope_k1_no_ridge; do
     run "wiki_$a" stage=[calibrate,fit,eval] ablation=$a calib.mlp_samples=0 "eval.tasks=[hellaswag]"

@@ -769,8 +769,9 @@ def _eval_tokens(s: Setup) -> dict:
     coqa = e.get("coqa") or {}
     if coqa.get("enabled"):
         conv, turns = int(coqa.get("conversations", 100)), int(coqa.get("turns", 10))
-        n = conv * turns * len(coqa.get("protocols", ["every_turn", "once"]))
+        n_all = conv * turns * len(coqa.get("protocols", ["every_turn", "once"]))
         for mode in [m for m in modes if m in ("target", "transfer")]:
+            n = n_all if mode == "transfer" else conv * turns   # target: one protocol serves both (eval_stage._coqa)
             if mode == "transfer":
                 out["source"] += n * COQA_CONTEXT
                 out["map"] += n * COQA_CONTEXT

@@ -92,3 +92,23 @@ def test_coqa_both_protocols_run(lm, bench_dir):
     curve = drift_curve(target_a, transfer_a, max_turn=10)
     assert [r["turn"] for r in curve] == [1, 2, 3] and all(r["gap"] == 0 for r in curve)
     assert all(0 <= t["f1"] <= 1 for conv in transfer_b for t in conv)
+
+
+def test_coqa_target_runs_one_protocol_for_both(lm, bench_dir, monkeypatch):
+    """The target reads its own cache under both protocols (same token streams), so its every-turn re-prefill
+    is waste: only `once` runs and serves both; a mapped mode still runs each protocol. The reuse is exact
+    because the two coincide in target mode (test_eval_leakage.py::test_coqa_both_protocols_by_hand)."""
+    from kvtransfer.runner import eval_stage
+
+    calls = []
+    for name in ("per_turn_transfer", "transfer_once"):
+        real = getattr(eval_stage, name)
+        monkeypatch.setattr(eval_stage, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    ecfg = {"data_dir": str(bench_dir), "coqa": {"file": "coqa.jsonl", "conversations": 2, "turns": 2,
+                                                 "max_gen_toks": 3, "protocols": ["every_turn", "once"]}}
+    target = eval_stage._coqa(lm, "target", ecfg)
+    assert calls == ["transfer_once"] and list(target) == ["every_turn", "once"]
+    assert target["every_turn"] == target["once"] and target["every_turn"] is not target["once"]
+    calls.clear()
+    eval_stage._coqa(lm, "transfer", ecfg)
+    assert calls == ["per_turn_transfer", "transfer_once"]

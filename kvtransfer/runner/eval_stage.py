@@ -9,6 +9,8 @@ computes them once; `transfer` is keyed by the mapper + eval config (cache_dir/e
 """
 from __future__ import annotations
 
+import copy
+
 import json
 import math
 import tempfile
@@ -90,17 +92,30 @@ def _ppl(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:
     return {str(p): r["ppl"] for p, r in result.items()}
 
 
+# modes whose cache is the scoring model's own prefill: CoQA's two protocols are the same computation there
+# (a full re-prefill each turn vs the cache extended turn by turn, over identical token streams)
+OWN_CACHE_MODES = ("target", "native_injected")
+
+
 def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
-    """{protocol: per-conversation turn records} for one mode."""
+    """{protocol: per-conversation turn records} for one mode. In an own-cache mode the protocols coincide,
+    so only the cheaper one (`once`: no re-prefill per turn) runs and its records serve every protocol."""
     ccfg = ecfg["coqa"]
     path = Path(ecfg["data_dir"] or ".") / ccfg["file"]
     docs = load_conversations(path)[: ccfg["conversations"]]
     out = {}
     other = lm.with_mode(mode)
-    for protocol in ccfg["protocols"]:
+    protocols = list(ccfg["protocols"])
+    if mode in OWN_CACHE_MODES and "once" in protocols:
+        protocols.remove("once")
+        protocols.insert(0, "once")
+    for protocol in protocols:
+        if mode in OWN_CACHE_MODES and out:
+            out[protocol] = copy.deepcopy(next(iter(out.values())))
+            continue
         run = {"every_turn": per_turn_transfer, "once": transfer_once}[protocol]
         out[protocol] = run(other, docs, max_turns=ccfg["turns"], max_gen_toks=ccfg["max_gen_toks"])
-    return out
+    return {protocol: out[protocol] for protocol in ccfg["protocols"]}
 
 
 BASELINE_MODES = ("target", "source", "native_injected", "no_context")

@@ -1191,6 +1191,15 @@ def _offload_knob(cfg, stage, node, rates, src, tgt, headroom) -> tuple | None:
             "on every forward pass (time: see the plan's 'offloaded weights streamed')")
 
 
+def shell_overrides(knob_set: str) -> str:
+    """A knob set ("a=1 + b={0:8GiB,cpu:9GiB}") as shell-ready overrides: values with braces, brackets or
+    commas quoted, since bash would expand `{0:8GiB,cpu:9GiB}` into two words."""
+    import shlex
+
+    parts = [p.strip() for p in knob_set.split(" + ")]
+    return " ".join(shlex.quote(p) if any(c in p for c in "{}[],") else p for p in parts)
+
+
 def _fmt_value(v) -> str:
     if isinstance(v, bool):
         return str(v).lower()
@@ -1247,7 +1256,7 @@ def format_plan(plan: dict, *, markdown: bool = False, details: bool = True) -> 
         if st["knobs"]:
             lines += ["", f"{name} does not fit ({', '.join(st['over'])}); knobs:"]
             for kb in st["knobs"]:
-                lines.append(f"{'- ' if markdown else '  '}{kb['set']}: GPU {kb['gpu_gib']:.1f}, "
+                lines.append(f"{'- ' if markdown else '  '}{shell_overrides(kb['set'])}: GPU {kb['gpu_gib']:.1f}, "
                              f"host {kb['host_gib']:.1f}, "
                              f"disk {kb['disk_gib']:.1f} GiB, {_dur(kb['seconds'])} -> "
                              f"{'fits' if kb['fits'] else 'still does not fit'} ({kb['note']})")
@@ -1311,7 +1320,7 @@ def refusal_message(plan: dict, stages: list[str] | None = None) -> str | None:
         lines.append(f"  {name}: needs GPU {st['gpu_gib']:.1f} GiB, host {st['host_gib']:.1f} GiB, disk "
                      f"{st['disk_gib']:.1f} GiB (over: {', '.join(st['over'])})")
         for kb in st["knobs"]:
-            lines.append(f"    try {kb['set']}: GPU {kb['gpu_gib']:.1f}, host {kb['host_gib']:.1f}, disk "
+            lines.append(f"    try {shell_overrides(kb['set'])}: GPU {kb['gpu_gib']:.1f}, host {kb['host_gib']:.1f}, disk "
                          f"{kb['disk_gib']:.1f} GiB -> {'fits' if kb['fits'] else 'still over'}")
         if not st["knobs"]:
             lines.append("    no existing knob makes it fit (see issue 10 §2)")

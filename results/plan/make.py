@@ -34,7 +34,7 @@ def cell(stage: dict) -> str:
     over = "/".join(stage["over"])
     if fixes:
         best = min(fixes, key=lambda kb: (kb["set"].count("+"), kb["seconds"]))
-        return f"**no** ({over}); fits with `{best['set']}` ({P._dur(best['seconds'])})"
+        return f"**no** ({over}); fits with `{P.shell_overrides(best['set'])}` ({P._dur(best['seconds'])})"
     return f"**no** ({over}); no existing knob fits"
 
 

@@ -18,6 +18,28 @@ import pandas as pd
 from kvtransfer.io import atomic_write_bytes, atomic_write_json
 
 MAIN = "main"  # the run whose summary is results/qwen25coder/summary.json (falls back to wiki_k8_sink1)
+# runs of the main configuration that add tasks run.sh schedules separately (same map, same eval settings):
+# their tasks, CoQA drift and eval seconds are merged into the main summary, which names them in `merged_runs`
+MAIN_PARTS = ("main_gsm8k", "main_coqa")
+
+
+def merge_main(main: dict, parts: dict[str, dict]) -> dict:
+    """The main summary with the tasks, drift and eval seconds of `parts` (name -> summary) added; refuses a part
+    evaluated with another mapper (its `mapper.path` differs), since then it is not the main configuration."""
+    out = json.loads(json.dumps(main))
+    out["merged_runs"] = []
+    for name, part in parts.items():
+        if (part.get("mapper") or {}).get("path") != (main.get("mapper") or {}).get("path"):
+            raise ValueError(f"{name} used mapper {part.get('mapper', {}).get('path')}, not the main run's "
+                             f"{main.get('mapper', {}).get('path')}: rerun it with the main configuration")
+        out.setdefault("tasks", {}).update(part.get("tasks") or {})
+        if part.get("drift"):
+            out["drift"] = part["drift"]
+        for mode, sec in (part.get("eval_seconds") or {}).items():
+            out.setdefault("eval_seconds", {}).setdefault(mode, {}).update(sec)
+        out["warnings"] = list(out.get("warnings", [])) + [w for w in part.get("warnings", []) if w not in out.get("warnings", [])]
+        out["merged_runs"].append(name)
+    return out
 MC = ("hellaswag", "arc_challenge", "winogrande", "mmlu", "gsm8k_cot")
 
 
@@ -82,8 +104,8 @@ def main() -> None:
     tdir, fdir = out / "tables", out / "figures"
     main_name = MAIN if MAIN in summaries else "wiki_k8_sink1"
     if main_name in summaries:
-        atomic_write_json(out / "summary.json", {k: v for k, v in summaries[main_name].items() if k != "_config"})
-        s = summaries[main_name]
+        s = merge_main(summaries[main_name], {n: summaries[n] for n in MAIN_PARTS if n in summaries and main_name == MAIN})
+        atomic_write_json(out / "summary.json", {k: v for k, v in s.items() if k != "_config"})
         rows = []
         for task, r in (s.get("tasks") or {}).items():
             rows.append({"task": task, "metric": r.get("metric"), "n": r.get("n"),
@@ -108,6 +130,7 @@ def main() -> None:
                 cost.append({"mode": mode, "part": task, "seconds": sec, "items": n,
                              "s/item": None if not n or sec is None else sec / n})
         _write(pd.DataFrame(cost), tdir, "eval_cost")
+    summaries = {n: v for n, v in summaries.items() if n not in MAIN_PARTS}   # merged into the main summary above
     _write(pd.DataFrame([variant_row(n, s) for n, s in summaries.items() if s.get("tasks") or s.get("ppl")]),
            tdir, "variants")
     for name, s in summaries.items():

@@ -53,6 +53,11 @@ run main_gsm8k stage=[eval] "eval.tasks=[gsm8k_cot]" "eval.modes=[target,source,
 # 5c. CoQA drift on the main configuration, both protocols (5 conversations x 10 turns, ~600-token
 #     prompts: ~15 min per mode and protocol on 2 cores); task and perplexity results come from the cache
 run main_coqa stage=[eval] "eval.tasks=[]" eval.coqa.enabled=true "eval.modes=[target,transfer]"
+# 5d. does the map hold beyond the calibration length (256 tokens)? GSM8K (~900-token 8-shot prompts) and
+#     MMLU (~600) fall to the floor under transfer: perplexity after 768 prefix tokens vs 256 (windows drawn
+#     at 768 + 64 tokens, so every mode is recomputed on them)
+run main_long_ppl stage=[eval] "eval.tasks=[]" "eval.ppl.prefixes=[0,256,768]" eval.fidelity.enabled=false \
+  "eval.modes=[target,transfer,no_context]"
 # 6. the MLP mapper on the same calibration's feature sample (hidden 256, 5 epochs: the paper's 1024 x 20
 #    epochs is ~250 M parameters here, hours of training on 2 cores)
 run wiki_mlp stage=[fit,eval] mapper=mlp mapper.hidden=256 mapper.epochs=5

@@ -50,10 +50,12 @@ def main() -> None:
             res = simple_evaluate(model=lm.with_mode(mode), tasks=["gsm8k_cot"], task_manager=manager,
                                   limit=args.limit, log_samples=True, bootstrap_iters=0, random_seed=0,
                                   numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
-            for i, sample in enumerate(res["samples"]["gsm8k_cot"]):
-                gen = sample["resps"][0][0]
-                score = sample.get("exact_match,strict-match", sample.get("exact_match"))
-                lines += [f"## item {i}, {mode} (strict exact match: {score})", "", "```text", gen.strip()[:1200], "```", ""]
+            for sample in res["samples"]["gsm8k_cot"]:
+                if sample.get("filter", "strict-match") != "strict-match":
+                    continue   # lm-eval lists each document once per filter; the generation is the same
+                gen, score = sample["resps"][0][0], sample.get("exact_match")
+                lines += [f"## item {sample['doc_id']}, {mode} (strict exact match: {score}; gold: "
+                          f"{sample['target'].split('####')[-1].strip()})", "", "```text", gen.strip()[:1200], "```", ""]
             out = ROOT / "results" / "qwen25coder" / "tables" / "gsm8k_samples.md"
             atomic_write_bytes(out, ("\n".join(lines) + "\n").encode())   # after each mode: nothing is lost
             print(mode, "done", out, flush=True)

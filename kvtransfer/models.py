@@ -98,6 +98,15 @@ def decoder(model):
     return getattr(model, model.base_model_prefix)
 
 
+def _config_side(cfg: dict, side: str) -> str:
+    """The `pair.<key>` written for the model playing `side`: the other key under `pair.direction=reverse`."""
+    if side not in ("source", "target"):
+        raise ValueError(f"side must be source or target, got {side!r}")
+    if (cfg.get("pair") or {}).get("direction", "forward") == "reverse":
+        return {"source": "target", "target": "source"}[side]
+    return side
+
+
 def device_map_for(cfg: dict, side: str):
     """The `device_map` for the model playing `side` ("source" | "target") in a plain run config.
 
@@ -105,12 +114,8 @@ def device_map_for(cfg: dict, side: str):
     `pair.direction=reverse` the map written next to a model still loads that model -- else the
     run-wide `device_map` (both models). None means: load whole and move to the run's device.
     """
-    if side not in ("source", "target"):
-        raise ValueError(f"side must be source or target, got {side!r}")
-    pair = cfg.get("pair") or {}
-    if pair.get("direction", "forward") == "reverse":
-        side = {"source": "target", "target": "source"}[side]
-    spec = pair.get(side) or {}
+    side = _config_side(cfg, side)
+    spec = (cfg.get("pair") or {}).get(side) or {}
     own = spec.get("device_map")
     if own is None and cfg.get("device_map") is None and spec.get("max_memory") is not None:
         return "auto"   # a memory cap places layers, so it implies device_map=auto (as load_model does)
@@ -123,12 +128,8 @@ def max_memory_for(cfg: dict, side: str) -> dict | None:
 
     Follows the model under `pair.direction=reverse`, like `device_map_for`. None: no cap.
     """
-    if side not in ("source", "target"):
-        raise ValueError(f"side must be source or target, got {side!r}")
-    pair = cfg.get("pair") or {}
-    if pair.get("direction", "forward") == "reverse":
-        side = {"source": "target", "target": "source"}[side]
-    raw = (pair.get(side) or {}).get("max_memory")
+    side = _config_side(cfg, side)
+    raw = ((cfg.get("pair") or {}).get(side) or {}).get("max_memory")
     if raw is None:
         return None
     if not isinstance(raw, dict) or not raw:

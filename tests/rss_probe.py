@@ -17,12 +17,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from run_configs import compose_config  # noqa: E402
 from tiny_models import random_ids, tiny_model  # noqa: E402
 
 from kvtransfer import plan as P  # noqa: E402
@@ -43,12 +42,11 @@ def _status(key: str) -> int:
 def main(dtype: str, accumulate: str, capture: str) -> dict:
     src = tiny_model("qwen3", seed=1, layers=5, **SHAPE)
     tgt = tiny_model("qwen3", seed=2, layers=8, **SHAPE)
-    overrides = ["out_dir=unused", "pair=tiny", "device=cpu", f"calib.n_sequences={N_SEQ}", f"calib.seq_len={SEQ_LEN}",
+    overrides = ["pair=tiny", "device=cpu", f"calib.n_sequences={N_SEQ}", f"calib.seq_len={SEQ_LEN}",
                  f"calib.stride={STRIDE}", f"calib.batch_size={BATCH}", "calib.heldout_fraction=0.25",
                  f"calib.dtype={dtype}", f"calib.accumulate={accumulate}", f"calib.capture={capture}",
                  f"calib.checkpoint_every={EVERY}"]
-    with initialize_config_dir(config_dir=str(HERE.parent / "conf"), version_base="1.3"):
-        cfg = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+    cfg = compose_config(*overrides)
     shapes = (P.shape_from_config(src.config, "s"), P.shape_from_config(tgt.config, "t"))
     setup = P.Setup(cfg, *shapes, P.Node(), P.rates_for(P.Node(), "cpu", local=True))
     usage = P.stage_usage(setup)["calibrate"]

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import importlib
 
@@ -16,6 +14,7 @@ from kvtransfer.models import device_map_for, layer_devices, load_model
 from kvtransfer.runner import Run
 from kvtransfer.transfer import place_on_layers
 from tiny_models import random_ids, tiny_model
+from run_configs import compose_config as _compose
 
 ROOT = Path(__file__).resolve().parents[1]
 transfer_mod = importlib.import_module("kvtransfer.transfer")  # the package exports a function of that name
@@ -30,12 +29,6 @@ def pair():
     r2 = kt.r2_matrix(calib.train, heldout=calib.heldout, head_dim=8)
     fit = kt.fit_ridge(calib.train, kt.select_topk(r2["train"], 2), heldout=calib.heldout, head_dim=8)
     return source, target, kt.Mapper.from_ridge(fit, source, target, calibration=calib.train.info)
-
-
-def _compose(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["out_dir=unused", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def test_device_map_key_follows_the_model():

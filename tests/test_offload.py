@@ -11,25 +11,17 @@ from unittest import mock
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import kvtransfer as kt
 from kvtransfer import plan as P
 from kvtransfer.cache import forward_on_cache
 from kvtransfer.models import device_map_for, layer_devices, load_model, max_memory_for, size_bytes
 from tiny_models import random_ids, tiny_model
+from run_configs import FIXED_RATES
+from run_configs import compose_config as _compose
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = P.Node(**P.NODES["h200"])
-FIXED_RATES = P.Rates("fixed", "test", {"bfloat16": 5e14, "float32": 4e13, "float64": 4e13}, 3e12,
-                      {"float64": 5e11, "float32": 1e12}, 5e10, 1e10, 2e9, 2e9)
-
-
-def _compose(*overrides) -> dict:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["out_dir=unused", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 # -- configuration ---------------------------------------------------------------------------------

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from kvtransfer import plan as P
 from kvtransfer.calibrate import collect_moments
 from tiny_models import qwen3_config, random_ids, tiny_model
+from run_configs import FIXED_RATES
+from run_configs import compose_config as _compose
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -21,14 +21,6 @@ H200 = P.Node(**P.NODES["h200"])
 H100x8 = P.Node(**P.NODES["8xh100"])
 PAPER_PAIRS = ("qwen3_14b_32b", "qwen3_8b_32b", "llama31_8b_70b", "ministral3_3b_8b", "ministral3_3b_14b",
                "ministral3_8b_14b")
-FIXED_RATES = P.Rates("fixed", "test", {"bfloat16": 5e14, "float32": 4e13, "float64": 4e13}, 3e12,
-                      {"float64": 5e11, "float32": 1e12}, 5e10, 1e10, 2e9, 2e9)
-
-
-def _compose(*overrides) -> dict:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["out_dir=unused", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 @pytest.fixture(scope="module")

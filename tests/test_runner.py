@@ -4,24 +4,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from kvtransfer.runner import Run, artifact_key, execute, parse_stages
 from kvtransfer.mapper import load_mapper
+from run_configs import compose_config as _compose
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = sorted(p.stem for p in (ROOT / "conf" / "pair").glob("*.yaml"))
 ABLATIONS = sorted(p.stem for p in (ROOT / "conf" / "ablation").glob("*.yaml"))
 PAPER_K = {"qwen3_14b_32b": 8, "qwen3_8b_32b": 12, "llama31_8b_70b": 20, "ministral3_3b_8b": "all",
            "ministral3_3b_14b": 20, "ministral3_8b_14b": 12}
-
-
-def _compose(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["out_dir=unused", *overrides])
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def test_all_paper_pairs_and_laptop_pairs_exist():
@@ -144,7 +136,6 @@ def test_artifact_keys_follow_the_config(tiny_pair_dirs, tmp_path):
     assert base.moments_dir("stripped") == lam.moments_dir("stripped") and base.mapper_dir() != lam.mapper_dir()
     assert rot.moments_dir(rot.key_space) != base.moments_dir(base.key_space)
     assert artifact_key({"a": 1, "b": 2}) == artifact_key({"b": 2, "a": 1})
-
 
 
 def test_calibration_artifact_layout_is_part_of_the_moments_key(tiny_pair_dirs, tmp_path, monkeypatch):

@@ -222,14 +222,15 @@ class Hand:
         assert mode == "native_injected"
         return run(self.tgt, ids)[1]
 
-    def logprobs(self, mode, ctx: list[int], cont: list[int], sink: int = 0, mistake=None) -> torch.Tensor:
-        """Per-token log-probs [len(cont)] of `cont` after `ctx` in `mode` (split modes: ctx[:-1] cached)."""
+    def logprobs(self, mode, ctx: list[int], cont: list[int], sink: int = 0, mistake=None, tail: int = 1) -> torch.Tensor:
+        """Per-token log-probs [len(cont)] of `cont` after `ctx` in `mode` (split modes: ctx[:-tail] cached,
+        the target runs the last `tail` context tokens itself)."""
         if mode == "no_context":  # the floor: the target reads only the last context token (start ids: none)
             logits = run(self.tgt, ctx[-1:] + cont[:-1])[0]
         elif mode in ("target", "source") or len(ctx) == 1:  # one pass (a 1-token context caches nothing)
             logits = run(self.scorer(mode), ctx + cont[:-1])[0]
         else:
-            logits = run(self.tgt, ctx[-1:] + cont[:-1], self.prefix(mode, ctx[:-1], sink, mistake))[0]
+            logits = run(self.tgt, ctx[-tail:] + cont[:-1], self.prefix(mode, ctx[:-tail], sink, mistake))[0]
         lp = torch.log_softmax(logits[-len(cont):].double(), -1)
         return lp.gather(-1, torch.tensor(cont)[:, None])[:, 0]
 
@@ -342,6 +343,39 @@ def test_native_sink_short_row_in_padded_batch(lm, hand, tok):
     assert abs(want[1] - float(hand.logprobs("target", *pairs[1]).sum())) <= LL_TOL  # the short row is all native
     for (lp, _), w, row in zip(got, want, ("long", "short")):
         assert abs(float(lp.sum()) - w) <= LL_TOL, f"{row} row: adapter {float(lp.sum())} vs hand {w}"
+
+
+TAIL = 3
+
+
+def test_native_tail_by_hand(lm, hand, tok):
+    """native_tail=3: the target runs the last 3 context tokens itself on the mapped cache of the rest, in a
+    left-padded batch whose contexts leave different tails (a 3-token context keeps a 1-token prefix: the
+    tail is clamped to len - 1, so its prefix tail is padded in the middle). Scores and greedy ids == hand;
+    the tail differs from transfer and from target."""
+    pairs = [encode_pair(tok, ctx, chs[0]) for ctx, chs in MC] + [(tok.encode(MC[1][0])[:3], tok.encode(" ice"))]
+    tails = [min(TAIL, len(c) - 1) for c, _ in pairs]
+    assert tails[-1] == 2 and tails[0] == TAIL
+    tail_lm = lm.with_mode("transfer", native_tail=TAIL)
+    assert tail_lm.cut(pairs[0][0]) == (pairs[0][0][:-TAIL], pairs[0][0][-TAIL:])
+    want = {"tail": [float(hand.logprobs("transfer", c, k, tail=m).sum()) for (c, k), m in zip(pairs, tails)],
+            "transfer": [float(hand.logprobs("transfer", c, k).sum()) for c, k in pairs],
+            "target": [float(hand.logprobs("target", c, k).sum()) for c, k in pairs]}
+    got = [float(lp.sum()) for lp, _ in tail_lm.score_tokens(pairs)]
+    err = max(abs(a - b) for a, b in zip(got, want["tail"]))
+    assert err <= LL_TOL, f"native_tail: adapter vs hand {err:.3g}"
+    assert_distinct(want, ("tail", "transfer", "target"))
+    # target mode ignores the knob: its cache is its own prefill whatever the cut
+    base = [float(lp.sum()) for lp, _ in lm.with_mode("target", native_tail=TAIL).score_tokens(pairs)]
+    assert max(abs(a - b) for a, b in zip(base, want["target"])) <= LL_TOL
+    # greedy generation through the same cut: one batch, contexts of different lengths
+    ctxs = [tok.encode(p) for p in GSM_PROMPTS]
+    gen = tail_lm.with_mode("transfer", batch_size_per_gpu=2).generate_tokens(ctxs, until=GSM_KWARGS["until"],
+                                                                             max_gen_toks=GSM_KWARGS["max_gen_toks"])
+    assert gen == [hand.greedy("transfer", c, len(c) - TAIL, GSM_KWARGS["until"], GSM_KWARGS["max_gen_toks"])
+                   for c in ctxs]
+    with pytest.raises(ValueError, match="native_tail"):
+        KVTransferLM(source_model=hand.src, target_model=hand.tgt, tokenizer=tok, mapper=hand.mapper, native_tail=0)
 
 
 @pytest.mark.parametrize("context_start", ["tokenizer", "prefix_token"])

@@ -1,4 +1,5 @@
 """Runner: config composition for every pair/ablation, staged pipeline, artifact reuse, outputs."""
+import copy
 import json
 from pathlib import Path
 
@@ -136,6 +137,17 @@ def test_artifact_keys_follow_the_config(tiny_pair_dirs, tmp_path):
     assert base.moments_dir("stripped") == lam.moments_dir("stripped") and base.mapper_dir() != lam.mapper_dir()
     assert rot.moments_dir(rot.key_space) != base.moments_dir(base.key_space)
     assert artifact_key({"a": 1, "b": 2}) == artifact_key({"b": 2, "a": 1})
+    # eval.native_tail: at its default (1, the protocol of every result cached before the knob existed) it is
+    # not part of the eval keys; another tail changes the mapped results' key only (baselines ignore it)
+    from kvtransfer.runner.eval_stage import result_dirs
+
+    cfg = _tiny_cfg(tiny_pair_dirs, tmp_path)
+    older = copy.deepcopy(cfg)
+    del older["eval"]["native_tail"]
+    tail = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "eval.native_tail=8"), "x")
+    assert result_dirs(Run(older, "x")) == result_dirs(base)
+    assert result_dirs(tail)["baseline"] == result_dirs(base)["baseline"]
+    assert result_dirs(tail)["mapped"] != result_dirs(base)["mapped"]
 
 
 def test_calibration_artifact_layout_is_part_of_the_moments_key(tiny_pair_dirs, tmp_path, monkeypatch):
@@ -360,7 +372,8 @@ def test_k_sweep_and_sink_change_compute_baselines_once(tiny_pair_dirs, tmp_path
             "eval.ppl.continuation=8", "eval.ppl.windows=2", "eval.coqa.enabled=false", "eval.bootstrap=20",
             "eval.fidelity.enabled=false")
     summaries = []
-    for i, extra in enumerate(("pair.k=1", "pair.k=2", "pair.k=all", "pair.k=2 mapper.native_sink=1")):
+    for i, extra in enumerate(("pair.k=1", "pair.k=2", "pair.k=all", "pair.k=2 mapper.native_sink=1",
+                               "pair.k=2 mapper.native_sink=1 eval.native_tail=6")):
         cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, *base, *extra.split())
         if i == 0:  # count the target's forward passes from the second run on
             summaries.append(execute(cfg, tmp_path / f"s{i}"))
@@ -375,9 +388,10 @@ def test_k_sweep_and_sink_change_compute_baselines_once(tiny_pair_dirs, tmp_path
             monkeypatch.setattr(run, "prefix_cache", counting)
             continue
         summaries.append(execute(cfg, tmp_path / f"s{i}"))
-    assert [s["mapper"]["native_sink"] for s in summaries] == [0, 0, 0, 1]
+    assert [s["mapper"]["native_sink"] for s in summaries] == [0, 0, 0, 1, 1]
+    assert [s["native_tail"] for s in summaries] == [1, 1, 1, 1, 6]
     modes = ["target", "source", "transfer", "native_injected", "no_context"]
-    assert computed == modes + ["transfer"] * 3, computed
+    assert computed == modes + ["transfer"] * 4, computed
     assert target_forwards == []  # no baseline forward after the first run
     for s in summaries[1:]:
         for task, row in s["tasks"].items():
@@ -386,6 +400,7 @@ def test_k_sweep_and_sink_change_compute_baselines_once(tiny_pair_dirs, tmp_path
     # the mapped mode really changed with k (else the sweep would prove nothing)
     ppl = [{r["prefix"]: r["transfer"] for r in s["ppl"]}[16] for s in summaries]
     assert len({round(p, 6) for p in ppl}) >= 3, ppl
+    assert round(ppl[-1], 6) != round(ppl[-2], 6)  # the 6-token native tail changed what the target read
 
 
 def test_concurrent_jobs_calibrate_once(tmp_path, monkeypatch):

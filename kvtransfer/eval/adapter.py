@@ -4,7 +4,9 @@ Modes (what builds the cache of context[:-1], and which model scores):
     target           target alone, one forward over context + continuation (= stock lm-eval `hf`)
     source           source alone, the same way
     transfer         source prefills context[:-1], the mapper maps it, the target runs the last
-                     context token + the continuation (so it scores the first continuation token)
+                     context token + the continuation (so it scores the first continuation token);
+                     with native_tail=m the target runs the last m context tokens itself on top of
+                     the mapped cache of context[:-m] (a partial re-prefill: m tokens of P)
     native_injected  as transfer, but the cache is the target's own prefill round-tripped through
                      cache I/O (a plumbing check: must equal `target`)
     identity         the source cache given to the target unmapped (needs equal cache shapes)
@@ -74,14 +76,16 @@ class KVTransferLM(TemplateLM):
 
     Give paths (`source=`, `target=`, `mapper=` a saved mapper dir) or loaded objects
     (`source_model=`, `target_model=`, `tokenizer=`, `mapper=` a Mapper). `native_sink`: the target
-    computes the first N context tokens itself (transfer mode); default: the mapper artifact's. `rope_at_inference=False`: the
+    computes the first N context tokens itself (transfer mode); default: the mapper artifact's. `native_tail`:
+    the target computes the last m context tokens itself on top of the mapped cache (split modes; default 1,
+    the paper's protocol: only the last context token; target/source modes ignore it). `rope_at_inference=False`: the
     "no re-rotation at inference" ablation (see `map_layers`). `max_length`: token limit for
     left-truncation (default: the scoring model's config limit, as HFLM resolves it).
     """
 
     def __init__(self, source: str | None = None, target: str | None = None, mapper=None, mode: str = "transfer",
                  *, source_model=None, target_model=None, tokenizer=None, native_sink: int | None = None,
-                 rope_at_inference: bool = True, context_start: str = "tokenizer",
+                 native_tail: int = 1, rope_at_inference: bool = True, context_start: str = "tokenizer",
                  allow_context_start_mismatch: bool = False, share_prefix: bool = False,
                  batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  device: str | None = None, dtype="auto", add_bos_token: bool | None = None,
@@ -138,6 +142,10 @@ class KVTransferLM(TemplateLM):
             log.warning("native_sink=%s overrides the mapper artifact's native_sink=%s (the map was fitted to be "
                         "applied with the latter)", native_sink, artifact_sink)
         self.native_sink = artifact_sink if native_sink is None else int(native_sink)
+        self.native_tail = int(native_tail)
+        if self.native_tail < 1:
+            raise ValueError(f"native_tail={native_tail}: the target runs at least the last context token (use 1, "
+                             "the paper's protocol, or more for a partial re-prefill)")
         self.share_prefix = str(share_prefix).lower() in ("true", "1", "yes")
         self.rope_at_inference = str(rope_at_inference).lower() not in ("false", "0", "no")
         self.batch_size_per_gpu = int(batch_size)
@@ -234,7 +242,7 @@ class KVTransferLM(TemplateLM):
         """Run metadata for lm-eval's results: mode, model ids, mapper pair and k."""
         ident = lambda m: None if m is None else str(getattr(m, "name_or_path", ""))  # noqa: E731
         info = {"kvtransfer_mode": self.mode, "source": ident(self.source_model), "target": ident(self.target_model),
-                "native_sink": self.native_sink, "max_length": self.max_length, "context_start": self.context_start}
+                "native_sink": self.native_sink, "native_tail": self.native_tail, "max_length": self.max_length, "context_start": self.context_start}
         if self.mapper is not None:
             info["mapper"] = {"k": self.mapper.k, "key_space": self.mapper.key_space, "lambda": self.mapper.lam,
                               "source": self.mapper.source.get("model_id"), "target": self.mapper.target.get("model_id")}
@@ -295,10 +303,19 @@ class KVTransferLM(TemplateLM):
                           rope_at_inference=self.rope_at_inference)
         return layers, mask.to(self.target_model.device)
 
+    def cut(self, context: list[int]) -> tuple[list[int], list[int]]:
+        """(cached prefix, context tail the scorer runs itself) of a context in a cached-prefix mode.
+
+        The tail is the last `native_tail` tokens in split modes (at most len - 1, so a prefix remains)
+        and the last token in target/source modes, whose cache is the scorer's own either way."""
+        m = max(1, min(self.native_tail, len(context) - 1)) if self.mode in SPLIT_MODES else 1
+        return context[:-m], context[-m:]
+
     def split(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
         """(cached prefix, tokens the scorer runs) for one request after HFLM's left-truncation.
 
-        Split modes: prefix = context[:-1], run = context[-1:] + continuation[:-1]; one-pass
+        Split modes: prefix, tail = cut(context) (context[:-1], context[-1:] by default), run = tail +
+        continuation[:-1]; one-pass
         modes: prefix = [], run = context + continuation[:-1]. Raises if the continuation alone
         exceeds max_length.
         """
@@ -312,7 +329,8 @@ class KVTransferLM(TemplateLM):
         if self.mode == "no_context":
             return [], (self._floor_context(ctx) + continuation)[:-1]
         if self._cached_prefix():
-            return ctx[:-1], ctx[-1:] + continuation[:-1]
+            prefix, tail = self.cut(ctx)
+            return prefix, tail + continuation[:-1]
         return [], full[:-1]
 
     def _cached_prefix(self) -> bool:
@@ -430,8 +448,9 @@ class KVTransferLM(TemplateLM):
     def _generate_batch(self, ctxs: list[list[int]], until: list[str], max_gen_toks: int) -> list[list[int]]:
         model = self.scoring_model
         if self._cached_prefix():
-            layers, pmask = self.prefix_cache([c[:-1] for c in ctxs])
-            ids, mask = _pad([c[-1:] for c in ctxs], self.pad_token_id, "left", model.device)
+            cuts = [self.cut(c) for c in ctxs]
+            layers, pmask = self.prefix_cache([prefix for prefix, _ in cuts])
+            ids, mask = _pad([tail for _, tail in cuts], self.pad_token_id, "left", model.device)
         else:
             layers, pmask = None, None
             if self.mode == "no_context":

@@ -127,8 +127,8 @@ def transfer_once(lm, docs: list[dict], *, max_turns: int | None = 10, max_gen_t
     out = []
     for doc in docs:
         story = lm.tok_encode(doc["story"] + "\n\n")
-        layers, pmask = lm.prefix_cache([story[:-1]])
-        pending = story[-1:]  # tokens not yet in the cache
+        prefix, pending = lm.cut(story)  # pending: tokens not yet in the cache
+        layers, pmask = lm.prefix_cache([prefix])
         turns = []
         for t in range(_n_turns(doc, max_turns)):
             q = lm.tok_encode(f"Q: {doc['questions']['input_text'][t]}\n\nA:", add_special_tokens=False)

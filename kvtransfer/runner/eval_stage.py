@@ -119,8 +119,11 @@ def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
 
 
 BASELINE_MODES = ("target", "source", "native_injected", "no_context")
-# eval keys that only change how a mapped cache is built or checked: baselines ignore them
-MAPPED_ONLY_KEYS = ("native_sink", "allow_context_start_mismatch")
+# eval keys that only change how a mapped cache is built, read or checked: baselines ignore them
+MAPPED_ONLY_KEYS = ("native_sink", "native_tail", "allow_context_start_mismatch")
+# eval keys added after results were cached, with the value every earlier result was computed under: dropped
+# from the keys at that value, so adding a knob leaves existing cached results valid
+KEY_DEFAULTS = {"native_tail": 1}
 # keys that select what is computed, not how: results are cached per (mode, task | ppl | coqa)
 SELECTION_KEYS = ("modes", "tasks", "fidelity")
 
@@ -131,7 +134,8 @@ def result_dirs(run, part: str = "task") -> dict[str, Path]:
     `part` is "task" / "ppl" (benchmark and perplexity results) or "coqa". Whether CoQA runs does not
     change a task or perplexity result, so their keys see coqa.enabled=false: switching CoQA on reuses
     every cached task and perplexity result (and keys made before this rule stay valid)."""
-    ecfg = {k: v for k, v in run.cfg["eval"].items() if k not in SELECTION_KEYS}
+    ecfg = {k: v for k, v in run.cfg["eval"].items()
+            if k not in SELECTION_KEYS and not (k in KEY_DEFAULTS and v == KEY_DEFAULTS[k])}
     if part != "coqa" and isinstance(ecfg.get("coqa"), dict):
         ecfg["coqa"] = dict(ecfg["coqa"], enabled=False)
     base_cfg = {k: v for k, v in ecfg.items() if k not in MAPPED_ONLY_KEYS}
@@ -159,7 +163,8 @@ def evaluate(run, on_compute=None) -> dict:
     mapper = run.mapper() if any(m not in BASELINE_MODES for m in modes) else None
     lm = KVTransferLM(source_model=source, target_model=target, tokenizer=tokenizer, mapper=mapper,
                       mode="transfer" if mapper is not None else "target", batch_size=ecfg["batch_size"],
-                      native_sink=run.native_sink(mapper) if mapper is not None else 0, rope_at_inference=run.rope_at_inference,
+                      native_sink=run.native_sink(mapper) if mapper is not None else 0,
+                      native_tail=ecfg.get("native_tail", 1), rope_at_inference=run.rope_at_inference,
                       context_start=run.context_start, share_prefix=ecfg.get("share_prefix", False),
                       allow_context_start_mismatch=ecfg.get("allow_context_start_mismatch", False))
     per_mode = {}
@@ -194,6 +199,7 @@ def evaluate(run, on_compute=None) -> dict:
             result.setdefault("seconds", {})[name] = record.get("seconds")
         per_mode[mode] = result
     out = summarise(per_mode, ecfg, seed)
+    out["native_tail"] = lm.native_tail
     out["eval_seconds"] = {mode: r.get("seconds", {}) for mode, r in per_mode.items()}
     return out
 

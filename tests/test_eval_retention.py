@@ -66,3 +66,29 @@ def test_per_item_scores_from_lm_eval_samples():
     assert per_item_scores(res, "mmlu", "acc") == [1.0, 0.0]
     with pytest.raises(KeyError, match="log_samples"):
         per_item_scores(res, "arc_challenge", "acc_norm")
+
+
+def test_ppl_gap_closed_and_its_bootstrap():
+    """Target NLL 1, floor 2, transfer at exactly half the perplexity gap: 0.5, and no spread when every
+    window agrees. With window noise the point estimate is still the pooled one and the SE is positive,
+    seeded, and shrinks ~1/sqrt(windows)."""
+    from kvtransfer.eval.retention import ppl_gap_closed
+
+    half = math.log((math.exp(1) + math.exp(2)) / 2)
+    flat = ppl_gap_closed({"target": [1.0] * 8, "no_context": [2.0] * 8, "transfer": [half] * 8})
+    assert flat["gap_closed"] == pytest.approx(0.5, abs=1e-12) and flat["gap_closed_se"] == pytest.approx(0, abs=1e-12)
+    rng = np.random.default_rng(3)
+
+    def noisy(w):
+        base = rng.normal(0, 0.3, w)  # windows differ in difficulty, shared by the modes (paired)
+        return {"target": 1 + base, "no_context": 2 + base, "transfer": half + base + rng.normal(0, 0.1, w)}
+
+    small, big = noisy(16), noisy(256)
+    a, b = ppl_gap_closed(small, seed=1), ppl_gap_closed(small, seed=1)
+    assert a == b and 0 < a["gap_closed_se"] < 0.5
+    want = (np.exp(np.mean(small["no_context"])) - np.exp(np.mean(small["transfer"]))) / (
+        np.exp(np.mean(small["no_context"])) - np.exp(np.mean(small["target"])))
+    assert a["gap_closed"] == pytest.approx(want, rel=1e-12)
+    assert ppl_gap_closed(big)["gap_closed_se"] < a["gap_closed_se"] / 2
+    with pytest.raises(ValueError, match="windows"):
+        ppl_gap_closed({"target": [1.0], "no_context": [2.0], "transfer": [1.5]})

@@ -297,6 +297,11 @@ def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
     for p in (16, 48):
         assert ppl[p]["native_injected"] == pytest.approx(ppl[p]["target"], rel=1e-5)
         assert ppl[p]["transfer"] != pytest.approx(ppl[p]["target"], rel=1e-4)
+        # per-window NLLs give the gap closed (the same number as from the perplexities) and its SE
+        want = (ppl[p]["no_context"] - ppl[p]["transfer"]) / (ppl[p]["no_context"] - ppl[p]["target"])
+        assert ppl[p]["transfer_gap_closed"] == pytest.approx(want, rel=1e-9)
+        assert ppl[p]["transfer_gap_closed_se"] > 0
+    assert "transfer_gap_closed" not in ppl[0]
     fid = summary["fidelity"]
     assert fid["continuation"] == 16 and fid["prefix"] == 16
     assert set(fid["per_position"]) == {"pos0", "pos1-3", "rest", "all"}

@@ -64,7 +64,8 @@ def prefix_pairs(windows: list[list[int]], prefix_len: int, max_prefix: int, bos
 
 def prefix_conditioned_ppl(lm, windows: list[list[int]], prefix_lengths: list[int], *,
                            max_prefix: int | None = None) -> dict[int, dict]:
-    """{P: {"ppl", "nll" (mean nats/token), "tokens", "continuation"}} for one KVTransferLM mode.
+    """{P: {"ppl", "nll" (mean nats/token), "window_nll" (per window), "tokens", "continuation"}} for one
+    KVTransferLM mode.
 
     The continuation (window[max_prefix:]) is identical for every P; `continuation` holds its ids
     so callers can check that. max_prefix defaults to max(prefix_lengths).
@@ -80,6 +81,7 @@ def prefix_conditioned_ppl(lm, windows: list[list[int]], prefix_lengths: list[in
         total = sum(float(lp.sum()) for lp, _ in scored)
         n = sum(len(c) for _, c in pairs)
         out[p] = {"ppl": math.exp(-total / n), "nll": -total / n, "tokens": n,
+                  "window_nll": [-float(lp.sum()) / len(c) for (lp, _), (_, c) in zip(scored, pairs)],
                   "continuation": [c for _, c in pairs]}
     return out
 

@@ -119,3 +119,28 @@ def retention_table(per_item: dict[str, dict[str, Sequence[float]]], *, metrics:
         avg[k] = sum(vals) / len(vals) if vals and len(vals) == len(table) else None
     table["average"] = avg
     return table
+
+
+def ppl_gap_closed(window_nll: dict[str, Sequence[float]], *, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Share of the no_context -> target perplexity gap the transfer closes, with a paired bootstrap SE.
+
+    window_nll[mode]: mean NLL per token of each window (nats; every window scores the same number of
+    tokens, so the mean over windows is the run's NLL) for "target", "transfer", "no_context", in one
+    window order. gap_closed = (ppl_floor - ppl_transfer) / (ppl_floor - ppl_target), each ppl = exp(mean
+    NLL); resampling windows with replacement (the same draw for all three) gives the SE.
+    Returns {"gap_closed", "gap_closed_se", "windows"}.
+    """
+    names = ("target", "transfer", "no_context")
+    x = np.asarray([window_nll[m] for m in names], dtype=np.float64)  # [3, W]
+    if x.ndim != 2 or x.shape[1] < 2:
+        raise ValueError("ppl_gap_closed needs >= 2 windows per mode, in the same order for every mode")
+
+    def closed(cols: np.ndarray) -> np.ndarray:
+        t, tr, f = np.exp(cols.mean(-1))  # each [...]
+        return _ratio(f - tr, f - t)
+
+    point = float(closed(x))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, x.shape[1], size=(n_boot, x.shape[1]))
+    boot = closed(x[:, idx])  # [3, n_boot, W] -> [n_boot]
+    return {"gap_closed": point, "gap_closed_se": float(np.nanstd(boot, ddof=1)), "windows": int(x.shape[1])}

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..eval.adapter import KVTransferLM
 from ..eval.coqa import drift_curve, load_conversations, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl
-from ..eval.retention import CHANCE, per_item_scores, retention_table
+from ..eval.retention import CHANCE, per_item_scores, ppl_gap_closed, retention_table
 from ..eval.tasks import PAPER_TASKS, task_manager
 from ..eval.tiny_suite import TINY_TASKS, write_tiny_yamls
 from ..io import atomic_write_json
@@ -75,7 +75,8 @@ def _benchmarks(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:
 
 
 def _ppl(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:
-    """{P: perplexity} for one mode on windows drawn once at max(P)."""
+    """{P: perplexity, "window_nll": {P: [mean NLL of each window]}} for one mode on windows drawn once at
+    max(P) (results cached before the per-window NLLs were kept have only the perplexities)."""
     pcfg = ecfg["ppl"]
     path = Path(ecfg["data_dir"] or ".") / pcfg["file"]
     if not path.is_file():
@@ -89,7 +90,8 @@ def _ppl(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:
     windows = draw_windows(lm.tokenizer, pages, max_prefix=max(pcfg["prefixes"]), cont_len=pcfg["continuation"],
                            n_windows=pcfg["windows"], seed=seed)
     result = prefix_conditioned_ppl(lm.with_mode(mode), windows, list(pcfg["prefixes"]))
-    return {str(p): r["ppl"] for p, r in result.items()}
+    return {**{str(p): r["ppl"] for p, r in result.items()},
+            "window_nll": {str(p): r["window_nll"] for p, r in result.items()}}
 
 
 # modes whose cache is the scoring model's own prefill: CoQA's two protocols are the same computation there
@@ -194,6 +196,10 @@ def evaluate(run, on_compute=None) -> dict:
             record = json.loads(path.read_text())
             if name.startswith("task."):
                 result["tasks"][name[5:]] = record["value"]
+            elif name == "ppl":
+                result["ppl"] = {p: v for p, v in record["value"].items() if p != "window_nll"}
+                if "window_nll" in record["value"]:
+                    result["ppl_windows"] = record["value"]["window_nll"]
             else:
                 result[name] = record["value"]
             result.setdefault("seconds", {})[name] = record.get("seconds")
@@ -227,6 +233,14 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
         prefixes = sorted({int(p) for r in per_mode.values() for p in r.get("ppl", {})})
         out["ppl"] = [{"prefix": p, **{m: r["ppl"][str(p)] for m, r in per_mode.items() if "ppl" in r}}
                       for p in prefixes]
+        windows = {m: per_mode[m].get("ppl_windows") for m in ("target", "transfer", "no_context") if m in per_mode}
+        if len(windows) == 3 and all(windows.values()):  # per-window NLLs of every mode: a bootstrap SE
+            for row in out["ppl"]:
+                if row["prefix"] > 0:
+                    gap = ppl_gap_closed({m: w[str(row["prefix"])] for m, w in windows.items()},
+                                         n_boot=ecfg.get("bootstrap", 1000), seed=seed)
+                    row["transfer_gap_closed"], row["transfer_gap_closed_se"] = gap["gap_closed"], gap["gap_closed_se"]
+            out["ppl"] = [_finite(row) for row in out["ppl"]]
     out["warnings"] = floor_warnings(out)
     if "coqa" in per_mode.get("target", {}) and "coqa" in per_mode.get("transfer", {}):
         rows = []

@@ -43,9 +43,10 @@ def _family(m: dict) -> tuple[str, int | None]:
     return m.get("support", "full"), m.get("rank")
 
 
-def shape_cost(pair: str, support: str, rank: int | None) -> dict:
-    """map_cost of one family at a paper pair's real shapes (k as in the paper)."""
-    src, tgt, k = PAIRS[pair]
+def shape_cost(pair: str, support: str, rank: int | None, k: int | None = None) -> dict:
+    """map_cost of one family at a paper pair's real shapes (k as in the paper unless given)."""
+    src, tgt, k_paper = PAIRS[pair]
+    k = k_paper if k is None else k
     s, t = kv_shape(real_config(src)), kv_shape(real_config(tgt))
     return map_cost(t.n_layers, k, s.n_kv, s.head_dim, t.n_kv, t.head_dim, support=support, rank=rank)
 
@@ -62,21 +63,32 @@ def row_of(name: str, s: dict, timing: dict | None) -> dict:
     full = shape_cost("qwen3_14b_32b", "full", None)["apply_flops_per_token"]
     per_layer = fid.get("per_layer", {})
     cos = per_layer.get("attn_cosine") or []
-    row = {"map": name, "support": support, "rank": rank, "weighting": m.get("weighting", "none"),
+    row = {"map": name, "k": m["k"], "support": support, "rank": rank, "weighting": m.get("weighting", "none"),
            # runs made before the sink moved into the artifact name it in their eval config
            "native_sink": m.get("native_sink", s["_config"].get("eval", {}).get("native_sink")),
            "params": m["n_parameters"], "apply MFLOP/token": round(flops / 1e6, 3),
-           "FLOPs vs paper @14B->32B": round(shape_cost("qwen3_14b_32b", support, rank)["apply_flops_per_token"] / full, 3),
+           # the map's own k at 14B -> 32B shapes against the paper's map (k = 8 there)
+           "FLOPs vs paper @14B->32B": round(shape_cost("qwen3_14b_32b", support, rank, m["k"])["apply_flops_per_token"]
+                                             / full, 3),
            "CPU ms @1K": timing.get("median_ms") if timing else None, "fit s": m.get("fit_seconds"),
            "K R² held-out": round(s["r2"]["k"]["heldout"], 3), "V R² held-out": round(s["r2"]["v"]["heldout"], 3),
            "attn cos": round(sum(cos) / len(cos), 4) if cos else None,
            "next-token KL": round(per_layer["kl"], 3) if "kl" in per_layer else None,
            "top-1 agree": round(per_layer["top1_agreement"], 3) if "top1_agreement" in per_layer else None}
     ppl = {r["prefix"]: r for r in s.get("ppl", [])}
+    tail = s.get("native_tail", 1)
+    if tail != 1:
+        row["native tail"] = tail
+        row["re-prefill share @256"] = round(tail / 257, 3)  # of the 257-token context (start id + 256)
+    if 64 in ppl:
+        row["ppl@64"] = round(ppl[64]["transfer"], 2)
     if 256 in ppl:
         r = ppl[256]
         row["ppl@256"] = round(r["transfer"], 2)
-        row["ppl@256 gap closed %"] = round(100 * (r["no_context"] - r["transfer"]) / (r["no_context"] - r["target"]), 1)
+        if "transfer_gap_closed" in r:  # per-window NLLs: paired bootstrap SE over windows
+            row["ppl@256 gap closed %"] = _pm(r["transfer_gap_closed"], r["transfer_gap_closed_se"], pct=True)
+        else:
+            row["ppl@256 gap closed %"] = round(100 * (r["no_context"] - r["transfer"]) / (r["no_context"] - r["target"]), 1)
     for task, label in (("hellaswag", "HS"), ("arc_challenge", "ARC")):
         t = (s.get("tasks") or {}).get(task)
         if t:
@@ -91,6 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="results/maps/runs")
     ap.add_argument("--fidelity-runs", default="results/maps/fidelity_runs")
+    ap.add_argument("--hs200-runs", default="results/maps/runs_hs200")
     ap.add_argument("--out", default="results/maps")
     ap.add_argument("--no-timing", action="store_true", help="skip the measured CPU apply time")
     args = ap.parse_args()
@@ -130,18 +143,32 @@ def main() -> None:
             fid_rows.append(row_of(d.name, s, None))
     if fid_rows:
         _write(pd.DataFrame(fid_rows).dropna(axis=1, how="all"), out / "tables", "fidelity_sweep")
-    families = sorted({_family(s["mapper"]) for s in summaries.values()}, key=lambda f: (f[0], f[1] or 0))
+    # the issue's sizes (HS200=1 run.sh): HellaSwag n = 200, perplexity on 32 windows with SEs, native tails
+    hs_dir = Path(args.hs200_runs)
+    hs_rows = []
+    for d in sorted(hs_dir.iterdir()) if hs_dir.is_dir() else []:
+        if (d / "summary.json").exists():
+            s = json.loads((d / "summary.json").read_text())
+            s["_config"] = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+            hs_rows.append(row_of(d.name, s, None))
+            summaries.setdefault(d.name, s)  # for the shapes-only cost table below
+    if hs_rows:
+        _write(pd.DataFrame(hs_rows).dropna(axis=1, how="all"), out / "tables", "maps_hs200")
+    # (support, rank, k relative to this pair's k = 8): a map over twice the layers costs twice at any pair
+    families = sorted({(*_family(s["mapper"]), s["mapper"]["k"] / 8) for s in summaries.values()},
+                      key=lambda f: (f[0], f[1] or 0, f[2]))
     cost_rows = []
     for pair in PAIRS:
         paper = shape_cost(pair, "full", None)
-        for support, rank in families:
-            c = shape_cost(pair, support, rank)
-            cost_rows.append({"pair": pair, "k": PAIRS[pair][2], "support": support, "rank": rank,
+        for support, rank, k_scale in families:
+            k = round(PAIRS[pair][2] * k_scale)
+            c = shape_cost(pair, support, rank, k)
+            cost_rows.append({"pair": pair, "k": k, "support": support, "rank": rank,
                               "params (M)": round(c["n_parameters"] / 1e6, 1),
                               "apply GFLOP/token": round(c["apply_flops_per_token"] / 1e9, 4),
                               "vs paper map": round(c["apply_flops_per_token"] / paper["apply_flops_per_token"], 3)})
     _write(pd.DataFrame(cost_rows), out / "tables", "cost_paper_pairs")
-    atomic_write_json(out / "maps.json", {"rows": rows, "timing_ms_1k": timings, "runs": runs})
+    atomic_write_json(out / "maps.json", {"rows": rows, "hs200_rows": hs_rows, "timing_ms_1k": timings, "runs": runs})
     print(pd.DataFrame(rows).to_markdown(index=False))
 
 

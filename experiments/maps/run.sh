@@ -32,18 +32,41 @@ if [[ "${FIDELITY:-0}" == 1 ]]; then
   done
   fid head_local            mapper.support=head_local
   fid head_local_rank32_attn mapper.support=head_local mapper.rank=32 mapper.weighting=attention
+  # head_local over more source layers: at k = 16 it reads as many features per head as the paper's map at
+  # k = 8 on this pair (16 x 64 = 1,024) and 1/4 of its apply FLOPs at Qwen3-14B -> 32B (8 -> 8 heads)
+  fid head_local_k12        mapper.support=head_local pair.k=12
+  fid head_local_k16        mapper.support=head_local pair.k=16
   exit 0
 fi
 
-run() {  # run NAME OVERRIDES...
+run() {  # run NAME OVERRIDES...   (a section may set OUT and the array EVAL of base overrides)
   local name=$1; shift
   if [[ -n "${STEPS:-}" && " $STEPS " != *" $name "* ]]; then return; fi
   if [[ -f "$OUT/$name/summary.json" ]]; then echo "[$name] done"; return; fi
   rm -rf "$OUT/$name"
   echo "[$name] $(date -u +%H:%M:%S) start: $*"
-  python run.py +experiment=qwen25coder_cpu progress=false out_dir="$OUT/$name" stage=[fit,eval] "$@"
+  python run.py +experiment=qwen25coder_cpu progress=false out_dir="$OUT/$name" stage=[fit,eval] ${EVAL[@]+"${EVAL[@]}"} "$@"
   echo "[$name] $(date -u +%H:%M:%S) done"
 }
+
+# HS200=1: the sizes, HellaSwag on 200 items and perplexity on 32 windows (per-window NLLs, so the
+# perplexity gap closed has a bootstrap SE), for the maps that decide its two goals, and the native tail
+# (eval.native_tail=m: the target re-prefills the last m context tokens on top of the mapped cache). Its own
+# eval key, so its baselines are computed once here (~30 min on 2 cores), then ~10 min per map; the tail
+# rows on perplexity only (~2 min each).
+if [[ "${HS200:-0}" == 1 ]]; then
+  OUT=results/maps/runs_hs200
+  mkdir -p "$OUT"
+  EVAL=(eval.limit=200 eval.ppl.windows=32 "eval.modes=[target,source,transfer,no_context]")
+  run paper_sink1          "eval.tasks=[hellaswag]"
+  for m in 4 16 64; do
+    run "paper_sink1_tail$m" "eval.tasks=[]" eval.native_tail=$m
+  done
+  run head_local_k16_sink1 "eval.tasks=[hellaswag]" mapper.support=head_local pair.k=16
+  run paper_sink1_tail16_hs "eval.tasks=[hellaswag]" eval.native_tail=16
+  run head_local_sink1     "eval.tasks=[hellaswag]" mapper.support=head_local
+  exit 0
+fi
 
 run head_local_sink1    mapper.support=head_local
 run rank64_sink1        mapper.rank=64

@@ -240,3 +240,24 @@ def test_shapes_only_bench_defaults_to_the_eval_dtype(monkeypatch):
     row16 = bench.bench_pair("tiny", [8], dtype=torch.bfloat16, mapper_dtype=torch.bfloat16, **kw)[0]
     assert row16["mapper_dtype"] == "bfloat16" and row16["mapper_bytes"] < row["mapper_bytes"]
     assert "float32 mapper" in bench.table_markdown([row]) and "bfloat16 mapper" in bench.table_markdown([row16])
+
+
+def test_bench_loaded_times_the_native_tail_on_the_mapped_rest(sink_pair, monkeypatch):
+    """bench.native_tails=[m]: the timed forward runs the last m tokens on a mapped cache of the first n - m
+    (not of all n, which would time attention over a cache holding the tail twice); tails >= n are skipped."""
+    source, target, mapper = sink_pair
+    monkeypatch.setattr(bench.timing, "measure_device",
+                        lambda *a, **k: {"matmul_flops_per_s": 1e9, "copy_bytes_per_s": 1e8})
+    seen = []
+    real = bench_stage.forward_on_cache
+
+    def recording(model, layers, mask, ids, *a, **k):
+        seen.append((layers[0][0].shape[-2], ids.shape[-1]))
+        return real(model, layers, mask, ids, *a, **k)
+
+    monkeypatch.setattr(bench_stage, "forward_on_cache", recording)
+    rows = bench_stage.bench_loaded(source, target, mapper, [8, 12], warmup=0, repeats=2, n_inputs=1,
+                                    native_tails=[3, 8], log=lambda *a: None)
+    assert sorted(set(seen)) == [(4, 8), (5, 3), (9, 3)]
+    assert rows[0]["tail3_ms"] > 0 and "tail8_ms" not in rows[0] and rows[1]["tail8_ms"] > 0
+    assert rows[1]["tail3_speedup"] == pytest.approx(rows[1]["prefill_ms"] / (rows[1]["mapper_ms"] + rows[1]["tail3_ms"]))

@@ -19,7 +19,7 @@ import torch
 
 from ..bench import shapes, timing
 from ..bench.measure import bench_pair
-from ..cache import layers_to_cache, prefill
+from ..cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
 from ..io import atomic_write_json
 from ..models import kv_shape
 from ..transfer import codec_for, map_layers
@@ -38,8 +38,12 @@ def _dtype(name: str, device: str) -> torch.dtype:
 
 
 def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | None = None, warmup: int = 3,
-                 repeats: int = 10, n_inputs: int = 3, log=print) -> list[dict]:
+                 repeats: int = 10, n_inputs: int = 3, native_tails=(), log=print) -> list[dict]:
     """Table-5 rows for loaded models: mapper ms vs target body prefill ms per token count.
+
+    native_tails: for each m, also the target's forward over the last m tokens on the mapped cache of the
+    first n - m (`tail{m}_ms`; eval.native_tail=m), and the speedup of mapper + that forward over re-prefill
+    (`tail{m}_speedup`; the mapper timed at n tokens, so a slight overestimate of the transfer's cost).
 
     The mapper computes in `mapper_dtype` (default: its own dtype, as evaluation maps) on a copy;
     `mapper` itself is left as it is. Token counts beyond the target's max_position_embeddings are
@@ -67,8 +71,8 @@ def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | 
         pos = torch.arange(n_tok, device=device)
         s_codec, t_codec = codec_for(source), codec_for(target)
 
-        def run_mapper(layers):
-            mapped = map_layers(layers, mapper, pos, source_codec=s_codec, target_codec=t_codec,
+        def run_mapper(layers, positions=pos):
+            mapped = map_layers(layers, mapper, positions, source_codec=s_codec, target_codec=t_codec,
                                 target_n_kv=t_shape.n_kv, out_dtype=dtype)
             return layers_to_cache(mapped, target.config)
 
@@ -78,6 +82,14 @@ def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | 
         mc = shapes.mapper_cost(source.config, target.config, mapper.k, n_tok, n_target_layers=t_shape.n_layers,
                                n_source_used=used, weight_bytes=shapes.dtype_size(mapper.dtype),
                                cache_bytes=es, out_bytes=es)
+        for tail in (t for t in native_tails if 0 < t < n_tok):
+            head = n_tok - tail
+            heads = [cache_to_layers(run_mapper([(k[:, :, :head], v[:, :, :head]) for k, v in c], pos[:head]))
+                     for c in caches]
+            tf = timing.time_fn(lambda pair: forward_on_cache(target, pair[0], None, pair[1][:, head:]),
+                                list(zip(heads, ids)), warmup=warmup, repeats=repeats, device=device)
+            row[f"tail{tail}_ms"] = tf["median_ms"]
+            row[f"tail{tail}_speedup"] = p["median_ms"] / (m["median_ms"] + tf["median_ms"])
         pc = shapes.prefill_cost(target.config, n_tok, dtype_bytes=es)
         row.update(mapper_ms=m["median_ms"], mapper_ms_min=m["min_ms"], mapper_ms_max=m["max_ms"],
                    prefill_ms=p["median_ms"], prefill_ms_min=p["min_ms"], prefill_ms_max=p["max_ms"],
@@ -99,6 +111,9 @@ def benchmark(run) -> list[dict]:
     shapes_only = bool(bcfg.get("shapes_only"))
     identity = {"pair": run.cfg["pair"]["name"]} if shapes_only else {"pair": run.pair_identity(),
                                                                        "mapper": run.mapper_dir().name}
+    tails = list(bcfg.get("native_tails") or [])
+    if not tails:  # added after rows were cached: without tails the key is what it was
+        bcfg = {k: v for k, v in bcfg.items() if k != "native_tails"}
     device_name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
     path = run.cache_dir / "bench" / f"{artifact_key(identity, bcfg, device_name, torch.__version__)}.json"
     if path.exists():
@@ -117,6 +132,6 @@ def benchmark(run) -> list[dict]:
         else:
             source, target = run.model("source")[0], run.model("target")[0]
             rows += bench_loaded(source, target, run.mapper(), bcfg["tokens"], mapper_dtype=mapper_dtype,
-                                 warmup=bcfg["warmup"], repeats=bcfg["repeats"])
+                                 warmup=bcfg["warmup"], repeats=bcfg["repeats"], native_tails=tails)
     atomic_write_json(path, rows)
     return rows

@@ -112,3 +112,23 @@ def test_coqa_target_runs_one_protocol_for_both(lm, bench_dir, monkeypatch):
     calls.clear()
     eval_stage._coqa(lm, "transfer", ecfg)
     assert calls == ["per_turn_transfer", "transfer_once"]
+
+
+def test_drift_summary_pools_turns_and_resamples_conversations():
+    """Pooled F1 over all turns (hand numbers), retention, and SEs that resample conversations: zero when
+    every conversation scores alike, positive otherwise; mismatched runs are refused."""
+    from kvtransfer.eval.coqa import drift_summary
+
+    def conv(*f1):
+        return [{"turn": i + 1, "f1": f} for i, f in enumerate(f1)]
+
+    ref = [conv(1.0, 0.5), conv(1.0, 0.5, 0.0)]
+    got = [conv(0.5, 0.5), conv(0.0, 0.5, 0.0)]
+    s = drift_summary(ref, got, n_boot=200)
+    assert s["turns"] == 5 and s["conversations"] == 2
+    assert s["target_f1"] == pytest.approx(3.0 / 5) and s["transfer_f1"] == pytest.approx(1.5 / 5)
+    assert s["retention"] == pytest.approx(0.5) and s["transfer_f1_se"] > 0
+    same = drift_summary([conv(1.0, 0.5)] * 4, [conv(0.5, 0.5)] * 4, n_boot=200)
+    assert same["transfer_f1_se"] == pytest.approx(0, abs=1e-12) and same["retention"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="turns"):
+        drift_summary([conv(1.0, 0.5)], [conv(1.0)])

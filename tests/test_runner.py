@@ -310,6 +310,10 @@ def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
     assert len(fid["per_layer"]["attn_cosine"]) == 3
     turns = {(r["series"], r["turn"]) for r in summary["drift"]}
     assert ("transfer (once)", 3) in turns and ("target (every_turn)", 1) in turns
+    for row in summary["drift_summary"]:  # pooled over turns = the per-turn means weighted by conversations
+        per_turn = [r for r in summary["drift"] if r["protocol"] == row["protocol"] and r["series"].startswith("transfer")]
+        assert row["turns"] == sum(r["n"] for r in per_turn) and row["conversations"] == 2
+        assert row["transfer_f1"] == pytest.approx(sum(r["f1"] * r["n"] for r in per_turn) / row["turns"])
     out = tmp_path / "eval"
     assert (out / "tables" / "retention.md").exists() and (out / "tables" / "ppl.csv").exists()
     assert (out / "figures" / "retention.png").exists() and (out / "figures" / "drift.png").exists()

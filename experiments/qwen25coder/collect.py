@@ -33,8 +33,9 @@ def merge_main(main: dict, parts: dict[str, dict]) -> dict:
             raise ValueError(f"{name} used mapper {part.get('mapper', {}).get('path')}, not the main run's "
                              f"{main.get('mapper', {}).get('path')}: rerun it with the main configuration")
         out.setdefault("tasks", {}).update(part.get("tasks") or {})
-        if part.get("drift"):
-            out["drift"] = part["drift"]
+        for key in ("drift", "drift_summary"):
+            if part.get(key):
+                out[key] = part[key]
         for mode, sec in (part.get("eval_seconds") or {}).items():
             out.setdefault("eval_seconds", {}).setdefault(mode, {}).update(sec)
         out["warnings"] = list(out.get("warnings", [])) + [w for w in part.get("warnings", []) if w not in out.get("warnings", [])]
@@ -119,6 +120,16 @@ def main() -> None:
         _write(pd.DataFrame(s.get("ppl", [])), tdir, "main_ppl")
         if s.get("drift"):  # CoQA: per turn, both protocols (transfer vs target answers)
             _write(pd.DataFrame(s["drift"]), tdir, "main_coqa_drift")
+            from kvtransfer.report.figures import drift_per_turn
+
+            fdir.mkdir(parents=True, exist_ok=True)
+            drift_per_turn(s["drift"], fdir / "coqa_drift.png")
+        if s.get("drift_summary"):  # pooled over all turns, SEs over conversations
+            _write(pd.DataFrame([{"protocol": r["protocol"], "conversations": r["conversations"], "turns": r["turns"],
+                                  "target F1": _fmt(r["target_f1"], r["target_f1_se"]),
+                                  "transfer F1": _fmt(r["transfer_f1"], r["transfer_f1_se"]),
+                                  "retention %": _fmt(r["retention"], r["retention_se"], pct=True)}
+                                 for r in s["drift_summary"]]), tdir, "main_coqa_summary")
         _write(pd.DataFrame([{"positions": g, **{k: v for k, v in r.items() if k != "positions"}}
                              for g, r in (s.get("fidelity") or {}).get("per_position", {}).items()]),
                tdir, "main_fidelity_positions")

@@ -162,3 +162,34 @@ def drift_curve(reference: list[list[dict]], mapped: list[list[dict]], max_turn:
         r, m = sum(ref) / len(ref), sum(got) / len(got)
         rows.append({"turn": turn, "n": len(ref), "target_f1": r, "transfer_f1": m, "gap": r - m})
     return rows
+
+
+def drift_summary(reference: list[list[dict]], mapped: list[list[dict]], *, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Mean F1 over every turn of every conversation for both runs, retention (mapped / reference) and
+    paired bootstrap SEs that resample whole conversations (turns of one conversation are not independent).
+
+    reference / mapped: per conversation, per turn {"f1", ...} (the protocols' output), same conversations.
+    """
+    import numpy as np
+
+    if len(reference) != len(mapped) or not reference:
+        raise ValueError("drift_summary needs the same (non-empty) list of conversations for both runs")
+    ref = [[t["f1"] for t in c] for c in reference]
+    got = [[t["f1"] for t in c] for c in mapped]
+    if [len(c) for c in ref] != [len(c) for c in got]:
+        raise ValueError("drift_summary: the runs answered different numbers of turns per conversation")
+    sums = np.array([[sum(r), sum(g), len(r)] for r, g in zip(ref, got)], dtype=np.float64)  # [C, 3]
+
+    def stats(rows: np.ndarray):  # rows [..., C, 3] -> (target, transfer, retention) pooled over turns
+        tot = rows.sum(-2)
+        t, m = tot[..., 0] / tot[..., 2], tot[..., 1] / tot[..., 2]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return t, m, np.where(t > 0, m / np.where(t > 0, t, 1), np.nan)
+
+    t, m, ret = stats(sums)
+    idx = np.random.default_rng(seed).integers(0, len(sums), size=(n_boot, len(sums)))
+    bt, bm, bret = stats(sums[idx])
+    return {"conversations": len(sums), "turns": int(sums[:, 2].sum()), "target_f1": float(t),
+            "transfer_f1": float(m), "retention": float(ret), "target_f1_se": float(bt.std(ddof=1)),
+            "transfer_f1_se": float(bm.std(ddof=1)), "retention_se": float(np.nanstd(bret, ddof=1)),
+            "gap_se": float((bt - bm).std(ddof=1))}

@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 from ..eval.adapter import KVTransferLM
-from ..eval.coqa import drift_curve, load_conversations, per_turn_transfer, transfer_once
+from ..eval.coqa import drift_curve, drift_summary, load_conversations, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl
 from ..eval.retention import CHANCE, per_item_scores, ppl_gap_closed, retention_table
 from ..eval.tasks import PAPER_TASKS, task_manager
@@ -251,6 +251,9 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
                 rows.append({"protocol": protocol, "turn": r["turn"], "series": f"transfer ({protocol})",
                              "f1": r["transfer_f1"], "n": r["n"], "gap": r["gap"]})
         out["drift"] = rows
+        out["drift_summary"] = [_finite({"protocol": protocol, **drift_summary(
+            per_mode["target"]["coqa"][protocol], mapped, n_boot=ecfg.get("bootstrap", 1000), seed=seed)})
+            for protocol, mapped in per_mode["transfer"]["coqa"].items()]
     return out
 
 

@@ -62,14 +62,14 @@ if [[ "${HS200:-0}" == 1 ]]; then
   for m in 4 16 64; do
     run "paper_sink1_tail$m" "eval.tasks=[]" eval.native_tail=$m
   done
-  run head_local_k16_sink1 "eval.tasks=[hellaswag]" mapper.support=head_local pair.k=16
-  run paper_sink1_tail16_hs "eval.tasks=[hellaswag]" eval.native_tail=16
-  run head_local_sink1     "eval.tasks=[hellaswag]" mapper.support=head_local
   # what the tail costs: the target's forward over the last m tokens on the mapped rest, against re-prefill
   if [[ ! -f "$OUT/speed_tail/summary.json" ]]; then
     python run.py +experiment=qwen25coder_cpu progress=false out_dir="$OUT/speed_tail" stage=[bench] \
       "bench.tokens=[256,1024]" "bench.native_tails=[4,16,64]"
   fi
+  run head_local_k16_sink1 "eval.tasks=[hellaswag]" mapper.support=head_local pair.k=16
+  run paper_sink1_tail16_hs "eval.tasks=[hellaswag]" eval.native_tail=16
+  run head_local_sink1     "eval.tasks=[hellaswag]" mapper.support=head_local
   exit 0
 fi
 

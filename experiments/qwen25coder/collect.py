@@ -41,6 +41,11 @@ def merge_main(main: dict, parts: dict[str, dict]) -> dict:
         out["warnings"] = list(out.get("warnings", [])) + [w for w in part.get("warnings", []) if w not in out.get("warnings", [])]
         out["merged_runs"].append(name)
     return out
+# the paper's Table 2 rows and the run of each (experiments/qwen25coder/run.sh; FULL=1 for the rotated-key ones)
+TABLE2 = (("full (k = 8)", "wiki_k8_sink1"), ("- RoPE re-rotation at inference", "wiki_no_rerotation"),
+          ("- all RoPE handling (fit + apply on rotated keys)", "wiki_no_rope"),
+          ("- RoPE - cross-layer (k = 1)", "wiki_no_rope_k1"),
+          ("- RoPE - cross-layer - ridge (lambda = 0)", "wiki_no_rope_k1_no_ridge"))
 MC = ("hellaswag", "arc_challenge", "winogrande", "mmlu", "gsm8k_cot")
 
 
@@ -123,6 +128,7 @@ def main() -> None:
             from kvtransfer.report.figures import drift_per_turn
 
             fdir.mkdir(parents=True, exist_ok=True)
+            (fdir / "coqa_drift.png").unlink(missing_ok=True)  # a view of runs/, redrawn on every collect
             drift_per_turn(s["drift"], fdir / "coqa_drift.png")
         if s.get("drift_summary"):  # pooled over all turns, SEs over conversations
             _write(pd.DataFrame([{"protocol": r["protocol"], "conversations": r["conversations"], "turns": r["turns"],
@@ -144,6 +150,25 @@ def main() -> None:
     summaries = {n: v for n, v in summaries.items() if n not in MAIN_PARTS}   # merged into the main summary above
     _write(pd.DataFrame([variant_row(n, s) for n, s in summaries.items() if s.get("tasks") or s.get("ppl")]),
            tdir, "variants")
+    # Table 2 (the paper's ablations) in its row order: each variant is one run on the Wikipedia calibration
+    table2 = []
+    for label, name in TABLE2:
+        if name in summaries:
+            r = summaries[name]
+            hs = (r.get("tasks") or {}).get("hellaswag") or {}
+            ppl = {row["prefix"]: row for row in r.get("ppl", [])}.get(256, {})
+            table2.append({"variant": label, "run": name, "k": r["mapper"]["k"], "lambda": r["mapper"]["lambda"],
+                           "key space": r["mapper"].get("key_space"),
+                           "K / V R² held-out": f"{r['r2']['k']['heldout']:.3f} / {r['r2']['v']['heldout']:.3f}",
+                           "HellaSwag acc_norm": _fmt(hs.get("transfer"), hs.get("stderr_transfer")),
+                           "HS gap closed %": _fmt(hs.get("gap_closed"), hs.get("stderr_gap_closed"), pct=True),
+                           "ppl@256": round(ppl["transfer"], 2) if ppl.get("transfer") else None,
+                           "ppl@256 gap closed %": round(100 * (ppl["no_context"] - ppl["transfer"])
+                                                         / (ppl["no_context"] - ppl["target"]), 1) if ppl else None,
+                           "fidelity KL": round(((r.get("fidelity") or {}).get("per_layer") or {}).get("kl", float("nan")), 3),
+                           "warnings": len(r.get("warnings", []))})
+    if table2:
+        _write(pd.DataFrame(table2), tdir, "table2_ablations")
     for name, s in summaries.items():
         if s.get("variance_explained"):
             _write(pd.DataFrame(s["variance_explained"]), tdir, f"table7_{s['calibration'].get('domain', name)}")

@@ -242,7 +242,8 @@ class KVTransferLM(TemplateLM):
         """Run metadata for lm-eval's results: mode, model ids, mapper pair and k."""
         ident = lambda m: None if m is None else str(getattr(m, "name_or_path", ""))  # noqa: E731
         info = {"kvtransfer_mode": self.mode, "source": ident(self.source_model), "target": ident(self.target_model),
-                "native_sink": self.native_sink, "native_tail": self.native_tail, "max_length": self.max_length, "context_start": self.context_start}
+                "native_sink": self.native_sink, "native_tail": self.native_tail, "max_length": self.max_length,
+                "context_start": self.context_start}
         if self.mapper is not None:
             info["mapper"] = {"k": self.mapper.k, "key_space": self.mapper.key_space, "lambda": self.mapper.lam,
                               "source": self.mapper.source.get("model_id"), "target": self.mapper.target.get("model_id")}

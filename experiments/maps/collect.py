@@ -99,6 +99,23 @@ def row_of(name: str, s: dict, timing: dict | None) -> dict:
     return row
 
 
+def hellaswag_context_tokens(tokenizer_path: str, n: int, data: str = "data/benchmarks/hellaswag.jsonl") -> list[int]:
+    """Token counts of the first n HellaSwag contexts as the runs score them: <|endoftext|> + lm-eval's query
+    (activity label + ": " + ctx_a + " " + ctx_b capitalised; its bracket/space clean-up left out, which
+    changes a count by a token at most)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    out = []
+    for line in Path(data).open():
+        if len(out) == n:
+            break
+        d = json.loads(line)
+        query = f"{d['activity_label']}: {d['ctx_a']} {d['ctx_b'].capitalize()}"
+        out.append(1 + len(tok.encode(query, add_special_tokens=False)))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="results/maps/runs")
@@ -153,6 +170,12 @@ def main() -> None:
             hs_rows.append(row_of(d.name, s, None))
             summaries.setdefault(d.name, s)  # for the shapes-only cost table below
     if hs_rows:
+        tails = {r["native tail"] for r in hs_rows if r.get("native tail")}
+        if tails:  # the tail's share of a HellaSwag context (short: the share is far above the 256-token one)
+            lengths = hellaswag_context_tokens(next(iter(summaries.values()))["target"], 200)
+            for r in hs_rows:
+                if r.get("native tail") and r.get("HS n"):
+                    r["re-prefill share HS"] = round(sum(min(r["native tail"], n - 1) / n for n in lengths) / len(lengths), 3)
         _write(pd.DataFrame(hs_rows).dropna(axis=1, how="all"), out / "tables", "maps_hs200")
     # (support, rank, k relative to this pair's k = 8): a map over twice the layers costs twice at any pair
     families = sorted({(*_family(s["mapper"]), s["mapper"]["k"] / 8) for s in summaries.values()},

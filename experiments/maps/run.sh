@@ -68,6 +68,13 @@ if [[ "${HS200:-0}" == 1 ]]; then
       "bench.tokens=[256,1024]" "bench.native_tails=[4,16,64]"
   fi
   run head_local_k16_sink1 "eval.tasks=[hellaswag]" mapper.support=head_local pair.k=16
+  # the floor a tail must beat: the target reading only the start token and the last m tokens, i.e. its own
+  # perplexity at P = m on the same windows (drawn at max P = 256, so they are the rows' windows)
+  if [[ ! -f "$OUT/truncation_floor/summary.json" ]]; then
+    python run.py +experiment=qwen25coder_cpu progress=false out_dir="$OUT/truncation_floor" stage=[eval] \
+      eval.ppl.windows=32 "eval.tasks=[]" "eval.ppl.prefixes=[0,4,16,64,256]" "eval.modes=[target]" \
+      eval.fidelity.enabled=false
+  fi
   run paper_sink1_tail16_hs "eval.tasks=[hellaswag]" eval.native_tail=16
   run head_local_sink1     "eval.tasks=[hellaswag]" mapper.support=head_local
   exit 0

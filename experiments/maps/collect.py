@@ -163,12 +163,30 @@ def main() -> None:
     # the sizes (HS200=1 run.sh): HellaSwag n = 200, perplexity on 32 windows with SEs, native tails
     hs_dir = Path(args.hs200_runs)
     hs_rows = []
+    # the target alone at P = 4 / 16 / 64 on the same windows: what a native tail of m tokens gives without any map
+    floor_path = hs_dir / "truncation_floor" / "summary.json"
+    truncated = {r["prefix"]: r["target"] for r in json.loads(floor_path.read_text())["ppl"]} if floor_path.exists() else {}
     for d in sorted(hs_dir.iterdir()) if hs_dir.is_dir() else []:
+        if d.name in ("truncation_floor", "speed_tail"):  # no map of their own: used by the rows below
+            continue
         if (d / "summary.json").exists():
             s = json.loads((d / "summary.json").read_text())
             s["_config"] = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
-            hs_rows.append(row_of(d.name, s, None))
+            row = row_of(d.name, s, None)
+            p256 = {r["prefix"]: r for r in s.get("ppl", [])}.get(256)
+            m = s.get("native_tail", 1)
+            if m in truncated and p256:  # share of the (target at P = m) -> target gap the mapped rest closes
+                row["truncated target ppl (last m only)"] = round(truncated[m], 2)
+                row["ppl@256 gap closed over truncation %"] = round(
+                    100 * (truncated[m] - p256["transfer"]) / (truncated[m] - p256["target"]), 1)
+            hs_rows.append(row)
             summaries.setdefault(d.name, s)  # for the shapes-only cost table below
+    speed_path = hs_dir / "speed_tail" / "summary.json"
+    if speed_path.exists():  # what a tail costs on this CPU: mapper + the target's forward over m tokens
+        speed = json.loads(speed_path.read_text())["speed"]
+        _write(pd.DataFrame([{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()
+                              if k == "tokens" or k.startswith(("mapper_ms", "prefill_ms", "speedup", "tail"))}
+                             for r in speed]), out / "tables", "native_tail_speed")
     if hs_rows:
         tails = {r["native tail"] for r in hs_rows if r.get("native tail")}
         if tails:  # the tail's share of a HellaSwag context (short: the share is far above the 256-token one)

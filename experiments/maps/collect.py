@@ -99,6 +99,13 @@ def row_of(name: str, s: dict, timing: dict | None) -> dict:
     return row
 
 
+def load_run(d: Path) -> dict:
+    """A run directory's summary.json, with its resolved config.json (if any) under "_config"."""
+    s = json.loads((d / "summary.json").read_text())
+    s["_config"] = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+    return s
+
+
 def hellaswag_context_tokens(tokenizer_path: str, n: int, data: str = "data/benchmarks/hellaswag.jsonl") -> list[int]:
     """Token counts of the first n HellaSwag contexts as the runs score them: <|endoftext|> + lm-eval's query
     (activity label + ": " + ctx_a + " " + ctx_b capitalised; its bracket/space clean-up left out, which
@@ -129,8 +136,7 @@ def main() -> None:
     summaries = {}
     for name, d in runs.items():
         if (Path(d) / "summary.json").exists():
-            s = json.loads((Path(d) / "summary.json").read_text())
-            s["_config"] = json.loads((Path(d) / "config.json").read_text()) if (Path(d) / "config.json").exists() else {}
+            s = load_run(Path(d))
             summaries[name] = s
         else:
             print(f"missing (not finished): {name}")
@@ -155,8 +161,7 @@ def main() -> None:
     fid_rows = []
     for d in sorted(fid_dir.iterdir()) if fid_dir.is_dir() else []:
         if (d / "summary.json").exists():
-            s = json.loads((d / "summary.json").read_text())
-            s["_config"] = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+            s = load_run(d)
             fid_rows.append(row_of(d.name, s, None))
     if fid_rows:
         _write(pd.DataFrame(fid_rows).dropna(axis=1, how="all"), out / "tables", "fidelity_sweep")
@@ -170,8 +175,7 @@ def main() -> None:
         if d.name in ("truncation_floor", "speed_tail"):  # no map of their own: used by the rows below
             continue
         if (d / "summary.json").exists():
-            s = json.loads((d / "summary.json").read_text())
-            s["_config"] = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+            s = load_run(d)
             row = row_of(d.name, s, None)
             p256 = {r["prefix"]: r for r in s.get("ppl", [])}.get(256)
             m = s.get("native_tail", 1)

@@ -19,6 +19,7 @@ import string
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..cache import cache_to_layers, forward_on_cache
@@ -170,8 +171,6 @@ def drift_summary(reference: list[list[dict]], mapped: list[list[dict]], *, n_bo
 
     reference / mapped: per conversation, per turn {"f1", ...} (the protocols' output), same conversations.
     """
-    import numpy as np
-
     if len(reference) != len(mapped) or not reference:
         raise ValueError("drift_summary needs the same (non-empty) list of conversations for both runs")
     ref = [[t["f1"] for t in c] for c in reference]

@@ -75,8 +75,18 @@ if [[ "${HS200:-0}" == 1 ]]; then
       eval.ppl.windows=32 "eval.tasks=[]" "eval.ppl.prefixes=[0,4,16,64,256]" "eval.modes=[target]" \
       eval.fidelity.enabled=false
   fi
-  run paper_sink1_tail16_hs "eval.tasks=[hellaswag]" eval.native_tail=16
+  # every family at the sizes, with and without the native sink, most informative first (~11 min each)
   run head_local_sink1     "eval.tasks=[hellaswag]" mapper.support=head_local
+  run rank64_sink1         "eval.tasks=[hellaswag]" mapper.rank=64
+  run rank64_attn_sink1    "eval.tasks=[hellaswag]" mapper.rank=64 mapper.weighting=attention
+  run paper_sink0          "eval.tasks=[hellaswag]" mapper.native_sink=0
+  run head_local_k16_sink0 "eval.tasks=[hellaswag]" mapper.support=head_local pair.k=16 mapper.native_sink=0
+  run rank32_sink1         "eval.tasks=[hellaswag]" mapper.rank=32
+  run rank32_attn_sink1    "eval.tasks=[hellaswag]" mapper.rank=32 mapper.weighting=attention
+  run head_local_sink0     "eval.tasks=[hellaswag]" mapper.support=head_local mapper.native_sink=0
+  run rank64_sink0         "eval.tasks=[hellaswag]" mapper.rank=64 mapper.native_sink=0
+  run rank64_attn_sink0    "eval.tasks=[hellaswag]" mapper.rank=64 mapper.weighting=attention mapper.native_sink=0
+  run paper_sink1_tail16_hs "eval.tasks=[hellaswag]" eval.native_tail=16
   exit 0
 fi
 

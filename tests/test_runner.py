@@ -148,6 +148,12 @@ def test_artifact_keys_follow_the_config(tiny_pair_dirs, tmp_path):
     assert result_dirs(Run(older, "x")) == result_dirs(base)
     assert result_dirs(tail)["baseline"] == result_dirs(base)["baseline"]
     assert result_dirs(tail)["mapped"] != result_dirs(base)["mapped"]
+    # whether perplexity runs selects what is computed, not how: a tasks-only run reads the full run's files,
+    # while a perplexity setting that changes the numbers still changes both keys
+    no_ppl = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "eval.ppl.enabled=false"), "x")
+    windows = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "eval.ppl.windows=3"), "x")
+    assert result_dirs(no_ppl) == result_dirs(base)
+    assert all(result_dirs(windows)[k] != result_dirs(base)[k] for k in ("baseline", "mapped"))
 
 
 def test_calibration_artifact_layout_is_part_of_the_moments_key(tiny_pair_dirs, tmp_path, monkeypatch):

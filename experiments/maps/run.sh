@@ -5,6 +5,8 @@
 #   bash experiments/qwen25coder/run.sh      # first: calibration, baselines, the paper's map (sink 0 and 1)
 #   bash experiments/maps/run.sh              # the families below; rerun to resume (every stage is cached)
 #   FIDELITY=1 bash experiments/maps/run.sh   # cheaper rows: fit + held-out fidelity only (more ranks)
+#   HS200=1 bash experiments/maps/run.sh      # the issue's sizes: every family on HellaSwag n = 200, 32 windows
+#   ARC100=1 bash experiments/maps/run.sh     # ... and on ARC-C n = 100
 #   python experiments/maps/collect.py        # results/maps/{README tables, maps.csv|md, figures}
 # Baselines (target/source/no_context) and the paper's k = 8 map come from the cache the first script
 # filled, so each row below costs one map fit and its `transfer` evaluations only.
@@ -49,6 +51,33 @@ run() {  # run NAME OVERRIDES...   (a section may set OUT and the array EVAL of 
   echo "[$name] $(date -u +%H:%M:%S) done"
 }
 
+# the map rows of the issue's table, most informative first: families TASK_OVERRIDE runs each under the
+# section's OUT and EVAL (the paper's map at sink 1 is the first row)
+families() {
+  run paper_sink1          "$1"
+  run head_local_k16_sink1 "$1" mapper.support=head_local pair.k=16
+  run head_local_sink1     "$1" mapper.support=head_local
+  run rank64_sink1         "$1" mapper.rank=64
+  run rank64_attn_sink1    "$1" mapper.rank=64 mapper.weighting=attention
+  run paper_sink0          "$1" mapper.native_sink=0
+  run head_local_k16_sink0 "$1" mapper.support=head_local pair.k=16 mapper.native_sink=0
+  run rank32_sink1         "$1" mapper.rank=32
+  run rank32_attn_sink1    "$1" mapper.rank=32 mapper.weighting=attention
+  run head_local_sink0     "$1" mapper.support=head_local mapper.native_sink=0
+  run rank64_sink0         "$1" mapper.rank=64 mapper.native_sink=0
+  run rank64_attn_sink0    "$1" mapper.rank=64 mapper.weighting=attention mapper.native_sink=0
+}
+
+# ARC100=1: ARC-C on the first 100 items (the issue's size) for every row of `families`, under the eval key of
+# experiments/qwen25coder (n = 100, 16 windows), whose baselines that script computed: ~2.5 min per map
+if [[ "${ARC100:-0}" == 1 ]]; then
+  OUT=results/maps/runs_arc100
+  mkdir -p "$OUT"
+  EVAL=(eval.ppl.enabled=false "eval.modes=[target,source,transfer,no_context]")
+  families "eval.tasks=[arc_challenge]"
+  exit 0
+fi
+
 # HS200=1: the issue's sizes, HellaSwag on 200 items and perplexity on 32 windows (per-window NLLs, so the
 # perplexity gap closed has a bootstrap SE), for the maps that decide its two goals, and the native tail
 # (eval.native_tail=m: the target re-prefills the last m context tokens on top of the mapped cache). Its own
@@ -67,7 +96,6 @@ if [[ "${HS200:-0}" == 1 ]]; then
     python run.py +experiment=qwen25coder_cpu progress=false out_dir="$OUT/speed_tail" stage=[bench] \
       "bench.tokens=[256,1024]" "bench.native_tails=[4,16,64]"
   fi
-  run head_local_k16_sink1 "eval.tasks=[hellaswag]" mapper.support=head_local pair.k=16
   # the floor a tail must beat: the target reading only the start token and the last m tokens, i.e. its own
   # perplexity at P = m on the same windows (drawn at max P = 256, so they are the rows' windows)
   if [[ ! -f "$OUT/truncation_floor/summary.json" ]]; then
@@ -76,16 +104,7 @@ if [[ "${HS200:-0}" == 1 ]]; then
       eval.fidelity.enabled=false
   fi
   # every family at the issue's sizes, with and without the native sink, most informative first (~11 min each)
-  run head_local_sink1     "eval.tasks=[hellaswag]" mapper.support=head_local
-  run rank64_sink1         "eval.tasks=[hellaswag]" mapper.rank=64
-  run rank64_attn_sink1    "eval.tasks=[hellaswag]" mapper.rank=64 mapper.weighting=attention
-  run paper_sink0          "eval.tasks=[hellaswag]" mapper.native_sink=0
-  run head_local_k16_sink0 "eval.tasks=[hellaswag]" mapper.support=head_local pair.k=16 mapper.native_sink=0
-  run rank32_sink1         "eval.tasks=[hellaswag]" mapper.rank=32
-  run rank32_attn_sink1    "eval.tasks=[hellaswag]" mapper.rank=32 mapper.weighting=attention
-  run head_local_sink0     "eval.tasks=[hellaswag]" mapper.support=head_local mapper.native_sink=0
-  run rank64_sink0         "eval.tasks=[hellaswag]" mapper.rank=64 mapper.native_sink=0
-  run rank64_attn_sink0    "eval.tasks=[hellaswag]" mapper.rank=64 mapper.weighting=attention mapper.native_sink=0
+  families "eval.tasks=[hellaswag]"
   run paper_sink1_tail16_hs "eval.tasks=[hellaswag]" eval.native_tail=16
   exit 0
 fi

@@ -135,11 +135,15 @@ def result_dirs(run, part: str = "task") -> dict[str, Path]:
 
     `part` is "task" / "ppl" (benchmark and perplexity results) or "coqa". Whether CoQA runs does not
     change a task or perplexity result, so their keys see coqa.enabled=false: switching CoQA on reuses
-    every cached task and perplexity result (and keys made before this rule stay valid)."""
+    every cached task and perplexity result (and keys made before this rule stay valid). Likewise whether
+    perplexity runs changes no task result: every key sees ppl.enabled=true (the value results cached
+    before this rule were keyed under), so a tasks-only run reuses the benchmarks of a full run."""
     ecfg = {k: v for k, v in run.cfg["eval"].items()
             if k not in SELECTION_KEYS and not (k in KEY_DEFAULTS and v == KEY_DEFAULTS[k])}
     if part != "coqa" and isinstance(ecfg.get("coqa"), dict):
         ecfg["coqa"] = dict(ecfg["coqa"], enabled=False)
+    if isinstance(ecfg.get("ppl"), dict):
+        ecfg["ppl"] = dict(ecfg["ppl"], enabled=True)
     base_cfg = {k: v for k, v in ecfg.items() if k not in MAPPED_ONLY_KEYS}
     baseline = artifact_key(run.pair_identity(), base_cfg, run.context_start, run.cfg.get("seed", 0))
     mapped = artifact_key(run.mapper_dir().name, ecfg, run.rope_at_inference, run.context_start,

@@ -20,10 +20,15 @@ weighting (the output metric Gamma of the fit: minimise E |Gamma^1/2 (y - y_hat)
     keeps its scale. A full-rank least-squares map is optimal in every output metric, so the metric
     changes a map only through its rank (and lambda's scale): `fit_family` refuses weighting without
     rank rather than fit something that silently equals the unweighted map.
+    "attention_mass": weights observations, not outputs -- each calibration token's rows count in
+    proportion to the attention the target's queries put on it in that target layer (`attention_mass`),
+    so the fit spends its capacity on the tokens attention reads. This changes the full-rank solution
+    too. The fit needs the tokens' raw features (the calibration's kept feature sample, `calib.mlp_samples`)
+    because the moments have already summed over tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,7 +36,7 @@ from .moments import KINDS, HeldOut, Moments
 from .ridge import (LayerFit, check_observations, head_r2, moments_eps, reduced_rank, solve_spd)
 
 SUPPORTS = ("full", "head_local")
-WEIGHTINGS = ("none", "attention")
+WEIGHTINGS = ("none", "attention", "attention_mass")
 
 
 def head_groups(n_kv_s: int, n_kv_t: int) -> list[list[int]]:
@@ -109,6 +114,70 @@ def query_energy(model, token_ids: torch.Tensor, *, batch_size: int = 8) -> torc
     return sums / max(count, 1)
 
 
+@torch.no_grad()
+def attention_mass(model, token_ids: torch.Tensor, positions: torch.Tensor, *, batch_size: int = 4) -> torch.Tensor:
+    """Attention each kept key position receives from `model`'s late queries: [n, L, len(positions)] float32.
+
+    token_ids: unpadded [n, S]. For key position t, the mean over the query heads of every layer and over the
+    queries i in the last quarter of the sequence that can see it (i >= max(t, S - S // 4)) of softmax
+    weight a[i, t]. Late queries read the whole sequence, as a continuation reads a transferred context;
+    the mean over the queries that can see t (not their sum) keeps the causal count of queries out of it.
+    Runs the model with eager attention (restored afterwards) and reduces each layer's weights in a hook,
+    so only one layer's [batch, heads, S, S] weights are alive at a time.
+    """
+    from .models import decoder
+
+    layers = decoder(model).layers
+    n, seq = token_ids.shape
+    lo = seq - seq // 4
+    counts = (seq - torch.clamp(positions, min=lo)).double()  # queries in the window that see each position
+    out = torch.zeros(n, len(layers), len(positions), dtype=torch.float32)
+    rows = slice(0, 0)
+    hooks = []
+    for i, layer in enumerate(layers):
+        def hook(_m, _inp, output, i=i):
+            weights = output[1]
+            if weights is None:
+                raise RuntimeError("attention weights unavailable: attention_mass needs eager attention")
+            window = weights[:, :, lo:, :].double().mean(1).sum(1)  # [b, S]: summed over the window's queries
+            out[rows, i] = (window[:, positions.to(window.device)].cpu() / counts).float()
+            return (output[0], None) + tuple(output[2:])
+        hooks.append(_attention(layer).register_forward_hook(hook))
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        device = next(model.parameters()).device
+        for start in range(0, n, batch_size):
+            rows = slice(start, min(start + batch_size, n))
+            model(input_ids=token_ids[rows].to(device), use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def weighted_moments(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(mean_x [p], mean_y [q], cxx [p, p], cxy [p, q]) float64 of rows x [n, p], y [n, q] under weights
+    w [n] >= 0, scaled to sum n so that lambda keeps the scale it has on unweighted sums (weights all 1
+    give exactly the unweighted centred moments)."""
+    w = w.double()
+    if (w < 0).any() or not float(w.sum()) > 0:
+        raise ValueError("observation weights must be >= 0 with a positive sum")
+    w = w * (w.numel() / w.sum())
+    mean_x = (w @ x.double()) / w.numel()
+    mean_y = (w @ y.double()) / w.numel()
+    xc = x.double() - mean_x
+    xw = xc * w[:, None]
+    return mean_x, mean_y, xw.T @ xc, xw.T @ (y.double() - mean_y)
+
+
+def effective_observations(w: torch.Tensor) -> float:
+    """Kish's effective sample size (sum w)^2 / sum w^2 of observation weights w [n]."""
+    w = w.double()
+    return float(w.sum() ** 2 / (w * w).sum())
+
+
 def _normalised(gamma: torch.Tensor) -> torch.Tensor:
     """Scale each [.., d, d] metric to mean eigenvalue 1 (trace d)."""
     d = gamma.shape[-1]
@@ -163,6 +232,7 @@ class FamilyFit:
     support: str
     rank: int | None
     weighting: str
+    info: dict = field(default_factory=dict)
 
 
 def _sqrt_pair(gamma: torch.Tensor, floor: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,21 +244,31 @@ def _sqrt_pair(gamma: torch.Tensor, floor: float = 1e-6) -> tuple[torch.Tensor, 
 
 def fit_family(moments: Moments, selected_layers: list[list[int]], *, n_kv_s: int, d_s: int, n_kv_t: int,
                lam: float = 0.01, support: str = "full", rank: int | None = None, weighting: str = "none",
-               metrics: dict | None = None, heldout: Moments | HeldOut | None = None, force: bool = False,
-               stride: int | None = None, progress=None) -> FamilyFit:
+               metrics: dict | None = None, sample: dict | None = None, row_weights: torch.Tensor | None = None,
+               heldout: Moments | HeldOut | None = None, force: bool = False, stride: int | None = None,
+               progress=None) -> FamilyFit:
     """Fit K and V maps of one family for every target layer from its `selected_layers[i]`.
 
     metrics: {"k", "v": [L_t, n_kv_t, d_t, d_t]} output metrics (`key_metric`, `value_metric`) for
-    weighting="attention". R² is evaluated as for the paper's map (`ridge.head_r2`) on the map
-    expanded to [p, q] (zeros outside each group's support).
+    weighting="attention". sample ({"xk", "xv": [n, Dx], "yk", "yv": [n, Dy]}, the moments' column layout)
+    and row_weights ([n, model target layers], e.g. `attention_mass` at the sample's tokens) for
+    weighting="attention_mass": each layer's fit then uses the sample's weighted moments instead of
+    `moments`. R² is evaluated as for the paper's map (`ridge.head_r2`, unweighted, on `moments` and
+    `heldout`) on the map expanded to [p, q] (zeros outside each group's support).
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"mapper.weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    if weighting != "none" and rank is None:
+    if weighting == "attention" and rank is None:
         raise ValueError("mapper.weighting=attention changes only reduced-rank fits (a full-rank least-squares "
                          "map is already optimal in every output metric); set mapper.rank=r or weighting=none")
-    if weighting != "none" and metrics is None:
+    if weighting == "attention" and metrics is None:
         raise ValueError("weighting=attention needs metrics={'k': key_metric(...), 'v': value_metric(...)}")
+    if weighting == "attention_mass":
+        if sample is None or row_weights is None:
+            raise ValueError("weighting=attention_mass needs the calibration's feature sample and its row weights "
+                             "(sample=..., row_weights=attention_mass(...) at the sample's tokens)")
+        if row_weights.shape[0] != sample["xk"].shape[0]:
+            raise ValueError(f"row_weights has {row_weights.shape[0]} rows, the sample {sample['xk'].shape[0]}")
     k = max(len(s) for s in selected_layers)
     d_t = moments.target_width // n_kv_t
     groups = support_columns(support, k, n_kv_s, d_s, n_kv_t)
@@ -206,11 +286,23 @@ def fit_family(moments: Moments, selected_layers: list[list[int]], *, n_kv_s: in
     up = {kind: [] for kind in KINDS}
     bias = {kind: [] for kind in KINDS}
     r2 = {"train": {kind: [] for kind in KINDS}, "heldout": {kind: [] for kind in KINDS}}
+    info = {}
+    if weighting == "attention_mass":
+        n_eff = [effective_observations(row_weights[:, t]) for t in moments.target_layers]
+        info = {"weighted_rows": int(row_weights.shape[0]), "effective_observations_min": round(min(n_eff), 1),
+                "effective_observations_mean": round(sum(n_eff) / len(n_eff), 1)}
     for t, layers in (wrap(list(zip(moments.target_layers, selected_layers)), desc="family fit")):
         for kind in KINDS:
             cols = moments.source_columns(list(layers)).to(moments.stats[kind]["cxx"].device)
-            cxx = moments.cov_xx(kind, cols).double()
-            cxy = moments.cov_xy(kind, cols, t).double()
+            if weighting == "attention_mass":
+                x = sample[f"x{kind}"][:, cols.cpu()]
+                y = sample[f"y{kind}"][:, moments.target_columns(t)]
+                mean_x, mean_y, cxx, cxy = weighted_moments(x, y, row_weights[:, t])
+            else:
+                cxx = moments.cov_xx(kind, cols).double()
+                cxy = moments.cov_xy(kind, cols, t).double()
+                mean_x = moments.stats[kind]["mean_x"][cols].double()
+                mean_y = moments.stats[kind]["mean_y"][moments.target_columns(t)].double()
             eps = moments_eps(moments)
             full = torch.zeros(cxx.shape[0], moments.target_width, dtype=torch.float64)
             downs, ups = [], []
@@ -232,9 +324,7 @@ def fit_family(moments: Moments, selected_layers: list[list[int]], *, n_kv_s: in
                 downs.append(dn)
                 ups.append(upm)
                 full[gcols, out] = dn @ upm
-            mean_x = moments.stats[kind]["mean_x"][cols].double()
-            mean_y = moments.stats[kind]["mean_y"][moments.target_columns(t)].double()
-            b_full = mean_y - mean_x @ full
+            b_full = mean_y.cpu() - mean_x.cpu() @ full
             down[kind].append(torch.stack(downs))
             up[kind].append(torch.stack(ups) if ups else None)
             bias[kind].append(b_full)
@@ -244,4 +334,4 @@ def fit_family(moments: Moments, selected_layers: list[list[int]], *, n_kv_s: in
                 r2["heldout"][kind].append(head_r2(heldout, kind, fit, t, d_t))
     r2 = {split: {kind: torch.stack(v) for kind, v in per.items() if v} for split, per in r2.items()}
     return FamilyFit([list(s) for s in selected_layers], columns, down, up, bias,
-                     {s: v for s, v in r2.items() if v}, lam, moments.n, support, rank, weighting)
+                     {s: v for s, v in r2.items() if v}, lam, moments.n, support, rank, weighting, info)

@@ -334,7 +334,7 @@ class FactoredMapper(MapperBase):
                    support=fit.support, weighting=fit.weighting,
                    selected_layers=torch.tensor(fit.selected_layers, dtype=torch.long),
                    source=model_identity(source_model), target=model_identity(target_model), key_space=key_space,
-                   lam=fit.lam, calibration=dict(calibration or {}, observations=fit.observations),
+                   lam=fit.lam, calibration=dict(calibration or {}, observations=fit.observations, **fit.info),
                    r2={split: {kind: v.tolist() for kind, v in per.items()} for split, per in fit.r2.items()})
 
     @classmethod

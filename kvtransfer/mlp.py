@@ -49,12 +49,15 @@ class FeatureSampler:
     def __call__(self, split: str, batch_index: int, x: dict, y: dict) -> None:
         if split != "train" or batch_index in self.batches:
             return
-        rows = x["k"].shape[0]
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_index)
-        keep = torch.randperm(rows, generator=g)[: self.per_batch].sort().values
+        keep = self.kept_rows(batch_index, x["k"].shape[0])
         for name, t in (("xk", x["k"]), ("xv", x["v"]), ("yk", y["k"]), ("yv", y["v"])):
             self.parts[name].append(t[keep.to(t.device)].float().cpu())
         self.batches.append(batch_index)
+
+    def kept_rows(self, batch_index: int, rows: int) -> torch.Tensor:
+        """Indices (sorted) of the rows this sampler keeps of train batch `batch_index` with `rows` rows."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_index)
+        return torch.randperm(rows, generator=g)[: self.per_batch].sort().values
 
     @property
     def complete(self) -> bool:
@@ -77,7 +80,8 @@ class FeatureSampler:
 
     def save(self, path) -> None:
         """Store the sample as safetensors (atomic)."""
-        atomic_save_tensors(path, self.tensors(), {"feature_sample": True})
+        atomic_save_tensors(path, self.tensors(), {"feature_sample": True, "batches": json.dumps(self.batches),
+                                                   "rows": json.dumps([t.shape[0] for t in self.parts["xk"]])})
 
     @staticmethod
     def load(path) -> dict[str, torch.Tensor]:

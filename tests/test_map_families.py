@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import kvtransfer as kt
-from kvtransfer.families import (fit_family, head_groups, key_metric, map_cost, query_energy, support_columns,
-                                 value_metric)
+from kvtransfer.families import (attention_mass, effective_observations, fit_family, head_groups, key_metric,
+                                 map_cost, query_energy, support_columns, value_metric, weighted_moments)
 from kvtransfer.mapper import FactoredMapper, Mapper, load_mapper
 from kvtransfer.moments import HeldOut, Moments
 from kvtransfer.ridge import fit_ridge, reduced_rank
@@ -154,6 +154,86 @@ def test_weighting_needs_rank_and_lowers_the_weighted_error(moments):
         err = {name: _objective(xs, ys, f.down["k"][t][0] @ f.up["k"][t][0], 0.0, gamma)
                for name, f in (("plain", plain), ("weighted", weighted))}
         assert err["weighted"] < err["plain"]
+
+
+def test_attention_mass_is_the_late_queries_mean_attention(pair):
+    """By hand from the model's own eager attention probabilities: for key t, the mean over heads and over
+    the queries i >= max(t, S - S // 4) of a[i, t]."""
+    _, target = pair
+    ids = random_ids(3, 16, seed=4)
+    positions = torch.arange(0, 16, 2)
+    before = target.config._attn_implementation
+    mass = attention_mass(target, ids, positions, batch_size=2)  # two batches: rows land where they belong
+    assert target.config._attn_implementation == before and mass.shape == (3, 2, 8)
+    target.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            probs = target(input_ids=ids, output_attentions=True, use_cache=False).attentions
+    finally:
+        target.set_attn_implementation(before)
+    lo = 16 - 4
+    for layer, a in enumerate(probs):
+        head_mean = a.double().mean(1)  # [3, S, S]
+        for j, t in enumerate(positions.tolist()):
+            queries = range(max(t, lo), 16)
+            expect = sum(head_mean[:, i, t] for i in queries) / len(queries)
+            assert torch.allclose(mass[:, layer, j].double(), expect, atol=1e-6)
+    # a late key is read by fewer window queries than an early one, and the means stay probabilities
+    assert (mass >= 0).all() and (mass <= 1 + 1e-6).all()
+
+
+def test_weighted_moments_are_moments_of_repeated_rows(moments):
+    train, _, x, y = moments
+    xs, ys = x["k"][:700], y["k"][:700]
+    mean_x, mean_y, cxx, cxy = weighted_moments(xs, ys, torch.ones(700))
+    assert torch.allclose(cxx, train.stats["k"]["cxx"].double(), atol=1e-8, rtol=1e-10)
+    assert torch.allclose(cxy, train.stats["k"]["cxy"].double(), atol=1e-8, rtol=1e-10)
+    assert torch.allclose(mean_x, train.stats["k"]["mean_x"].double(), atol=1e-12)
+    # integer weights == those rows repeated, up to the scale (weights are rescaled to sum n)
+    w = torch.randint(0, 4, (700,), generator=torch.Generator().manual_seed(1)).double()
+    rep = w.long()
+    mx, my, c, cy = weighted_moments(xs, ys, w)
+    xr, yr = xs.repeat_interleave(rep, 0), ys.repeat_interleave(rep, 0)
+    assert torch.allclose(mx, xr.mean(0), atol=1e-12) and torch.allclose(my, yr.mean(0), atol=1e-12)
+    scale = 700 / float(w.sum())
+    assert torch.allclose(c, scale * (xr - xr.mean(0)).T @ (xr - xr.mean(0)), atol=1e-8)
+    assert torch.allclose(cy, scale * (xr - xr.mean(0)).T @ (yr - yr.mean(0)), atol=1e-8)
+    assert effective_observations(torch.ones(10)) == pytest.approx(10)
+    assert effective_observations(torch.tensor([1.0, 0, 0, 0])) == pytest.approx(1)
+    with pytest.raises(ValueError, match=">= 0"):
+        weighted_moments(xs, ys, -torch.ones(700))
+
+
+@pytest.mark.parametrize("support,rank", [("full", None), ("head_local", 3)])
+def test_attention_mass_weighting_reweights_the_fit(moments, support, rank):
+    train, held, x, y = moments
+    sample = {f"{n}{kind}": t[kind][:700].float() for n, t in (("x", x), ("y", y)) for kind in ("k", "v")}
+    kw = dict(n_kv_s=N_S, d_s=D_S, n_kv_t=N_T, lam=0.5, support=support, rank=rank)
+    plain = fit_family(train, SELECTED, **kw)
+    with pytest.raises(ValueError, match="feature sample"):
+        fit_family(train, SELECTED, weighting="attention_mass", **kw)
+    with pytest.raises(ValueError, match="rows"):
+        fit_family(train, SELECTED, weighting="attention_mass", sample=sample, row_weights=torch.ones(9, 2), **kw)
+    # uniform weights on every train row: the unweighted fit (float32 sample -> float32-level agreement)
+    uniform = fit_family(train, SELECTED, weighting="attention_mass", sample=sample, row_weights=torch.ones(700, 2), **kw)
+    # per-layer weights: layer t's map is the plain fit to the rows repeated w[:, t] times
+    w = torch.randint(0, 3, (700, 2), generator=torch.Generator().manual_seed(2)).float()
+    weighted = fit_family(train, SELECTED, weighting="attention_mass", sample=sample, row_weights=w, **kw)
+    assert weighted.info["weighted_rows"] == 700 and weighted.info["effective_observations_min"] < 700
+    for t in range(2):
+        rep = w[:, t].long()
+        dup = Moments([0, 1, 2], [0, 1], W_S, Q)
+        dup.add({k: v[:700].repeat_interleave(rep, 0) for k, v in x.items()},
+                {k: v[:700].repeat_interleave(rep, 0) for k, v in y.items()})
+        # lambda is on the weight-rescaled sums: the repeated rows' fit with lambda scaled alike
+        ref = fit_family(dup, SELECTED, **dict(kw, lam=0.5 * float(w[:, t].sum()) / 700))
+        for kind in ("k", "v"):
+            for f, r in ((uniform, plain), (weighted, ref)):
+                got = f.down[kind][t] if rank is None else f.down[kind][t] @ f.up[kind][t]
+                exp = r.down[kind][t] if rank is None else r.down[kind][t] @ r.up[kind][t]
+                assert torch.allclose(got, exp, atol=1e-4, rtol=1e-4)
+                assert torch.allclose(f.bias[kind][t], r.bias[kind][t], atol=1e-4)
+        assert not torch.allclose(weighted.down["k"][t], plain.down["k"][t], atol=1e-3)
 
 
 def _mapper(fam, model_s, model_t):

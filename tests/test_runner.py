@@ -264,6 +264,48 @@ def test_map_families_through_the_pipeline(tiny_pair_dirs, tmp_path):
     assert fam["r2"]["k"]["train"] < paper["r2"]["k"]["train"]  # fewer features, lower rank: a worse in-sample fit
 
 
+def test_attention_mass_weighting_through_the_pipeline(tiny_pair_dirs, tmp_path):
+    """weighting=attention_mass: every weighted row is the (sequence, position) the sampler says it is (its
+    features are the target's at that token), its weight is the target's attention mass there, the sink
+    rows weigh nothing, and the fit is another map than the unweighted one."""
+    from kvtransfer.calibrate import kv_features, split_heldout
+    from kvtransfer.families import attention_mass
+
+    extra = ("calib.mlp_samples=100", "mapper.native_sink=1")  # ~100 of the 22 x 16 train rows: a real subsample
+    with pytest.raises(FileNotFoundError, match="calib.mlp_samples>0"):
+        execute(_tiny_cfg(tiny_pair_dirs, tmp_path / "bare", "stage=fit", "calib.mlp_samples=0",
+                          "mapper.weighting=attention_mass"), tmp_path / "none")
+    run = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", "mapper.weighting=attention_mass", *extra), "x")
+    run.moments()
+    sample, weights = run.observation_weights()
+    n = sample["xk"].shape[0]
+    assert weights.shape == (n, 3) and 100 <= n < 352  # ceil(100 / 3 batches) per batch
+    ids = run.token_ids()
+    train_idx, _ = split_heldout(ids.shape[0], run.cfg["calib"]["heldout_fraction"], 0)
+    target = run.model("target")[0]
+    feats = kv_features(target, ids[train_idx], stride=2)["k"].view(len(train_idx), 16, -1)
+    mass = attention_mass(target, ids[train_idx], torch.arange(0, 32, 2))
+    found = 0
+    for row in range(n):  # locate each kept row among all train tokens: its features pin down (sequence, position)
+        hit = (feats - sample["yk"][row]).abs().amax(-1) < 1e-5
+        # sequences that share a prefix share its rows: every match must be at one position, and the weight
+        # must be the mass of one of the matching sequences (their later tokens, and so the mass, differ)
+        hits = hit.nonzero().tolist()
+        assert hits and len({p for _, p in hits}) == 1
+        pos = hits[0][1]
+        expect = [torch.zeros(3) if pos == 0 else mass[seq, :, pos] for seq, _ in hits]
+        assert any(torch.allclose(weights[row], e, atol=1e-6) for e in expect)
+        found += pos > 0
+    assert 0 < found < n  # sink rows (weight 0) and others both in the sample
+    fam = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", "mapper.weighting=attention_mass", *extra),
+                  tmp_path / "mass")
+    plain = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", *extra), tmp_path / "plain")
+    m = fam["mapper"]
+    assert m["kind"] == "factored" and m["weighting"] == "attention_mass" and m["rank"] is None
+    assert m["path"] != plain["mapper"]["path"] and fam["r2"]["k"]["train"] != plain["r2"]["k"]["train"]
+    assert load_mapper(m["path"]).calibration["weighted_rows"] == n
+
+
 def test_one_calibration_serves_ridge_and_mlp(tiny_pair_dirs, tmp_path):
     # the feature sample is kept whenever calib.mlp_samples > 0, not only when the run fits an MLP:
     # a ridge run's calibration must let a later MLP run fit without calibrating again

@@ -55,6 +55,7 @@ run() {  # run NAME OVERRIDES...   (a section may set OUT and the array EVAL of 
 # section's OUT and EVAL (the paper's map at sink 1 is the first row)
 families() {
   run paper_sink1          "$1"
+  run mass_sink1           "$1" mapper.weighting=attention_mass   # the paper's support and rank, tokens weighted
   run head_local_k16_sink1 "$1" mapper.support=head_local pair.k=16
   run head_local_sink1     "$1" mapper.support=head_local
   run rank64_sink1         "$1" mapper.rank=64
@@ -66,6 +67,7 @@ families() {
   run head_local_sink0     "$1" mapper.support=head_local mapper.native_sink=0
   run rank64_sink0         "$1" mapper.rank=64 mapper.native_sink=0
   run rank64_attn_sink0    "$1" mapper.rank=64 mapper.weighting=attention mapper.native_sink=0
+  run mass_sink0           "$1" mapper.weighting=attention_mass mapper.native_sink=0
 }
 
 # ARC100=1: ARC-C on the first 100 items (the issue's size) for every row of `families`, under the eval key of

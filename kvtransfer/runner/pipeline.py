@@ -289,7 +289,7 @@ class Run:
         """Artifact directory of the mapper this config fits."""
         mapper = {key: v for key, v in dict(self.cfg["mapper"], k=self.k, lam=self.lam).items()
                   if key not in MAPPER_DEFAULTS or v != MAPPER_DEFAULTS[key]}  # keys of the paper's maps stay put
-        if mapper.get("weighting", "none") == "none":
+        if mapper.get("weighting", "none") != "attention":  # only the attention metric reads it
             mapper.pop("metric_sequences", None)
         moments_key = self.moments_dir(self.key_space).name
         return self.cache_dir / "mappers" / artifact_key(moments_key, mapper, self.cfg["calib"].get("mlp_samples"),
@@ -318,10 +318,12 @@ class Run:
             from ..families import fit_family
 
             src, tgt = (kv_shape(self.identity(side)) for side in ("source", "target"))
-            metrics = self.attention_metrics() if mcfg.get("weighting", "none") != "none" else None
+            weighting = mcfg.get("weighting", "none")
+            metrics = self.attention_metrics() if weighting == "attention" else None
+            sample, row_weights = self.observation_weights() if weighting == "attention_mass" else (None, None)
             fit = fit_family(train, selected, n_kv_s=src.n_kv, d_s=src.head_dim, n_kv_t=tgt.n_kv, lam=self.lam,
-                             support=mcfg.get("support", "full"), rank=mcfg.get("rank"),
-                             weighting=mcfg.get("weighting", "none"), metrics=metrics, heldout=heldout,
+                             support=mcfg.get("support", "full"), rank=mcfg.get("rank"), weighting=weighting,
+                             metrics=metrics, sample=sample, row_weights=row_weights, heldout=heldout,
                              force=mcfg.get("force", False), stride=info["stride"], progress=self.progress)
             mapper = FactoredMapper.from_family(fit, self.identity("source"), self.identity("target"),
                                                 key_space=self.key_space, calibration=info)
@@ -369,6 +371,50 @@ class Run:
             energy = query_energy(target, self.token_ids()[train_rows[:n_seq]], batch_size=calib["batch_size"])
             atomic_save_tensors(path, {"energy": energy}, {"sequences": str(n_seq)})
         return {"k": key_metric(energy, kv_shape(target).n_kv), "v": value_metric(target)}
+
+    def observation_weights(self) -> tuple[dict, torch.Tensor]:
+        """(feature sample, row weights [n, L_t]) of weighting=attention_mass (kvtransfer.families): the train
+        rows kept during calibration (calib.mlp_samples; all of them when it is >= the train observations)
+        and the attention mass the target puts on each row's token (`families.attention_mass`, cached next
+        to the moments), zero where the map is never applied (positions < mapper.native_sink)."""
+        from ..calibrate import subsample_positions
+        from ..families import attention_mass
+        from ..mlp import FeatureSampler
+
+        directory = self.moments_dir(self.key_space)
+        calib, seed = self.cfg["calib"], self.cfg.get("seed", 0)
+        ids = self.token_ids()
+        train_idx, _ = split_heldout(ids.shape[0], calib["heldout_fraction"], seed)
+        positions = subsample_positions(ids.shape[1], calib["stride"])
+        path = directory / "mlp_sample.safetensors"
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{path} is missing: mapper.weighting=attention_mass fits on the token rows kept during calibration; "
+                f"set calib.mlp_samples>0 (>= {len(train_idx) * len(positions)}, the train observations, to weight "
+                "every row) and calibrate into a fresh cache_dir")
+        sample, meta = load_tensors(path)
+        # which (sequence, position) each kept row is: the sampler's own per-batch choice, replayed
+        batches = [train_idx[i:i + calib["batch_size"]] for i in range(0, len(train_idx), calib["batch_size"])]
+        sampler = FeatureSampler(calib["mlp_samples"], len(batches), seed)
+        seq, pos = [], []
+        for b in json.loads(meta["batches"]) if "batches" in meta else range(len(batches)):
+            keep = sampler.kept_rows(b, len(batches[b]) * len(positions))
+            seq.append(keep // len(positions) + b * calib["batch_size"])  # index into train_idx
+            pos.append(keep % len(positions))
+        seq, pos = torch.cat(seq), torch.cat(pos)
+        if seq.numel() != sample["xk"].shape[0]:
+            raise ValueError(f"{path} holds {sample['xk'].shape[0]} rows but its sampler's choice replays to "
+                             f"{seq.numel()}: calibrate into a fresh cache_dir")
+        mass_path = directory / "attention_mass.safetensors"
+        if mass_path.exists():
+            mass = load_tensors(mass_path)[0]["mass"]
+        else:
+            target = self.model("target")[0]
+            mass = attention_mass(target, ids[train_idx], positions, batch_size=calib["batch_size"])
+            atomic_save_tensors(mass_path, {"mass": mass}, {"sequences": "train", "window": "last quarter"})
+        weights = mass[seq, :, pos]  # [n, L_t]
+        weights[positions[pos] < int(self.cfg["mapper"].get("native_sink") or 0)] = 0.0
+        return sample, weights
 
     def native_sink(self, mapper=None) -> int:
         """Leading context positions the target computes itself: the mapper artifact's `native_sink`

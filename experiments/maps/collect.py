@@ -128,6 +128,7 @@ def main() -> None:
     ap.add_argument("--runs", default="results/maps/runs")
     ap.add_argument("--fidelity-runs", default="results/maps/fidelity_runs")
     ap.add_argument("--hs200-runs", default="results/maps/runs_hs200")
+    ap.add_argument("--arc100-runs", default="results/maps/runs_arc100")
     ap.add_argument("--out", default="results/maps")
     ap.add_argument("--no-timing", action="store_true", help="skip the measured CPU apply time")
     args = ap.parse_args()
@@ -143,17 +144,23 @@ def main() -> None:
     if not summaries:
         raise SystemExit("no finished runs: run experiments/qwen25coder/run.sh and experiments/maps/run.sh first")
     timings = {}
-    if not args.no_timing:
+
+    def timing(s: dict) -> dict | None:
+        """Measured apply time at 1,024 tokens of a run's mapper (once per artifact); None with --no-timing."""
+        if args.no_timing:
+            return None
         from transformers import AutoConfig
 
         from kvtransfer.bench.measure import time_mapper
         from kvtransfer.mapper import load_mapper
 
-        any_s = next(iter(summaries.values()))
-        configs = [AutoConfig.from_pretrained(any_s[side]) for side in ("source", "target")]
-        for name, s in summaries.items():
-            timings[name] = time_mapper(load_mapper(s["mapper"]["path"]), *configs, tokens=1024)
-    rows = [row_of(name, s, timings.get(name)) for name, s in summaries.items()]
+        path = s["mapper"]["path"]
+        if path not in timings:
+            configs = [AutoConfig.from_pretrained(s[side]) for side in ("source", "target")]
+            timings[path] = time_mapper(load_mapper(path), *configs, tokens=1024)
+        return timings[path]
+
+    rows = [row_of(name, s, timing(s)) for name, s in summaries.items()]
     out = Path(args.out)
     _write(pd.DataFrame(rows), out / "tables", "maps")
     # fidelity-only rows (FIDELITY=1 run.sh): cost, R² and the held-out fidelity of more maps, no benchmark
@@ -176,7 +183,13 @@ def main() -> None:
             continue
         if (d / "summary.json").exists():
             s = load_run(d)
-            row = row_of(d.name, s, None)
+            row = row_of(d.name, s, timing(s) if s.get("native_tail", 1) == 1 else None)
+            arc = Path(args.arc100_runs) / d.name
+            if (arc / "summary.json").exists():  # ARC-C n = 100 of the same map (ARC100=1 run.sh)
+                a = load_run(arc)
+                if a["mapper"]["path"] != s["mapper"]["path"]:
+                    raise SystemExit(f"{arc} evaluated another map than {d}: rerun ARC100=1 for {d.name}")
+                row.update({k: v for k, v in row_of(d.name, a, None).items() if k.startswith("ARC")})
             p256 = {r["prefix"]: r for r in s.get("ppl", [])}.get(256)
             m = s.get("native_tail", 1)
             if m in truncated and p256:  # share of the (target at P = m) -> target gap the mapped rest closes
@@ -214,6 +227,8 @@ def main() -> None:
                               "vs paper map": round(c["apply_flops_per_token"] / paper["apply_flops_per_token"], 3)})
     _write(pd.DataFrame(cost_rows), out / "tables", "cost_paper_pairs")
     atomic_write_json(out / "maps.json", {"rows": rows, "hs200_rows": hs_rows, "timing_ms_1k": timings, "runs": runs})
+    if hs_rows:
+        print(pd.DataFrame(hs_rows).dropna(axis=1, how="all").to_markdown(index=False))
     print(pd.DataFrame(rows).to_markdown(index=False))
 
 

@@ -226,6 +226,28 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     return CalibrationMoments(split["train"], split["heldout"])
 
 
+@torch.no_grad()
+def sample_features(source, target, token_ids: torch.Tensor, train_batches: list[list[int]], sink, *, stride: int,
+                    key_space: str = "stripped", target_layers: list[int] | None = None, checkpoint_every: int = 8,
+                    progress=None) -> None:
+    """Feed `sink(split, batch_index, x, y)` (a `mlp.FeatureSampler`) the train batches' features exactly as
+    `collect_moments` would, without the moments: for a calibration whose moments exist but whose feature
+    sample does not. Batches the sink already holds are skipped, and `sink.checkpoint()` runs every
+    `checkpoint_every` batches, so an interrupted pass resumes."""
+    wrap = progress or (lambda it, **_: it)
+    src_codec = RopeCodec(source) if key_space == "stripped" else None
+    tgt_codec = RopeCodec(target) if key_space == "stripped" else None
+    pending = [i for i in range(len(train_batches)) if i not in set(getattr(sink, "batches", []))]
+    for n, i in enumerate(wrap(pending, desc="feature sample")):
+        idx = train_batches[i]
+        y = kv_features(target, token_ids[idx].to(target.device), stride=stride, key_space=key_space,
+                        layers=target_layers, codec=tgt_codec)
+        x = kv_features(source, token_ids[idx].to(source.device), stride=stride, key_space=key_space, codec=src_codec)
+        sink("train", i, x, y)
+        if (n + 1) % checkpoint_every == 0 and hasattr(sink, "checkpoint"):
+            sink.checkpoint()
+
+
 def _mark(split: dict, done: int, total: int) -> None:
     for part in ("train", "heldout"):
         split[part].info["batches_done"] = done

@@ -517,9 +517,16 @@ class Setup:
 
     @property
     def mlp_sample(self) -> int:
-        """FeatureSampler rows kept for an MLP mapper (float32 x and y, K and V)."""
-        n = int(self.calib.get("mlp_samples") or 0) if self.mapper_kind == "mlp" else 0
+        """The calibration's kept feature rows (float32 x and y, K and V): kept whenever calib.mlp_samples > 0,
+        whatever the mapper (one calibration serves ridge, MLP and weighting=attention_mass fits); at most the
+        train observations."""
+        n = min(int(self.calib.get("mlp_samples") or 0), self.n_train * self.kept)
         return 2 * n * (self.dx + self.dy) * 4
+
+    @property
+    def weights_rows(self) -> bool:
+        """Whether the fit is weighting=attention_mass (reads the feature sample and runs the target)."""
+        return self.mapper_kind == "ridge" and self.cfg["mapper"].get("weighting", "none") == "attention_mass"
 
     @property
     def mapper_w32(self) -> int:
@@ -697,15 +704,22 @@ def _fit(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> U
                 max(r2_work, w64 + _fit_transient(s, s.p), 3 * w64)}
         fit_s = (_r2_flops(s) + _ridge_flops(s, s.p)) / r.host_flops["float64"]
         fit_s += 2 * s.t_layers * 3 * s.p * s.p * s.a / r.host_bw  # gathers of the [p, p] blocks
-    loads = [s.load_host(x) for x in ("src", "tgt") if x not in loaded] if s.mapper_kind == "mlp" else []
+        if s.weights_rows:  # families.attention_mass over the train sequences, then weighted moments per layer
+            n = s.mlp_sample // (2 * 4 * (s.dx + s.dy))
+            dev["target weights + one layer's eager attention weights (attention-mass pass)"] = (
+                s.weights("tgt") + s.batch * s.tgt.heads * s.seq * s.seq * 4)
+            work["feature sample + one layer's weighted rows (float64)"] = s.mlp_sample + n * (2 * s.p + s.q) * 8
+            fit_s += s.n_train * prefill_flops(s.tgt, s.seq, s.seq) / s.flops_rate(s.mdtype)
+            fit_s += 2 * s.t_layers * 2 * n * (s.p * s.p + s.p * s.q) / r.host_flops["float64"]
+    models = ("src", "tgt") if s.mapper_kind == "mlp" else ("tgt",) if s.weights_rows else ()
+    loads = [s.load_host(x) for x in models if x not in loaded]
     host = {"train moments + held-out features": moments if not held_host else held_host, **work,
             "model loading (after the moments are read)": max(loads) if loads and s.device == "cuda" else 0.0}
-    _place(s, u, dev, host, ("src", "tgt") if s.mapper_kind == "mlp" else ())
+    _place(s, u, dev, host, models)
     u.parts["disk"] = {"earlier artifacts": disk_before, "mapper (float32)": s.mapper_w32}
     u.disk = sum(u.parts["disk"].values())
     u.parts["seconds"] = {"read moments": 0.0 if held_host else moments / r.disk, "solves (host float64)": fit_s,
-                          "load weights": s.load_seconds(*[x for x in ("src", "tgt") if x not in loaded])
-                          if s.mapper_kind == "mlp" else 0.0,
+                          "load weights": s.load_seconds(*[x for x in models if x not in loaded]),
                           "save mapper": s.mapper_w32 / r.disk}
     u.seconds = sum(u.parts["seconds"].values())
     if s.mapper_kind == "ridge":
@@ -1016,6 +1030,11 @@ def knob_candidates(cfg: dict, stage: str, node: Node, target_layers: int) -> li
             out.append(("calib.batch_size", max(1, int(c["batch_size"]) // 4), "smaller prefill activations"))
         if "target_layers" in c:
             out.append(("calib.target_layers", list(range(target_layers // 2)), "one shard of target layers per run"))
+    mapper = cfg.get("mapper") or {}
+    if int(c.get("mlp_samples") or 0) > 0 and mapper.get("kind", "ridge") == "ridge" and \
+            mapper.get("weighting", "none") != "attention_mass":  # the sample is in host memory, then on disk
+        out.append(("calib.mlp_samples", 0, "keep no feature sample (only mapper=mlp and "
+                    "mapper.weighting=attention_mass fits read it)"))
     if node.gpus > 1 and not cfg.get("device_map"):
         out.append(("device_map", "auto", "spreads each model over all GPUs (calibration across devices: "
                     "issue 10 §5)"))

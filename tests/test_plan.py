@@ -112,6 +112,32 @@ def test_device_accumulation_by_hand(cfg_14_32):
     assert host["device->host copies"] > 10 * cal["parts"]["seconds"]["device->host copies"]
 
 
+def test_the_feature_sample_is_planned_wherever_the_code_keeps_it(cfg_14_32):
+    """calib.mlp_samples > 0 keeps raw train feature rows in every calibration, not only an MLP run's: at
+    14B -> 32B 65,536 rows are 2 x 65,536 x (Dx + Dy) x 4 bytes = 52 GiB of host memory and then disk. The
+    paper's default keeps none; a ridge plan that keeps one offers calib.mlp_samples=0; an attention_mass fit
+    holds the sample and runs the target."""
+    assert cfg_14_32["calib"]["mlp_samples"] == 0
+    base = P.make_plan(cfg_14_32, H200, rates=FIXED_RATES, knobs=False)["stages"]
+    keep = dict(cfg_14_32, calib=dict(cfg_14_32["calib"], mlp_samples=65536))
+    plan = P.make_plan(keep, H200, rates=FIXED_RATES)["stages"]
+    sample = 2 * 65536 * (40_960 + 65_536) * 4
+    assert sample / P.GiB == pytest.approx(52.0, abs=0.1)
+    for stage, what in (("calibrate", "host_gib"), ("calibrate", "disk_gib"), ("eval", "disk_gib")):
+        assert (plan[stage][what] - base[stage][what]) * P.GiB == pytest.approx(sample, rel=1e-3), (stage, what)
+    assert any(k["set"] == "calib.mlp_samples=0" for k in plan["calibrate"]["knobs"])
+    mass = dict(keep, mapper=dict(keep["mapper"], weighting="attention_mass"))
+    fit = P.make_plan(mass, H200, rates=FIXED_RATES, knobs=False)["stages"]["fit"]
+    assert fit["parts"]["host"]["feature sample + one layer's weighted rows (float64)"] * P.GiB > sample
+    assert any(k.startswith("target weights") for k in fit["parts"]["gpu"])
+    assert fit["seconds"] > plan["fit"]["seconds"]
+    # more rows than the calibration has observations keep them all
+    huge = dict(cfg_14_32, calib=dict(cfg_14_32["calib"], mlp_samples=10 ** 9))
+    rows = 450 * 256
+    assert P.make_plan(huge, H200, rates=FIXED_RATES, knobs=False)["stages"]["calibrate"]["disk_gib"] * P.GiB == \
+        pytest.approx(base["calibrate"]["disk_gib"] * P.GiB + 2 * rows * (40_960 + 65_536) * 4, rel=1e-3)
+
+
 def test_sequential_capture_adds_the_feature_files(cfg_14_32):
     seq = dict(cfg_14_32, calib=dict(cfg_14_32["calib"], capture="sequential"))
     plan = P.make_plan(seq, H200, rates=FIXED_RATES, knobs=False)

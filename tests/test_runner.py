@@ -272,9 +272,10 @@ def test_attention_mass_weighting_through_the_pipeline(tiny_pair_dirs, tmp_path)
     from kvtransfer.families import attention_mass
 
     extra = ("calib.mlp_samples=100", "mapper.native_sink=1")  # ~100 of the 22 x 16 train rows: a real subsample
-    with pytest.raises(FileNotFoundError, match="calib.mlp_samples>0"):
+    with pytest.raises(ValueError, match="set calib.mlp_samples"):  # refused before anything calibrates
         execute(_tiny_cfg(tiny_pair_dirs, tmp_path / "bare", "stage=fit", "calib.mlp_samples=0",
                           "mapper.weighting=attention_mass"), tmp_path / "none")
+    assert not (tmp_path / "bare" / "artifacts").exists()
     run = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", "mapper.weighting=attention_mass", *extra), "x")
     run.moments()
     sample, weights = run.observation_weights()
@@ -304,6 +305,30 @@ def test_attention_mass_weighting_through_the_pipeline(tiny_pair_dirs, tmp_path)
     assert m["kind"] == "factored" and m["weighting"] == "attention_mass" and m["rank"] is None
     assert m["path"] != plain["mapper"]["path"] and fam["r2"]["k"]["train"] != plain["r2"]["k"]["train"]
     assert load_mapper(m["path"]).calibration["weighted_rows"] == n
+
+
+def test_feature_sample_after_a_calibration_that_kept_none(tiny_pair_dirs, tmp_path, monkeypatch):
+    """Moments calibrated with calib.mlp_samples=0 (the paper's ridge default: at 14B -> 32B a 65,536-row sample
+    is 52 GiB) serve a later MLP / attention_mass run: a sample-only pass keeps exactly the rows a calibration
+    with that mlp_samples keeps, without calibrating again."""
+    import kvtransfer.runner.pipeline as pipeline
+    from kvtransfer.io import load_tensors
+
+    execute(_tiny_cfg(tiny_pair_dirs, tmp_path / "a", "stage=[calibrate,fit]", "calib.mlp_samples=0"), tmp_path / "r0")
+    direct = Run(_tiny_cfg(tiny_pair_dirs, tmp_path / "b", "calib.mlp_samples=100"), "x")
+    direct.moments()  # a calibration that keeps the sample itself
+    reference = load_tensors(direct.feature_sample_path())[0]
+    later = Run(_tiny_cfg(tiny_pair_dirs, tmp_path / "a", "calib.mlp_samples=100"), "x")
+    assert not (later.moments_dir("stripped") / "mlp_sample.safetensors").exists()
+    monkeypatch.setattr(pipeline, "collect_moments", lambda *a, **k: pytest.fail("calibrated again"))
+    path = later.feature_sample_path()
+    assert path.name == "mlp_sample_100.safetensors"
+    got = load_tensors(path)[0]
+    assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
+    # and a fit that reads it runs on those moments
+    fam = execute(_tiny_cfg(tiny_pair_dirs, tmp_path / "a", "stage=fit", "calib.mlp_samples=100",
+                            "mapper.weighting=attention_mass"), tmp_path / "r1")
+    assert fam["mapper"]["weighting"] == "attention_mass"
 
 
 def test_one_calibration_serves_ridge_and_mlp(tiny_pair_dirs, tmp_path):

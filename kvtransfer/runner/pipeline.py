@@ -337,10 +337,7 @@ class Run:
 
             source, target = self.model("source")[0], self.model("target")[0]
 
-            sample_path = self.moments_dir(self.key_space) / "mlp_sample.safetensors"
-            if not sample_path.exists():
-                raise FileNotFoundError(f"{sample_path} is missing: the MLP trains on features kept during "
-                                        "calibration; rerun with calib.mlp_samples>0 and a fresh cache_dir")
+            sample_path = self.feature_sample_path()
             tgt = kv_shape(target)
             device = self.device if mcfg.get("device", "auto") == "auto" else mcfg["device"]
             mapper = fit_mlp(FeatureSampler.load(sample_path), selected, source, target,
@@ -372,29 +369,66 @@ class Run:
             atomic_save_tensors(path, {"energy": energy}, {"sequences": str(n_seq)})
         return {"k": key_metric(energy, kv_shape(target).n_kv), "v": value_metric(target)}
 
+    def _train_batches(self) -> tuple[list[int], list[list[int]], torch.Tensor]:
+        """(train sequence indices, calibration's train batches of them, kept positions per sequence)."""
+        from ..calibrate import subsample_positions
+
+        calib = self.cfg["calib"]
+        ids = self.token_ids()
+        train_idx, _ = split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))
+        batches = [train_idx[i:i + calib["batch_size"]] for i in range(0, len(train_idx), calib["batch_size"])]
+        return train_idx, batches, subsample_positions(ids.shape[1], calib["stride"])
+
+    def feature_sample_path(self) -> Path:
+        """The train feature rows kept for calib.mlp_samples (mapper=mlp, weighting=attention_mass): the sample
+        the calibration kept, or, when it kept none or another number of rows, a sample-only pass over the
+        train batches (both models' forward, no moments; resumable), cached next to the moments."""
+        from ..calibrate import sample_features
+        from ..mlp import FeatureSampler
+
+        calib, seed = self.cfg["calib"], self.cfg.get("seed", 0)
+        n = int(calib.get("mlp_samples") or 0)
+        if n <= 0:
+            raise ValueError("this mapper fits on calibration feature rows: set calib.mlp_samples > 0")
+        directory = self.moments_dir(self.key_space)
+        _, batches, positions = self._train_batches()
+        sampler = FeatureSampler(n, len(batches), seed)
+        rows = sum(min(sampler.per_batch, len(b) * len(positions)) for b in batches)
+        kept = directory / "mlp_sample.safetensors"   # what the calibration kept (with its own mlp_samples)
+        if kept.exists():
+            from safetensors import safe_open
+
+            with safe_open(str(kept), framework="pt") as f:
+                if f.get_slice("xk").get_shape()[0] == rows:
+                    return kept
+        path = directory / f"mlp_sample_{n}.safetensors"
+        if not path.exists():
+            partial = directory / f"mlp_sample_{n}.partial.safetensors"
+            sampler = FeatureSampler(n, len(batches), seed, state_path=partial)
+            source, target = self.model("source")[0], self.model("target")[0]
+            sample_features(source, target, self.token_ids(), batches, sampler, stride=calib["stride"],
+                            key_space=self.key_space, target_layers=calib.get("target_layers"),
+                            checkpoint_every=max(1, calib.get("checkpoint_every", 64) // calib["batch_size"]),
+                            progress=self.progress)
+            sampler.save(path)
+            partial.unlink(missing_ok=True)
+        return path
+
     def observation_weights(self) -> tuple[dict, torch.Tensor]:
         """(feature sample, row weights [n, L_t]) of weighting=attention_mass (kvtransfer.families): the train
         rows kept during calibration (calib.mlp_samples; all of them when it is >= the train observations)
         and the attention mass the target puts on each row's token (`families.attention_mass`, cached next
         to the moments), zero where the map is never applied (positions < mapper.native_sink)."""
-        from ..calibrate import subsample_positions
         from ..families import attention_mass
         from ..mlp import FeatureSampler
 
         directory = self.moments_dir(self.key_space)
         calib, seed = self.cfg["calib"], self.cfg.get("seed", 0)
         ids = self.token_ids()
-        train_idx, _ = split_heldout(ids.shape[0], calib["heldout_fraction"], seed)
-        positions = subsample_positions(ids.shape[1], calib["stride"])
-        path = directory / "mlp_sample.safetensors"
-        if not path.exists():
-            raise FileNotFoundError(
-                f"{path} is missing: mapper.weighting=attention_mass fits on the token rows kept during calibration; "
-                f"set calib.mlp_samples>0 (>= {len(train_idx) * len(positions)}, the train observations, to weight "
-                "every row) and calibrate into a fresh cache_dir")
+        train_idx, batches, positions = self._train_batches()
+        path = self.feature_sample_path()
         sample, meta = load_tensors(path)
         # which (sequence, position) each kept row is: the sampler's own per-batch choice, replayed
-        batches = [train_idx[i:i + calib["batch_size"]] for i in range(0, len(train_idx), calib["batch_size"])]
         sampler = FeatureSampler(calib["mlp_samples"], len(batches), seed)
         seq, pos = [], []
         for b in json.loads(meta["batches"]) if "batches" in meta else range(len(batches)):
@@ -404,7 +438,7 @@ class Run:
         seq, pos = torch.cat(seq), torch.cat(pos)
         if seq.numel() != sample["xk"].shape[0]:
             raise ValueError(f"{path} holds {sample['xk'].shape[0]} rows but its sampler's choice replays to "
-                             f"{seq.numel()}: calibrate into a fresh cache_dir")
+                             f"{seq.numel()}: delete it (the next run samples the features again)")
         mass_path = directory / "attention_mass.safetensors"
         if mass_path.exists():
             mass = load_tensors(mass_path)[0]["mass"]
@@ -573,6 +607,19 @@ def plan_run(cfg: dict, out_dir: str | Path, stages: list[str] | None = None, *,
     return plan
 
 
+def needs_feature_sample(mapper: dict) -> bool:
+    """Whether a mapper config fits on the calibration's kept feature rows (mapper=mlp, weighting=attention_mass)."""
+    return mapper.get("kind", "ridge") == "mlp" or mapper.get("weighting", "none") == "attention_mass"
+
+
+def check_feature_sample(cfg: dict) -> None:
+    """Refuse, before anything loads or calibrates, a mapper that needs the feature sample when none is kept."""
+    if needs_feature_sample(cfg["mapper"]) and not cfg["calib"].get("mlp_samples"):
+        what = "mapper=mlp" if cfg["mapper"].get("kind") == "mlp" else "mapper.weighting=attention_mass"
+        raise ValueError(f"{what} fits on calibration feature rows, but calib.mlp_samples=0 keeps none: set "
+                         "calib.mlp_samples (e.g. 65536; host memory and disk: see the resource plan)")
+
+
 def execute(cfg: dict, out_dir: str | Path) -> dict:
     """Run the configured stages; write summary.json (+ tables/figures in the report stage).
 
@@ -584,6 +631,7 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "config.json", cfg)  # the resolved config that made this run
     stages = parse_stages(cfg.get("stage", "all"))
+    check_feature_sample(cfg)
     plan_run(cfg, out_dir, stages)  # prints + writes plan.json; PlanError before any load if a stage won't fit
     run = Run(cfg, out_dir)
     summary: dict = {"pair": cfg["pair"]["name"], "direction": cfg["pair"].get("direction", "forward"),

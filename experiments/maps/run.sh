@@ -61,13 +61,13 @@ families() {
   run rank64_sink1         "$1" mapper.rank=64
   run rank64_attn_sink1    "$1" mapper.rank=64 mapper.weighting=attention
   run paper_sink0          "$1" mapper.native_sink=0
-  run head_local_k16_sink0 "$1" mapper.support=head_local pair.k=16 mapper.native_sink=0
   run rank32_sink1         "$1" mapper.rank=32
+  run mass_sink0           "$1" mapper.weighting=attention_mass mapper.native_sink=0
+  run head_local_k16_sink0 "$1" mapper.support=head_local pair.k=16 mapper.native_sink=0
   run rank32_attn_sink1    "$1" mapper.rank=32 mapper.weighting=attention
   run head_local_sink0     "$1" mapper.support=head_local mapper.native_sink=0
   run rank64_sink0         "$1" mapper.rank=64 mapper.native_sink=0
   run rank64_attn_sink0    "$1" mapper.rank=64 mapper.weighting=attention mapper.native_sink=0
-  run mass_sink0           "$1" mapper.weighting=attention_mass mapper.native_sink=0
 }
 
 # ARC100=1: ARC-C on the first 100 items (the issue's size) for every row of `families`, under the eval key of

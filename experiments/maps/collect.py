@@ -96,7 +96,27 @@ def row_of(name: str, s: dict, timing: dict | None) -> dict:
             row[f"{label} {t['metric']}"] = _pm(t["transfer"], t["stderr_transfer"])
             row[f"{label} gap closed %"] = _pm(t["gap_closed"], t["stderr_gap_closed"], pct=True)
             row[f"{label} floor-norm. retention %"] = _pm(t["floor_normalized"], t["stderr_floor_normalized"], pct=True)
+            row[f"{label} retention %"] = _pm(t["retention"], t["stderr_retention"], pct=True)  # the paper's: transfer / target
     return row
+
+
+ISSUE_COLUMNS = {  # the issue's columns, in its order, from the HS200 rows (maps rows, no tails)
+    "map": "map", "params": "params", "apply MFLOP/token": "apply MFLOP/token",
+    "FLOPs vs paper @14B->32B": "FLOPs vs paper @14B->32B", "CPU ms @1K": "CPU ms @1K", "fit s": "fit s",
+    "K R² held-out": "K R²", "V R² held-out": "V R²", "attn cos": "attn cos", "next-token KL": "KL",
+    "top-1 agree": "top-1", "ppl@256 gap closed %": "ppl@256 gap closed %", "HS acc_norm": "HS acc_norm (200)",
+    "HS gap closed %": "HS gap closed %", "HS floor-norm. retention %": "HS floor-norm. %",
+    "ARC acc_norm": "ARC acc_norm (100)", "ARC retention %": "ARC retention % (paper's)",
+    "ARC floor-norm. retention %": "ARC floor-norm. %"}
+
+
+def issue_table(hs_rows: list[dict]) -> pd.DataFrame:
+    """One row per map (no native-tail rows) with the issue's columns, best perplexity first."""
+    rows = [{new: r.get(old) for old, new in ISSUE_COLUMNS.items()} for r in hs_rows
+            if not r.get("native tail") and r.get("HS n")]
+    df = pd.DataFrame(rows)
+    gap = df["ppl@256 gap closed %"].map(lambda v: float(str(v).split(" ")[0]))
+    return df.iloc[gap.argsort()[::-1]].reset_index(drop=True)
 
 
 def load_run(d: Path) -> dict:
@@ -212,6 +232,7 @@ def main() -> None:
                 if r.get("native tail") and r.get("HS n"):
                     r["re-prefill share HS"] = round(sum(min(r["native tail"], n - 1) / n for n in lengths) / len(lengths), 3)
         _write(pd.DataFrame(hs_rows).dropna(axis=1, how="all"), out / "tables", "maps_hs200")
+        _write(issue_table(hs_rows), out / "tables", "maps_issue")
     # (support, rank, k relative to this pair's k = 8): a map over twice the layers costs twice at any pair
     families = sorted({(*_family(s["mapper"]), s["mapper"]["k"] / 8) for s in summaries.values()},
                       key=lambda f: (f[0], f[1] or 0, f[2]))

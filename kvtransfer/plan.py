@@ -706,12 +706,13 @@ def _fit(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> U
         fit_s += 2 * s.t_layers * 3 * s.p * s.p * s.a / r.host_bw  # gathers of the [p, p] blocks
         if s.weights_rows:  # families.attention_mass over the train sequences, then weighted moments per layer
             n = s.mlp_sample // (2 * 4 * (s.dx + s.dy))
-            dev["target weights + one layer's eager attention weights (attention-mass pass)"] = (
-                s.weights("tgt") + s.batch * s.tgt.heads * s.seq * s.seq * 4)
+            # both models: the source too, for a sample-only pass when the calibration kept no rows
+            dev["source + target weights + one layer's eager attention weights (attention-mass pass)"] = (
+                s.weights("src", "tgt") + s.batch * s.tgt.heads * s.seq * s.seq * 4)
             work["feature sample + one layer's weighted rows (float64)"] = s.mlp_sample + n * (2 * s.p + s.q) * 8
             fit_s += s.n_train * prefill_flops(s.tgt, s.seq, s.seq) / s.flops_rate(s.mdtype)
             fit_s += 2 * s.t_layers * 2 * n * (s.p * s.p + s.p * s.q) / r.host_flops["float64"]
-    models = ("src", "tgt") if s.mapper_kind == "mlp" else ("tgt",) if s.weights_rows else ()
+    models = ("src", "tgt") if s.mapper_kind == "mlp" or s.weights_rows else ()
     loads = [s.load_host(x) for x in models if x not in loaded]
     host = {"train moments + held-out features": moments if not held_host else held_host, **work,
             "model loading (after the moments are read)": max(loads) if loads and s.device == "cuda" else 0.0}

@@ -129,7 +129,7 @@ def test_the_feature_sample_is_planned_wherever_the_code_keeps_it(cfg_14_32):
     mass = dict(keep, mapper=dict(keep["mapper"], weighting="attention_mass"))
     fit = P.make_plan(mass, H200, rates=FIXED_RATES, knobs=False)["stages"]["fit"]
     assert fit["parts"]["host"]["feature sample + one layer's weighted rows (float64)"] * P.GiB > sample
-    assert any(k.startswith("target weights") for k in fit["parts"]["gpu"])
+    assert any(k.startswith("source + target weights") for k in fit["parts"]["gpu"])
     assert fit["seconds"] > plan["fit"]["seconds"]
     # more rows than the calibration has observations keep them all
     huge = dict(cfg_14_32, calib=dict(cfg_14_32["calib"], mlp_samples=10 ** 9))

@@ -237,7 +237,8 @@ def sample_features(source, target, token_ids: torch.Tensor, train_batches: list
     wrap = progress or (lambda it, **_: it)
     src_codec = RopeCodec(source) if key_space == "stripped" else None
     tgt_codec = RopeCodec(target) if key_space == "stripped" else None
-    pending = [i for i in range(len(train_batches)) if i not in set(getattr(sink, "batches", []))]
+    held = set(getattr(sink, "batches", []))
+    pending = [i for i in range(len(train_batches)) if i not in held]
     for n, i in enumerate(wrap(pending, desc="feature sample")):
         idx = train_batches[i]
         y = kv_features(target, token_ids[idx].to(target.device), stride=stride, key_space=key_space,

@@ -277,7 +277,9 @@ def fit_family(moments: Moments, selected_layers: list[list[int]], *, n_kv_s: in
     if rank is not None and not 0 < rank <= min(p_g, q_g):
         raise ValueError(f"mapper.rank={rank} must be in 1..{min(p_g, q_g)} (min of features {p_g} and outputs "
                          f"{q_g} per group); rank=null is the full-rank map")
-    check_observations(p_g, moments.n, stride=stride or moments.info.get("stride"), force=force)
+    # an attention_mass fit sees only the sample's rows: guard p/n on those, not on the moments' count
+    n_obs = sample["xk"].shape[0] if weighting == "attention_mass" else moments.n
+    check_observations(p_g, n_obs, stride=stride or moments.info.get("stride"), force=force)
     if len({len(c) for c in groups}) != 1:
         raise ValueError(f"head_local groups of unequal size for n_kv {n_kv_s} -> {n_kv_t}; use support=full")
     columns = torch.stack(groups)

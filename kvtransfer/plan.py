@@ -524,7 +524,7 @@ class Setup:
         return 2 * n * (self.dx + self.dy) * 4
 
     @property
-    def weights_rows(self) -> bool:
+    def mass_weighted(self) -> bool:
         """Whether the fit is weighting=attention_mass (reads the feature sample and runs the target)."""
         return self.mapper_kind == "ridge" and self.cfg["mapper"].get("weighting", "none") == "attention_mass"
 
@@ -704,7 +704,7 @@ def _fit(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> U
                 max(r2_work, w64 + _fit_transient(s, s.p), 3 * w64)}
         fit_s = (_r2_flops(s) + _ridge_flops(s, s.p)) / r.host_flops["float64"]
         fit_s += 2 * s.t_layers * 3 * s.p * s.p * s.a / r.host_bw  # gathers of the [p, p] blocks
-        if s.weights_rows:  # families.attention_mass over the train sequences, then weighted moments per layer
+        if s.mass_weighted:  # families.attention_mass over the train sequences, then weighted moments per layer
             n = s.mlp_sample // (2 * 4 * (s.dx + s.dy))
             # both models: the source too, for a sample-only pass when the calibration kept no rows
             dev["source + target weights + one layer's eager attention weights (attention-mass pass)"] = (
@@ -712,7 +712,7 @@ def _fit(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> U
             work["feature sample + one layer's weighted rows (float64)"] = s.mlp_sample + n * (2 * s.p + s.q) * 8
             fit_s += s.n_train * prefill_flops(s.tgt, s.seq, s.seq) / s.flops_rate(s.mdtype)
             fit_s += 2 * s.t_layers * 2 * n * (s.p * s.p + s.p * s.q) / r.host_flops["float64"]
-    models = ("src", "tgt") if s.mapper_kind == "mlp" or s.weights_rows else ()
+    models = ("src", "tgt") if s.mapper_kind == "mlp" or s.mass_weighted else ()
     loads = [s.load_host(x) for x in models if x not in loaded]
     host = {"train moments + held-out features": moments if not held_host else held_host, **work,
             "model loading (after the moments are read)": max(loads) if loads and s.device == "cuda" else 0.0}

@@ -8,7 +8,7 @@ from kvtransfer.families import (attention_mass, effective_observations, fit_fam
                                  map_cost, query_energy, support_columns, value_metric, weighted_moments)
 from kvtransfer.mapper import FactoredMapper, Mapper, load_mapper
 from kvtransfer.moments import HeldOut, Moments
-from kvtransfer.ridge import fit_ridge, reduced_rank
+from kvtransfer.ridge import UnderdeterminedFit, fit_ridge, reduced_rank
 from kvtransfer.transfer import codec_for, map_layers, map_layers_reference
 from tiny_models import random_ids, tiny_model
 
@@ -214,6 +214,10 @@ def test_attention_mass_weighting_reweights_the_fit(moments, support, rank):
         fit_family(train, SELECTED, weighting="attention_mass", **kw)
     with pytest.raises(ValueError, match="rows"):
         fit_family(train, SELECTED, weighting="attention_mass", sample=sample, row_weights=torch.ones(9, 2), **kw)
+    # the p/n guard counts the rows the weighted fit sees (the sample's), not the moments' 700
+    few = {name: t[:10] for name, t in sample.items()}  # p_g = 16 (full) or 8 (head_local): p/n >= 0.8
+    with pytest.raises(UnderdeterminedFit):
+        fit_family(train, SELECTED, weighting="attention_mass", sample=few, row_weights=torch.ones(10, 2), **kw)
     # uniform weights on every train row: the unweighted fit (float32 sample -> float32-level agreement)
     uniform = fit_family(train, SELECTED, weighting="attention_mass", sample=sample, row_weights=torch.ones(700, 2), **kw)
     # per-layer weights: layer t's map is the plain fit to the rows repeated w[:, t] times

@@ -197,6 +197,7 @@ def main() -> None:
     # the sizes (HS200=1 run.sh): HellaSwag n = 200, perplexity on 32 windows with SEs, native tails
     hs_dir = Path(args.hs200_runs)
     hs_rows = []
+    arc_dir = Path(args.arc100_runs)
     # the target alone at P = 4 / 16 / 64 on the same windows: what a native tail of m tokens gives without any map
     floor_path = hs_dir / "truncation_floor" / "summary.json"
     truncated = {r["prefix"]: r["target"] for r in json.loads(floor_path.read_text())["ppl"]} if floor_path.exists() else {}
@@ -206,7 +207,7 @@ def main() -> None:
         if (d / "summary.json").exists():
             s = load_run(d)
             row = row_of(d.name, s, timing(s) if s.get("native_tail", 1) == 1 else None)
-            arc = Path(args.arc100_runs) / d.name
+            arc = arc_dir / d.name
             if (arc / "summary.json").exists():  # ARC-C n = 100 of the same map (ARC100=1 run.sh)
                 a = load_run(arc)
                 if a["mapper"]["path"] != s["mapper"]["path"]:
@@ -220,7 +221,6 @@ def main() -> None:
                     100 * (truncated[m] - p256["transfer"]) / (truncated[m] - p256["target"]), 1)
             hs_rows.append(row)
             summaries.setdefault(d.name, s)  # for the shapes-only cost table below
-    arc_dir = Path(args.arc100_runs)
     for d in sorted(arc_dir.iterdir()) if arc_dir.is_dir() else []:  # maps with ARC-C but no HS200 row yet
         if (d / "summary.json").exists() and not (hs_dir / d.name / "summary.json").exists():
             hs_rows.append(row_of(d.name, load_run(d), None))

@@ -41,6 +41,8 @@ def merge_main(main: dict, parts: dict[str, dict]) -> dict:
         out["warnings"] = list(out.get("warnings", [])) + [w for w in part.get("warnings", []) if w not in out.get("warnings", [])]
         out["merged_runs"].append(name)
     return out
+
+
 # the paper's Table 2 rows and the run of each (experiments/qwen25coder/run.sh; FULL=1 for the rotated-key ones)
 TABLE2 = (("full (k = 8)", "wiki_k8_sink1"), ("- RoPE re-rotation at inference", "wiki_no_rerotation"),
           ("- all RoPE handling (fit + apply on rotated keys)", "wiki_no_rope"),

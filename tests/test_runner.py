@@ -137,23 +137,19 @@ def test_artifact_keys_follow_the_config(tiny_pair_dirs, tmp_path):
     assert base.moments_dir("stripped") == lam.moments_dir("stripped") and base.mapper_dir() != lam.mapper_dir()
     assert rot.moments_dir(rot.key_space) != base.moments_dir(base.key_space)
     assert artifact_key({"a": 1, "b": 2}) == artifact_key({"b": 2, "a": 1})
-    # eval.native_tail: at its default (1, the protocol of every result cached before the knob existed) it is
-    # not part of the eval keys; another tail changes the mapped results' key only (baselines ignore it)
+    # eval.native_tail changes the mapped results' key only (baselines never read a mapped cache)
     from kvtransfer.runner.eval_stage import result_dirs
 
-    cfg = _tiny_cfg(tiny_pair_dirs, tmp_path)
-    older = copy.deepcopy(cfg)
-    del older["eval"]["native_tail"]
     tail = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "eval.native_tail=8"), "x")
-    assert result_dirs(Run(older, "x")) == result_dirs(base)
     assert result_dirs(tail)["baseline"] == result_dirs(base)["baseline"]
     assert result_dirs(tail)["mapped"] != result_dirs(base)["mapped"]
     # whether perplexity runs selects what is computed, not how: a tasks-only run reads the full run's files,
     # while a perplexity setting that changes the numbers still changes both keys
     no_ppl = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "eval.ppl.enabled=false"), "x")
     windows = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "eval.ppl.windows=3"), "x")
-    assert result_dirs(no_ppl) == result_dirs(base)
-    assert all(result_dirs(windows)[k] != result_dirs(base)[k] for k in ("baseline", "mapped"))
+    assert all(result_dirs(no_ppl, part) == result_dirs(base, part) for part in ("tasks", "ppl", "coqa"))
+    assert all(result_dirs(windows, "ppl")[k] != result_dirs(base, "ppl")[k] for k in ("baseline", "mapped"))
+    assert result_dirs(windows, "tasks") == result_dirs(base, "tasks")  # no task reads the perplexity windows
 
 
 def test_calibration_artifact_layout_is_part_of_the_moments_key(tiny_pair_dirs, tmp_path, monkeypatch):
@@ -163,8 +159,7 @@ def test_calibration_artifact_layout_is_part_of_the_moments_key(tiny_pair_dirs, 
 
     run = Run(_tiny_cfg(tiny_pair_dirs, tmp_path), "x")
     now = run.moments_dir("stripped")
-    assert run._calib_settings()["artifact_format"] == pipeline.MOMENTS_FORMAT == 3
-    assert run._calib_settings()["heldout_observations"] == 8192
+    assert pipeline.MOMENTS_FORMAT == 3
     monkeypatch.setattr(pipeline, "MOMENTS_FORMAT", 2)
     assert Run(_tiny_cfg(tiny_pair_dirs, tmp_path), "x").moments_dir("stripped") != now
     other = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "calib.heldout_observations=64"), "x")
@@ -322,7 +317,7 @@ def test_feature_sample_after_a_calibration_that_kept_none(tiny_pair_dirs, tmp_p
     assert not (later.moments_dir("stripped") / "mlp_sample.safetensors").exists()
     monkeypatch.setattr(pipeline, "collect_moments", lambda *a, **k: pytest.fail("calibrated again"))
     path = later.feature_sample_path()
-    assert path.name == "mlp_sample_100.safetensors"
+    assert path.name == f"feature_sample_{later.key('feature_sample')}.safetensors"
     got = load_tensors(path)[0]
     assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
     # and a fit that reads it runs on those moments

@@ -23,7 +23,6 @@ from ..cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
 from ..io import atomic_write_json
 from ..models import kv_shape
 from ..transfer import codec_for, map_layers
-from .keys import artifact_key
 
 
 # The dtype evaluation maps in: the saved mapper's (artifacts store float32 weights, and eval/adapter
@@ -109,13 +108,9 @@ def benchmark(run) -> list[dict]:
     bcfg = run.cfg["bench"]
     device = run.device
     shapes_only = bool(bcfg.get("shapes_only"))
-    identity = {"pair": run.cfg["pair"]["name"]} if shapes_only else {"pair": run.pair_identity(),
-                                                                       "mapper": run.mapper_dir().name}
     tails = list(bcfg.get("native_tails") or [])
-    if not tails:  # added after rows were cached: without tails the key is what it was
-        bcfg = {k: v for k, v in bcfg.items() if k != "native_tails"}
-    device_name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
-    path = run.cache_dir / "bench" / f"{artifact_key(identity, bcfg, device_name, torch.__version__)}.json"
+    name = "bench_shapes" if shapes_only else "bench"
+    path = run.cache_dir / "bench" / f"{run.key(name)}.json"
     if path.exists():
         return json.loads(path.read_text())
     dtype = _dtype(bcfg.get("dtype"), device)

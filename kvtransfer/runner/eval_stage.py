@@ -1,11 +1,12 @@
 """The eval stage of a run: benchmarks, prefix-conditioned PPL and multi-turn drift per mode, with the
 protocols of kvtransfer.eval.
 
-Results are cached per mode, so an interrupted evaluation resumes at the next mode and a rerun
-with the same config costs nothing. Modes that never read a mapped cache (target, source,
-native_injected, no_context) are keyed by the models + the eval settings they depend on
-(cache_dir/eval/baseline/<key>/), so a k or lambda sweep, a native_sink change or an ablation
-computes them once; `transfer` is keyed by the mapper + eval config (cache_dir/eval/<key>/).
+Results are cached per (mode, task | ppl | coqa) file, so an interrupted evaluation resumes where it
+stopped and a rerun with the same config costs nothing. Modes that never read a mapped cache (target,
+source, native_injected, no_context) live under cache_dir/eval/baseline/<key>/ with the keys of the
+artifacts `eval_tasks`, `eval_ppl`, `eval_coqa` (kvtransfer.runner.artifacts: models, data and the eval
+keys each part reads), so a k or lambda sweep, a native_sink change or an ablation computes them once;
+`transfer` results are keyed by the mapper too (`eval_<part>_mapped`, cache_dir/eval/<key>/).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from ..eval.tasks import PAPER_TASKS, task_manager
 from ..eval.tiny_suite import TINY_TASKS, write_tiny_yamls
 from ..io import atomic_write_json
 from ..models import kv_shape
-from .keys import artifact_key
 
 
 def _task_setup(ecfg: dict, work_dir: Path):
@@ -121,34 +121,20 @@ def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
 
 
 BASELINE_MODES = ("target", "source", "native_injected", "no_context")
-# eval keys that only change how a mapped cache is built, read or checked: baselines ignore them
-MAPPED_ONLY_KEYS = ("native_sink", "native_tail", "allow_context_start_mismatch")
-# eval keys added after results were cached, with the value every earlier result was computed under: dropped
-# from the keys at that value, so adding a knob leaves existing cached results valid
-KEY_DEFAULTS = {"native_tail": 1}
-# keys that select what is computed, not how: results are cached per (mode, task | ppl | coqa)
-SELECTION_KEYS = ("modes", "tasks", "fidelity")
+PARTS = ("tasks", "ppl", "coqa")
 
 
-def result_dirs(run, part: str = "task") -> dict[str, Path]:
-    """{"baseline": dir, "mapped": dir}: where per-mode results of this run's config live.
+def result_dirs(run, part: str = "tasks") -> dict[str, Path]:
+    """{"baseline": dir, "mapped": dir}: where per-mode results of `part` ("tasks", "ppl" or "coqa") live.
 
-    `part` is "task" / "ppl" (benchmark and perplexity results) or "coqa". Whether CoQA runs does not
-    change a task or perplexity result, so their keys see coqa.enabled=false: switching CoQA on reuses
-    every cached task and perplexity result (and keys made before this rule stay valid). Likewise whether
-    perplexity runs changes no task result: every key sees ppl.enabled=true (the value results cached
-    before this rule were keyed under), so a tasks-only run reuses the benchmarks of a full run."""
-    ecfg = {k: v for k, v in run.cfg["eval"].items()
-            if k not in SELECTION_KEYS and not (k in KEY_DEFAULTS and v == KEY_DEFAULTS[k])}
-    if part != "coqa" and isinstance(ecfg.get("coqa"), dict):
-        ecfg["coqa"] = dict(ecfg["coqa"], enabled=False)
-    if isinstance(ecfg.get("ppl"), dict):
-        ecfg["ppl"] = dict(ecfg["ppl"], enabled=True)
-    base_cfg = {k: v for k, v in ecfg.items() if k not in MAPPED_ONLY_KEYS}
-    baseline = artifact_key(run.pair_identity(), base_cfg, run.context_start, run.cfg.get("seed", 0))
-    mapped = artifact_key(run.mapper_dir().name, ecfg, run.rope_at_inference, run.context_start,
-                          run.cfg.get("seed", 0))
-    return {"baseline": run.cache_dir / "eval" / "baseline" / baseline, "mapped": run.cache_dir / "eval" / mapped}
+    Each is the artifact `eval_<part>` / `eval_<part>_mapped` of kvtransfer.runner.artifacts, keyed by the
+    eval keys that part reads: switching CoQA or perplexity on or off, or adding a task or a mode, reuses
+    every cached result (each (mode, task) is its own file), while a key that changes a number changes
+    the key of exactly the parts that read it."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    return {"baseline": run.cache_dir / "eval" / "baseline" / run.key(f"eval_{part}"),
+            "mapped": run.cache_dir / "eval" / run.key(f"eval_{part}_mapped")}
 
 
 def evaluate(run, on_compute=None) -> dict:
@@ -159,7 +145,7 @@ def evaluate(run, on_compute=None) -> dict:
     """
     ecfg = run.cfg["eval"]
     seed = run.cfg.get("seed", 0)
-    dirs = {"task": result_dirs(run), "coqa": result_dirs(run, "coqa")}
+    dirs = {part: result_dirs(run, part) for part in PARTS}
     modes = list(ecfg["modes"])
     source, tokenizer = run.model("source")
     target, _ = run.model("target")
@@ -187,7 +173,7 @@ def evaluate(run, on_compute=None) -> dict:
         result: dict = {"tasks": {}}
         announced = False
         for name, compute in parts.items():
-            directory = dirs["coqa" if name == "coqa" else "task"][kind]
+            directory = dirs["tasks" if name.startswith("task.") else name][kind]
             directory.mkdir(parents=True, exist_ok=True)
             path = directory / f"{mode}.{name}.json"
             if not path.exists():

@@ -3,7 +3,8 @@
 Takes a plain dict config (run.py resolves the Hydra config into one), so this module has no Hydra
 import. Before anything loads, `plan_run` plans the run on this machine (kvtransfer.plan) and refuses
 a requested stage that will not fit. Every stage artifact lives under `cache_dir` in a directory
-named by a hash of exactly the config that produced it (`keys.artifact_key`), so changing lambda or
+named by the hash of exactly its declared inputs (`artifacts.ARTIFACTS`: config keys, upstream
+artifacts, model and data identities), so changing lambda or
 k reuses the moments, changing tasks reuses the mapper, and an interrupted calibration resumes from
 its checkpoint. A stage asked for pulls the artifacts it needs, computing the missing ones.
 """
@@ -28,7 +29,7 @@ from ..models import check_same_tokenizer, config_hash, device_map_for, kv_shape
 from ..moments import HeldOut, Moments
 from ..ridge import UnderdeterminedFit, fit_ridge
 from ..select import r2_matrix, select_greedy, select_topk
-from .keys import artifact_key
+from .artifacts import ARTIFACTS, KEY_VERSION, compute_key
 
 STAGES = ("calibrate", "fit", "eval", "bench", "report")
 # Layout of a calibration artifact; part of its cache key, so artifacts of another layout are never misread.
@@ -126,30 +127,60 @@ class Run:
         return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
     def pair_identity(self) -> dict:
-        """Model refs + architecture hashes (read from configs only, no weights)."""
-        from transformers import AutoConfig
-
+        """{"source", "target": model identity, "dtype"}: each side's ref, architecture hash and weights
+        identity (kvtransfer.identity: hub revision or local-file digest), read without loading weights."""
         if "pair" not in self._memo:
-            out = {}
-            for side in ("source", "target"):
-                ref = self.model_ref(side)
-                cfg = AutoConfig.from_pretrained(ref, trust_remote_code=self.cfg.get("trust_remote_code", False))
-                out[side] = {"ref": ref, "config_hash": config_hash(cfg)}
-            out["dtype"] = self.cfg["pair"].get("dtype", "auto")
-            self._memo["pair"] = out
+            self._memo["pair"] = {side: self.model_identity(side) for side in ("source", "target")}
+            self._memo["pair"]["dtype"] = self.cfg["pair"].get("dtype", "auto")
         return self._memo["pair"]
 
-    # -- calibration ------------------------------------------------------------------------------
-    def _calib_settings(self) -> dict:
-        calib = dict(self.cfg["calib"], artifact_format=MOMENTS_FORMAT)
-        calib.pop("checkpoint_every", None)
-        calib.pop("store_device", None)
-        calib.pop("mlp_samples", None)
-        return calib
+    def model_identity(self, side: str) -> dict:
+        """{"ref", "config_hash", "weights"} of the source/target: what its artifacts are keyed by."""
+        from transformers import AutoConfig
 
+        from ..identity import weights_identity
+
+        memo = f"identity/{side}"
+        if memo not in self._memo:
+            ref = self.model_ref(side)
+            cfg = AutoConfig.from_pretrained(ref, trust_remote_code=self.cfg.get("trust_remote_code", False))
+            self._memo[memo] = {"ref": ref, "config_hash": config_hash(cfg), "weights": weights_identity(ref)}
+        return self._memo[memo]
+
+    def input_identity(self, name: str):
+        """Identity named by an artifact declaration: "source"/"target" (model identity), "calib_data" /
+        "eval_data" (size + sha256 of the local files the calibration / evaluation reads)."""
+        from ..identity import data_identity
+
+        if name in ("source", "target"):
+            return self.model_identity(name)
+        memo = f"identity/{name}"
+        if memo not in self._memo:
+            if name == "calib_data":
+                self._memo[memo] = data_identity(files=self.cfg["calib"].get("files") or ())
+            elif name == "eval_data":
+                self._memo[memo] = data_identity(directory=self.cfg["eval"].get("data_dir"))
+            else:
+                raise KeyError(f"no identity named {name!r}")
+        return self._memo[memo]
+
+    def key(self, name: str, key_space: str | None = None) -> str:
+        """Key of artifact `name` under this run's config, from its declaration (kvtransfer.runner.artifacts):
+        its config inputs, upstream keys, identities and runtime values. key_space: the calibration's
+        (default: the run's; a mapper is always fitted on the run's own key space)."""
+        art = ARTIFACTS[name]
+        upstream = {u: self.key(u) for u in art.upstream}
+        runtime = {"key_space": key_space or self.key_space, "format": MOMENTS_FORMAT, "torch": torch.__version__,
+                   "device": torch.cuda.get_device_name(0) if self.device.startswith("cuda") else "cpu"}
+        return compute_key(name, self.cfg, upstream=upstream,
+                           identities={i: self.input_identity(i) for i in art.identities},
+                           extra={e: runtime[e] for e in art.extra})
+
+    # -- calibration ------------------------------------------------------------------------------
     def moments_dir(self, key_space: str) -> Path:
         """Artifact directory of the calibration moments for `key_space`."""
-        return self.cache_dir / "moments" / artifact_key(self.pair_identity(), self._calib_settings(), key_space)
+        check_cache_version(self.cache_dir)
+        return self.cache_dir / "moments" / self.key("calibration", key_space)
 
     def token_ids(self) -> torch.Tensor:
         """Calibration sequences [n_sequences, seq_len] from calib.files or calib.dataset."""
@@ -287,13 +318,8 @@ class Run:
     # -- fit ----------------------------------------------------------------------------------------
     def mapper_dir(self) -> Path:
         """Artifact directory of the mapper this config fits."""
-        mapper = {key: v for key, v in dict(self.cfg["mapper"], k=self.k, lam=self.lam).items()
-                  if key not in MAPPER_DEFAULTS or v != MAPPER_DEFAULTS[key]}  # keys of the paper's maps stay put
-        if mapper.get("weighting", "none") != "attention":  # only the attention metric reads it
-            mapper.pop("metric_sequences", None)
-        moments_key = self.moments_dir(self.key_space).name
-        return self.cache_dir / "mappers" / artifact_key(moments_key, mapper, self.cfg["calib"].get("mlp_samples"),
-                                                         self.cfg.get("seed", 0))
+        check_cache_version(self.cache_dir)
+        return self.cache_dir / "mappers" / self.key("mapper")
 
     def mapper(self):
         """The fitted mapper (ridge or mlp), loaded from cache or fitted now."""
@@ -359,7 +385,7 @@ class Run:
 
         n_seq = int(self.cfg["mapper"].get("metric_sequences", 16))
         target = self.model("target")[0]
-        path = self.moments_dir(self.key_space) / f"query_energy_{n_seq}.safetensors"
+        path = self.moments_dir(self.key_space) / f"query_energy_{self.key('query_energy')}.safetensors"
         if path.exists():
             energy = load_tensors(path)[0]["energy"]
         else:
@@ -401,13 +427,13 @@ class Run:
             with safe_open(str(kept), framework="pt") as f:
                 if f.get_slice("xk").get_shape()[0] == rows:
                     return kept
-        path = directory / f"mlp_sample_{n}.safetensors"
+        path = directory / f"feature_sample_{self.key('feature_sample')}.safetensors"
         if not path.exists():
-            partial = directory / f"mlp_sample_{n}.partial.safetensors"
+            partial = path.with_suffix(".partial.safetensors")
             sampler = FeatureSampler(n, len(batches), seed, state_path=partial)
             source, target = self.model("source")[0], self.model("target")[0]
             sample_features(source, target, self.token_ids(), batches, sampler, stride=calib["stride"],
-                            key_space=self.key_space, target_layers=calib.get("target_layers"),
+                            key_space=self.key_space,
                             checkpoint_every=max(1, calib.get("checkpoint_every", 64) // calib["batch_size"]),
                             progress=self.progress)
             sampler.save(path)
@@ -439,7 +465,7 @@ class Run:
         if seq.numel() != sample["xk"].shape[0]:
             raise ValueError(f"{path} holds {sample['xk'].shape[0]} rows but its sampler's choice replays to "
                              f"{seq.numel()}: delete it (the next run samples the features again)")
-        mass_path = directory / "attention_mass.safetensors"
+        mass_path = directory / f"attention_mass_{self.key('attention_mass')}.safetensors"
         if mass_path.exists():
             mass = load_tensors(mass_path)[0]["mass"]
         else:
@@ -479,7 +505,7 @@ class Run:
         n_seq, cont = int(fcfg.get("sequences", 4)), int(fcfg.get("continuation", 32))
         mapper = self.mapper()
         sink = self.native_sink(mapper)
-        path = self.mapper_dir() / f"fidelity_{artifact_key(n_seq, cont, sink, self.rope_at_inference)}.json"
+        path = self.mapper_dir() / f"fidelity_{self.key('fidelity')}.json"
         if path.exists():
             return json.loads(path.read_text())
         calib = self.cfg["calib"]
@@ -532,8 +558,23 @@ def _domain_name(calib: dict) -> str:
     return str(calib.get("dataset"))
 
 
-# mapper keys added after the first artifacts: at these values they do not enter the artifact key
-MAPPER_DEFAULTS = {"support": "full", "rank": None, "weighting": "none", "native_sink": 0}
+def check_cache_version(cache_dir: Path) -> None:
+    """Say once per cache when it holds artifacts keyed under older key rules (they are never read: their
+    inputs are not known to match), and stamp the cache with the current KEY_VERSION."""
+    stamp = cache_dir / "KEYS_VERSION"
+    if stamp.exists() and stamp.read_text().strip() == str(KEY_VERSION):
+        return
+    old = [d.name for d in (cache_dir / "moments", cache_dir / "mappers", cache_dir / "eval", cache_dir / "bench")
+           if d.is_dir() and any(d.iterdir())]
+    if old:
+        import warnings
+
+        warnings.warn(f"{cache_dir} holds artifacts ({', '.join(old)}) keyed under key version "
+                      f"{stamp.read_text().strip() if stamp.exists() else 1}; version {KEY_VERSION} keys every artifact "
+                      "by the seed and the model weights too (kvtransfer.runner.artifacts), so none of them is reused "
+                      "and this run computes its own. Delete the old ones when no longer needed.", stacklevel=3)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(f"{KEY_VERSION}\n")
 
 
 def _is_family(mcfg: dict) -> bool:

@@ -1,0 +1,182 @@
+"""What each cached artifact is made of, declared in one place, and the key that follows from it.
+
+An artifact's key is the hash of exactly its declared inputs: the config leaves it reads, the keys
+of the artifacts it is computed from, the identities of the models and data it reads (weights
+included, `kvtransfer.identity`), and runtime values its caller names (the key space, the device).
+Every leaf of the composed config is either an input of some artifact or listed in `NOT_INPUTS`
+with the reason; tests/test_artifact_keys.py walks every pair and group option and fails on a key
+that is neither, so a new config key cannot slip into a run without deciding what it changes.
+
+A leaf module (standard library only): the pipeline, the eval and bench stages and the plan share it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .keys import artifact_key
+
+# Bumped whenever the key rules change what an existing key means. Version 2 (issue 20): the seed and the
+# model weights (hub revision or a digest of the local files) entered the keys; artifacts under version-1
+# keys are never read (their inputs are not known to match) -- `check_cache_version` says so once.
+KEY_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """One cached artifact: `inputs` (dotted config leaves), `upstream` artifacts, `identities` of the
+    models/data it reads, `extra` runtime values. `when` maps an input to (config leaf, values): the input
+    enters the key only while that leaf takes one of those values (a knob read only by some map kinds)."""
+    name: str
+    inputs: tuple[str, ...]
+    upstream: tuple[str, ...] = ()
+    identities: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+    when: dict = field(default_factory=dict)
+    doc: str = ""
+
+
+# what every model computation reads: weights dtype and attention kernel change the numbers
+_MODEL_RUN = ("pair.dtype", "attn_implementation")
+_EVAL_COMMON = ("eval.data_dir", "eval.batch_size", "eval.bootstrap", "calib.context_start", "seed", *_MODEL_RUN)
+_EVAL_MAPPED = ("eval.native_tail", "eval.allow_context_start_mismatch", "ablation.rope_at_inference")
+_TASKS = ("eval.limit", "eval.limits", "eval.num_fewshot", "eval.share_prefix", "eval.max_gen_toks")
+_PPL = ("eval.ppl.file", "eval.ppl.prefixes", "eval.ppl.continuation", "eval.ppl.windows")
+_COQA = ("eval.coqa.file", "eval.coqa.conversations", "eval.coqa.turns", "eval.coqa.protocols",
+         "eval.coqa.max_gen_toks")
+_MLP = ("mapper.hidden", "mapper.lr", "mapper.epochs", "mapper.batch_tokens", "mapper.device")
+
+ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
+    Artifact("calibration", doc="train moments + held-out features (+ the R² matrix of them, stored inside)",
+             inputs=("calib.dataset", "calib.dataset_name", "calib.split", "calib.files", "calib.text_field",
+                     "calib.domain", "calib.context_start", "calib.n_sequences", "calib.seq_len", "calib.stride",
+                     "calib.heldout_fraction", "calib.heldout_observations", "calib.batch_size", "calib.capture",
+                     "calib.dtype", "calib.compute_dtype", "calib.accumulate", "seed", *_MODEL_RUN),
+             identities=("source", "target", "calib_data"), extra=("key_space", "format")),
+    Artifact("feature_sample", doc="train feature rows for mapper=mlp / weighting=attention_mass",
+             inputs=("calib.mlp_samples",), upstream=("calibration",)),
+    Artifact("query_energy", doc="target query energy of weighting=attention (families.query_energy)",
+             inputs=("mapper.metric_sequences",), upstream=("calibration",)),
+    Artifact("attention_mass", doc="target attention mass per train token (families.attention_mass)",
+             inputs=(), upstream=("calibration",)),
+    Artifact("mapper", doc="the fitted map (ridge, its families, or the MLP)",
+             inputs=("mapper.kind", "mapper.k", "mapper.lam", "mapper.selection", "mapper.force",
+                     "mapper.native_sink", "mapper.support", "mapper.rank", "mapper.weighting",
+                     "mapper.metric_sequences", "calib.mlp_samples", "ablation.k", "ablation.lam", *_MLP),
+             upstream=("calibration",),
+             when={"mapper.metric_sequences": ("mapper.weighting", ("attention",)),
+                   "calib.mlp_samples": ("mapper.kind", ("mlp",)),
+                   **{k: ("mapper.kind", ("mlp",)) for k in _MLP}}),
+    Artifact("fidelity", doc="mapped vs native cache on held-out calibration sequences",
+             inputs=("eval.fidelity.sequences", "eval.fidelity.continuation", "ablation.rope_at_inference"),
+             upstream=("mapper",)),
+    Artifact("eval_tasks", doc="lm-eval task scores of the baseline modes (target, source, native_injected, floor)",
+             inputs=(*_TASKS, *_EVAL_COMMON), identities=("source", "target", "eval_data")),
+    Artifact("eval_ppl", doc="WikiText-2 prefix perplexity of the baseline modes",
+             inputs=(*_PPL, *_EVAL_COMMON), identities=("source", "target", "eval_data")),
+    Artifact("eval_coqa", doc="multi-turn CoQA drift of the baseline modes",
+             inputs=(*_COQA, *_EVAL_COMMON), identities=("source", "target", "eval_data")),
+    Artifact("eval_tasks_mapped", doc="lm-eval task scores through the map",
+             inputs=(*_TASKS, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",)),
+    Artifact("eval_ppl_mapped", doc="prefix perplexity through the map",
+             inputs=(*_PPL, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",)),
+    Artifact("eval_coqa_mapped", doc="CoQA drift through the map",
+             inputs=(*_COQA, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",)),
+    Artifact("bench", doc="mapper vs re-prefill timing of the run's models",
+             inputs=("bench.tokens", "bench.warmup", "bench.repeats", "bench.shapes_only", "bench.dtype",
+                     "bench.native_tails", "bench.mapper_dtypes", *_MODEL_RUN),
+             upstream=("mapper",), identities=("source", "target"), extra=("device", "torch")),
+    Artifact("bench_shapes", doc="timing on random weights with the pair's real shapes (bench.shapes_only)",
+             inputs=("pair.name", "bench.tokens", "bench.warmup", "bench.repeats", "bench.layers", "bench.dtype",
+                     "bench.mapper_dtypes"), extra=("device", "torch")),
+)}
+
+# Config leaves that are an input of no artifact, and why. Each is still used by the run, only not in a
+# way that changes a cached number.
+NOT_INPUTS: dict[str, str] = {
+    "stage": "selects which stages run", "out_dir": "where the run writes", "cache_dir": "where artifacts live",
+    "progress": "progress bars",
+    "device": "placement: which device computes (kernel rounding only)",
+    "device_map": "placement across GPUs", "trust_remote_code": "permission to run hub code; the model's "
+    "config hash and weights identity are keyed", "context_start": "read through calib.context_start "
+    "(interpolated from it)", "pair.name": "a label (the models are keyed by their identity)",
+    "pair.family": "a label", "pair.k": "read through mapper.k (interpolated from it)",
+    "pair.source.id": "keyed through the model identity", "pair.source.path": "keyed through the model identity",
+    "pair.target.id": "keyed through the model identity", "pair.target.path": "keyed through the model identity",
+    "pair.direction": "keyed through the model identities (it swaps them)",
+    "pair.source.device_map": "placement", "pair.target.device_map": "placement",
+    "pair.source.max_memory": "placement", "pair.target.max_memory": "placement",
+    "calib.store_device": "where the moments are held (placement)",
+    "calib.checkpoint_every": "how often a calibration checkpoints (the result is the same)",
+    "eval.tasks": "selects which task files are computed (each task is its own file)",
+    "eval.modes": "selects which mode files are computed (each mode is its own file)",
+    "eval.native_sink": "a check against the mapper's own native_sink (keyed through the mapper)",
+    "eval.fidelity.enabled": "selects whether fidelity runs", "eval.ppl.enabled": "selects whether perplexity runs",
+    "eval.coqa.enabled": "selects whether CoQA runs",
+    "ablation.name": "a label", "ablation.key_space": "keyed as the calibration's key_space (runtime value)",
+    "report.variance_k": "the report's Table-7 rows are recomputed each run (not cached)",
+    "report.rotated_heatmap": "asks for a second calibration (keyed by its key_space)",
+}
+NOT_INPUT_PREFIXES: dict[str, str] = {
+    "plan.": "the resource plan decides whether and how a run starts; the knobs it applies are config keys "
+             "that are classified themselves",
+    "wandb.": "logging only",
+    "dry_run.": "the dry run swaps models and data sizes, which are keyed through identities and config",
+    "hydra.": "launcher settings",
+}
+# dict-valued leaves hashed whole: their keys are user data (task names, devices), not config keys
+OPAQUE = ("eval.limits", "pair.source.max_memory", "pair.target.max_memory")
+
+
+def leaf_keys(cfg: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the config's leaves (values that are not non-empty dicts, and the OPAQUE dicts)."""
+    out = []
+    for name, value in cfg.items():
+        dotted = f"{prefix}{name}"
+        if isinstance(value, dict) and value and dotted not in OPAQUE:
+            out += leaf_keys(value, dotted + ".")
+        else:
+            out.append(dotted)
+    return out
+
+
+def lookup(cfg: dict, dotted: str):
+    """The value at a dotted key, None where the key is absent (a group option without that knob)."""
+    node = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def classify(dotted: str) -> list[str]:
+    """Names of the artifacts `dotted` is an input of, or ["-"] when it is declared not an input; [] when
+    it is neither (a key nobody classified)."""
+    users = [a.name for a in ARTIFACTS.values() if dotted in a.inputs]
+    if users:
+        return users
+    if dotted in NOT_INPUTS or any(dotted.startswith(p) for p in NOT_INPUT_PREFIXES):
+        return ["-"]
+    return []
+
+
+def key_inputs(name: str, cfg: dict) -> dict:
+    """{dotted key: value} of the config leaves artifact `name` reads under this config."""
+    art = ARTIFACTS[name]
+    out = {}
+    for dotted in art.inputs:
+        cond = art.when.get(dotted)
+        if cond is not None and lookup(cfg, cond[0]) not in cond[1]:
+            continue
+        out[dotted] = lookup(cfg, dotted)
+    return out
+
+
+def compute_key(name: str, cfg: dict, *, upstream: dict[str, str], identities: dict, extra: dict) -> str:
+    """Key of artifact `name`: the hash of its version, inputs, upstream keys, identities and extra values.
+
+    upstream/identities/extra must hold every name the declaration lists (KeyError otherwise: a caller
+    that forgets an input fails, it does not hash without it)."""
+    art = ARTIFACTS[name]
+    return artifact_key(KEY_VERSION, name, key_inputs(name, cfg), {u: upstream[u] for u in art.upstream},
+                        {i: identities[i] for i in art.identities}, {e: extra[e] for e in art.extra})

@@ -56,7 +56,7 @@ def directory_weights_digest(directory: str | Path) -> dict:
 
     Raises FileNotFoundError when the directory holds no weights file (nothing to identify the model by)."""
     directory = Path(directory)
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES) if directory.is_dir() else []
     if not files:
         raise FileNotFoundError(f"{directory} holds no weights file ({', '.join(_WEIGHT_SUFFIXES)}): "
                                 "point pair.<side>.path at a model directory saved with save_pretrained")
@@ -111,9 +111,13 @@ def file_identity(path: str | Path) -> dict:
     return {"path": str(path), "bytes": path.stat().st_size, "sha256": h.hexdigest()[:16]}
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".txt", ".csv", ".parquet")
+
+
 def data_identity(files=(), directory: str | Path | None = None) -> list[dict]:
-    """Identities of data files: each of `files`, plus every file directly under `directory` (sorted)."""
+    """Identities of data files: each of `files`, plus every data file (DATA_SUFFIXES) directly under
+    `directory`, sorted (a benchmark directory's README and licence notes are not read as data)."""
     out = [file_identity(f) for f in files or ()]
     if directory is not None and Path(directory).is_dir():
-        out += [file_identity(p) for p in sorted(Path(directory).iterdir()) if p.is_file()]
+        out += [file_identity(p) for p in sorted(Path(directory).iterdir()) if p.is_file() and p.suffix in DATA_SUFFIXES]
     return out

@@ -522,3 +522,72 @@ def test_switching_coqa_on_reuses_every_task_and_perplexity_result(tiny_pair_dir
     second = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, *base, "eval.coqa.enabled=true"), tmp_path / "b")
     assert sorted(computed) == ["target.coqa.json", "transfer.coqa.json"], computed
     assert second["tasks"] == first["tasks"] and second["ppl"] == first["ppl"] and "drift" in second
+
+
+def _locate(rows: torch.Tensor, tokens: torch.Tensor) -> list[set[int]]:
+    """For each feature row, the sequences whose tokens [n_seq, positions, D] hold that exact row (a row is
+    the features of one token; sequences that share a prefix share its rows, so a row can sit in several)."""
+    hits = []
+    for row in rows:
+        close = (tokens - row.to(tokens.dtype)).abs().amax(-1) < 1e-4  # batching moves float32 features ~1e-6
+        hits.append({int(s) for s in close.any(-1).nonzero().flatten()})
+    return hits
+
+
+def test_each_seed_calibrates_on_its_own_split(tiny_pair_dirs, tmp_path):
+    """Issue 20: seed=1, then seed=0 on the same cache. Each run's held-out rows come from its own held-out
+    sequences and its feature-sample rows from its own train sequences; the two seeds share no calibration.
+    (Before the seed was keyed, seed 1 reused seed 0's calibration and re-drew the split over it.)"""
+    from kvtransfer.calibrate import kv_features, split_heldout
+    from kvtransfer.io import load_tensors
+
+    extra = ("calib.mlp_samples=100", "calib.heldout_fraction=0.25")
+    dirs = {}
+    for seed in (0, 1, 0):
+        run = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, f"seed={seed}", *extra), "x")
+        _, heldout, _ = run.moments()
+        ids = run.token_ids()
+        train_idx, held_idx = split_heldout(ids.shape[0], 0.25, seed)
+        source = run.model("source")[0]
+        tokens = kv_features(source, ids, stride=2)["k"].view(ids.shape[0], 16, -1)
+        for rows, own in ((heldout.features["k"]["x"][:heldout.n], held_idx),
+                          (load_tensors(run.feature_sample_path())[0]["xk"], train_idx)):
+            found = _locate(rows, tokens)
+            unique = [next(iter(f)) for f in found if len(f) == 1]  # rows past any prefix another sequence shares
+            assert all(f & set(own) for f in found) and len(unique) > len(found) / 2
+            assert set(unique) <= set(own), f"seed {seed}: rows of sequences {set(unique) - set(own)} are not its own"
+        dirs.setdefault(seed, set()).add(run.moments_dir("stripped"))
+    assert len(dirs[0]) == 1 and dirs[0] != dirs[1]  # seed 0 again reuses its own calibration
+
+
+def test_new_weights_at_the_same_path_recompute_every_artifact(tiny_pair_dirs, tmp_path, monkeypatch):
+    """Issue 20 §2: a same-shape model saved over the source's directory is another model: the calibration,
+    mapper, evaluation and speed artifacts all get new keys, and the next run calibrates again."""
+    import shutil
+
+    import kvtransfer.runner.pipeline as pipeline
+    from kvtransfer.runner.artifacts import ARTIFACTS
+    from tiny_models import tiny_model
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_pair_dirs["small"], source)
+    dirs = dict(tiny_pair_dirs, small=str(source))
+    calls = []
+    real = pipeline.collect_moments
+    monkeypatch.setattr(pipeline, "collect_moments", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = execute(_tiny_cfg(dirs, tmp_path, "stage=[calibrate,fit]"), tmp_path / "r1")
+    before = Run(_tiny_cfg(dirs, tmp_path), "x")
+    keys = {name: before.key(name) for name in ARTIFACTS}
+    model = tiny_model("qwen3", layers=2, hidden=32, heads=4, seed=99)  # the fixture's shapes, other weights
+    model.resize_token_embeddings(len(json.loads((source / "tokenizer.json").read_text())["model"]["vocab"]),
+                                  mean_resizing=False)
+    model.config.vocab_size = model.get_input_embeddings().weight.shape[0]
+    model.save_pretrained(source)
+    after = Run(_tiny_cfg(dirs, tmp_path), "x")
+    for name in ARTIFACTS:
+        if name == "bench_shapes":  # random weights with the pair's configs: reads no model's weights
+            assert after.key(name) == keys[name]
+        else:
+            assert after.key(name) != keys[name], f"{name} would be reused for other weights"
+    second = execute(_tiny_cfg(dirs, tmp_path, "stage=[calibrate,fit]"), tmp_path / "r2")
+    assert len(calls) == 2 and second["mapper"]["path"] != first["mapper"]["path"]

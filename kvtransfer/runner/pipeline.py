@@ -219,6 +219,19 @@ class Run:
             self._calibrate(directory, key_space)
         return json.loads(done.read_text())
 
+    def split(self) -> tuple[list[int], list[int]]:
+        """(train, held-out) calibration sequence indices this run's moments were computed on. The
+        calibration records its held-out sequences; a split that disagrees with them (an artifact made
+        under another seed) is an error, never a silent mix of one seed's rows with another's split."""
+        info = self.calibration_info()
+        calib = self.cfg["calib"]
+        train, held = split_heldout(self.token_ids().shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))
+        if info.get("heldout_index") != held:
+            raise RuntimeError(f"the calibration at {self.moments_dir(self.key_space)} holds out sequences "
+                               f"{info.get('heldout_index')} but seed={self.cfg.get('seed', 0)} holds out {held}: it "
+                               "was made under another split; delete it (the next run calibrates again)")
+        return train, held
+
     def release_moments(self) -> None:
         """Drop the moments read by `moments` (tens of GB at paper scale); a later call reads them again."""
         for key in [k for k in self._memo if k.startswith("moments/")]:
@@ -274,6 +287,8 @@ class Run:
             sampler.save(directory / "mlp_sample.safetensors")
             (directory / "mlp_sample.partial.safetensors").unlink(missing_ok=True)
         info = {"sequences": result.train.info["sequences"], "heldout_sequences": result.heldout.info["heldout_sequences"],
+                "seed": self.cfg.get("seed", 0),
+                "heldout_index": split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))[1],
                 "tokens_per_seq": calib["seq_len"], "stride": calib["stride"], "observations": result.train.n,
                 "heldout_observations": result.heldout.n, "heldout_observations_total": result.heldout.seen,
                 "features": result.train.source_width,
@@ -390,7 +405,7 @@ class Run:
             energy = load_tensors(path)[0]["energy"]
         else:
             calib = self.cfg["calib"]
-            train_rows, _ = split_heldout(self.token_ids().shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))
+            train_rows, _ = self.split()
             energy = query_energy(target, self.token_ids()[train_rows[:n_seq]], batch_size=calib["batch_size"])
             atomic_save_tensors(path, {"energy": energy}, {"sequences": str(n_seq)})
         return {"k": key_metric(energy, kv_shape(target).n_kv), "v": value_metric(target)}
@@ -401,7 +416,7 @@ class Run:
 
         calib = self.cfg["calib"]
         ids = self.token_ids()
-        train_idx, _ = split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))
+        train_idx, _ = self.split()
         batches = [train_idx[i:i + calib["batch_size"]] for i in range(0, len(train_idx), calib["batch_size"])]
         return train_idx, batches, subsample_positions(ids.shape[1], calib["stride"])
 
@@ -508,9 +523,9 @@ class Run:
         path = self.mapper_dir() / f"fidelity_{self.key('fidelity')}.json"
         if path.exists():
             return json.loads(path.read_text())
-        calib = self.cfg["calib"]
         ids = self.token_ids()
-        _, held = split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))
+        _, held = self.split()
+        # calib.heldout_fraction=0 holds nothing out: the diagnostics then run on train sequences and say so
         rows = ids[held[:n_seq] or list(range(min(n_seq, ids.shape[0])))]
         cont = min(cont, rows.shape[1] // 2)  # short calibration sequences: half prefix, half continuation
         source, target = self.model("source")[0], self.model("target")[0]
@@ -521,7 +536,8 @@ class Run:
                           rope_at_inference=self.rope_at_inference, as_layers=True)
         native = prefill(target, prefix.to(target.device))
         continuation = continuation.to(target.device)
-        result = {"sequences": int(rows.shape[0]), "prefix": int(prefix.shape[1]), "continuation": cont,
+        result = {"sequences": int(rows.shape[0]), "on_train_sequences": not held, "prefix": int(prefix.shape[1]),
+                  "continuation": cont,
                   "native_sink": sink, "per_layer": compare_caches(target, native, mapped, continuation),
                   "per_position": position_diagnostics(target, native, mapped, continuation)}
         atomic_write_json(path, result)

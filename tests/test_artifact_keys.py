@@ -1,0 +1,201 @@
+"""Issue 20 §1-2: every artifact's key is the hash of exactly its declared inputs.
+
+- every leaf of every composed config (each pair, each group option) is an input of some artifact or
+  declared not to be one (with its reason): a new config key fails here until someone classifies it;
+- mutation: changing a declared input changes the artifact's key, changing anything else does not;
+- identities: new weights (a local directory's bytes, a hub snapshot's revision) or new data files
+  change the identity the keys hash.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtransfer.identity import data_identity, directory_weights_digest, hub_revision, weights_identity
+from kvtransfer.runner.artifacts import (ARTIFACTS, NOT_INPUTS, OPAQUE, classify, compute_key, key_inputs, leaf_keys,
+                                         lookup)
+from run_configs import ROOT, compose_config
+
+GROUPS = {"calib": ["fineweb_edu", "local", "tiny"], "mapper": ["ridge", "mlp"], "eval": ["default", "tiny"],
+          "ablation": ["full", "no_rerotation", "no_rope", "no_rope_k1", "no_rope_k1_no_ridge"],
+          "bench": ["default", "tiny"]}
+PAIRS = sorted(p.stem for p in (ROOT / "conf" / "pair").glob("*.yaml"))
+
+
+def _configs() -> list[dict]:
+    """Each pair once, then each group option once (on a paper pair), as composed plain dicts."""
+    out = [compose_config(f"pair={p}") for p in PAIRS]
+    for group, options in GROUPS.items():
+        for option in options:
+            extra = ["calib.files=[x.jsonl]"] if (group, option) == ("calib", "local") else []
+            out.append(compose_config("pair=qwen3_14b_32b", f"{group}={option}", *extra))
+    return out
+
+
+CONFIGS = _configs()
+
+
+def test_the_group_options_listed_here_are_all_there_are():
+    on_disk = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml")) for g in GROUPS}
+    assert on_disk == {g: sorted(o) for g, o in GROUPS.items()}
+
+
+def test_every_config_key_is_classified():
+    unclassified = sorted({k for cfg in CONFIGS for k in leaf_keys(cfg) if not classify(k)})
+    assert not unclassified, (
+        f"config keys {unclassified} are neither an input of an artifact nor in NOT_INPUTS: add each to the "
+        "inputs of every artifact whose numbers it changes (kvtransfer/runner/artifacts.py), or to NOT_INPUTS "
+        "with the reason it changes none")
+
+
+def test_every_declared_key_exists_in_some_config():
+    seen = {k for cfg in CONFIGS for k in leaf_keys(cfg)}
+    declared = {k for a in ARTIFACTS.values() for k in a.inputs} | set(NOT_INPUTS)
+    stale = sorted(declared - seen)
+    assert not stale, f"declared keys {stale} are in no composed config (renamed or removed?)"
+
+
+def _mutated(value):
+    """A different value of the same kind."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 2 + 1
+    if isinstance(value, str):
+        return value + "_x"
+    if isinstance(value, list):
+        return [*value, "x"]
+    if isinstance(value, dict):
+        return {**value, "x": 1}
+    return "set"  # None
+
+
+def _set(cfg: dict, dotted: str, value) -> dict:
+    out = copy.deepcopy(cfg)
+    node = out
+    *parents, last = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+    return out
+
+
+def _key(name: str, cfg: dict, **change) -> str:
+    art = ARTIFACTS[name]
+    ctx = {"upstream": {u: f"up-{u}" for u in art.upstream},
+           "identities": {i: {"id": i} for i in art.identities},
+           "extra": {e: f"x-{e}" for e in art.extra}}
+    for part, (entry, value) in change.items():
+        ctx[part][entry] = value
+    return compute_key(name, cfg, **ctx)
+
+
+# configs under which every conditional input is read: the paper's ridge, the attention metric, the MLP
+BASES = {"ridge": compose_config("pair=qwen3_14b_32b"),
+         "attention": compose_config("pair=qwen3_14b_32b", "mapper.weighting=attention", "mapper.rank=64"),
+         "mlp": compose_config("pair=qwen3_14b_32b", "mapper=mlp", "calib.mlp_samples=65536")}
+
+
+@pytest.mark.parametrize("name", sorted(ARTIFACTS))
+@pytest.mark.parametrize("base", sorted(BASES))
+def test_a_key_changes_with_each_input_and_nothing_else(name, base):
+    cfg = BASES[base]
+    key = _key(name, cfg)
+    inputs = key_inputs(name, cfg)
+    for dotted in leaf_keys(cfg):
+        changed = _key(name, _set(cfg, dotted, _mutated(lookup(cfg, dotted))))
+        if dotted in inputs:
+            assert changed != key, f"{name}: changing input {dotted} left the key unchanged"
+        elif not any(dotted == c[0] for c in ARTIFACTS[name].when.values()):  # a condition selects inputs
+            assert changed == key, f"{name}: {dotted} is not an input but changed the key"
+    art = ARTIFACTS[name]
+    for part, names in (("upstream", art.upstream), ("identities", art.identities), ("extra", art.extra)):
+        for entry in names:
+            assert _key(name, cfg, **{part: (entry, "other")}) != key, f"{name}: {part} {entry} not keyed"
+
+
+def test_conditional_inputs_enter_only_when_read():
+    ridge, attention, mlp = BASES["ridge"], BASES["attention"], BASES["mlp"]
+    assert "mapper.metric_sequences" not in key_inputs("mapper", ridge)
+    assert "mapper.metric_sequences" in key_inputs("mapper", attention)
+    assert "mapper.hidden" in key_inputs("mapper", mlp) and "calib.mlp_samples" in key_inputs("mapper", mlp)
+    assert "calib.mlp_samples" not in key_inputs("mapper", ridge)  # one calibration serves ridge and MLP fits
+
+
+def test_the_seed_and_the_model_run_settings_key_the_calibration():
+    inputs = ARTIFACTS["calibration"].inputs
+    assert {"seed", "pair.dtype", "attn_implementation", "calib.dtype", "calib.accumulate"} <= set(inputs)
+    assert set(ARTIFACTS["calibration"].identities) == {"source", "target", "calib_data"}
+    for name in ("feature_sample", "query_energy", "attention_mass", "mapper"):  # all hang off the calibration
+        assert "calibration" in ARTIFACTS[name].upstream
+
+
+def test_opaque_dicts_are_hashed_whole():
+    cfg = _set(BASES["ridge"], "eval.limits", {"hellaswag": 10})
+    assert "eval.limits" in leaf_keys(cfg) and "eval.limits.hellaswag" not in leaf_keys(cfg)
+    assert _key("eval_tasks", cfg) != _key("eval_tasks", _set(cfg, "eval.limits", {"hellaswag": 11}))
+    assert set(OPAQUE) <= {k for c in CONFIGS for k in leaf_keys(c)} | {"eval.limits"}
+
+
+def test_a_forgotten_identity_is_an_error_not_a_smaller_key():
+    with pytest.raises(KeyError):
+        compute_key("calibration", BASES["ridge"], upstream={}, identities={"source": 1, "target": 2},
+                    extra={"key_space": "stripped", "format": 3})
+
+
+# -- identities --------------------------------------------------------------------------------------------------
+def _save_model(directory: Path, seed: int) -> None:
+    from tiny_models import tiny_model
+
+    tiny_model("qwen3", layers=2, hidden=32, heads=4, seed=seed).save_pretrained(directory)
+
+
+def test_the_weights_digest_follows_the_bytes_not_the_path(tmp_path):
+    _save_model(tmp_path / "m", seed=1)
+    first = directory_weights_digest(tmp_path / "m")
+    assert first["files"] == 1 and first["tensors"] > 0 and first["bytes"] > 0
+    assert directory_weights_digest(tmp_path / "m") == first  # deterministic
+    _save_model(tmp_path / "m", seed=2)  # same shapes, same path, new weights
+    assert directory_weights_digest(tmp_path / "m")["digest"] != first["digest"]
+    # one tensor's first bytes changed in place (the header is the same): the sample sees it
+    _save_model(tmp_path / "m", seed=1)
+    path = tmp_path / "m" / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    (n,) = __import__("struct").unpack("<Q", raw[:8])
+    raw[8 + n] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert directory_weights_digest(tmp_path / "m")["digest"] != first["digest"]
+    with pytest.raises(FileNotFoundError, match="no weights file"):
+        directory_weights_digest(tmp_path / "empty")
+
+
+def test_a_hub_id_is_identified_by_its_snapshot_revision(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--Org--Model"
+    for rev in ("a" * 40, "b" * 40):
+        (repo / "snapshots" / rev).mkdir(parents=True)
+        (repo / "snapshots" / rev / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    with pytest.raises(ValueError, match="holds no snapshot"):
+        weights_identity("Org/Other")
+    (repo / "refs" / "main").write_text("a" * 40)
+    assert weights_identity("Org/Model") == {"kind": "hub", "revision": "a" * 40}
+    (repo / "refs" / "main").write_text("b" * 40)  # the hub moved main: new weights under the same id
+    assert hub_revision("Org/Model") == "b" * 40
+
+
+def test_data_files_are_identified_by_their_bytes(tmp_path):
+    f = tmp_path / "calib.jsonl"
+    f.write_text(json.dumps({"text": "a"}) + "\n")
+    first = data_identity(files=[f])
+    f.write_text(json.dumps({"text": "b"}) + "\n")
+    assert data_identity(files=[f]) != first and data_identity(files=[f]) == data_identity(files=[f])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        data_identity(files=[tmp_path / "missing.jsonl"])
+    (tmp_path / "README.md").write_text("a note")  # a data directory's notes are not data
+    assert [d["path"] for d in data_identity(directory=tmp_path)] == [str(f)]

@@ -199,3 +199,22 @@ def test_data_files_are_identified_by_their_bytes(tmp_path):
         data_identity(files=[tmp_path / "missing.jsonl"])
     (tmp_path / "README.md").write_text("a note")  # a data directory's notes are not data
     assert [d["path"] for d in data_identity(directory=tmp_path)] == [str(f)]
+
+
+def test_a_cache_of_older_keys_is_named_once_and_never_read(tmp_path):
+    import warnings
+
+    from kvtransfer.runner.artifacts import KEY_VERSION
+    from kvtransfer.runner.pipeline import check_cache_version
+
+    (tmp_path / "moments" / "0123456789abcdef").mkdir(parents=True)  # a version-1 calibration
+    with pytest.warns(UserWarning, match="keyed under key version 1"):
+        check_cache_version(tmp_path)
+    assert (tmp_path / "KEYS_VERSION").read_text().strip() == str(KEY_VERSION)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_cache_version(tmp_path)  # said once: the cache is stamped now
+    fresh = tmp_path / "fresh"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_cache_version(fresh)  # an empty cache has nothing to say

@@ -524,38 +524,46 @@ def test_switching_coqa_on_reuses_every_task_and_perplexity_result(tiny_pair_dir
     assert second["tasks"] == first["tasks"] and second["ppl"] == first["ppl"] and "drift" in second
 
 
-def _locate(rows: torch.Tensor, tokens: torch.Tensor) -> list[set[int]]:
-    """For each feature row, the sequences whose tokens [n_seq, positions, D] hold that exact row (a row is
-    the features of one token; sequences that share a prefix share its rows, so a row can sit in several)."""
+def _locate(rows: torch.Tensor, tokens: torch.Tensor) -> list[set[tuple[int, int]]]:
+    """For each feature row, the (sequence, position) whose token in tokens [n_seq, positions, D] has that exact
+    row (sequences that share a prefix share its rows, so a row can sit in several)."""
     hits = []
     for row in rows:
         close = (tokens - row.to(tokens.dtype)).abs().amax(-1) < 1e-4  # batching moves float32 features ~1e-6
-        hits.append({int(s) for s in close.any(-1).nonzero().flatten()})
+        hits.append({(int(s), int(p)) for s, p in close.nonzero().tolist()})
     return hits
 
 
 def test_each_seed_calibrates_on_its_own_split(tiny_pair_dirs, tmp_path):
-    """Issue 20: seed=1, then seed=0 on the same cache. Each run's held-out rows come from its own held-out
-    sequences and its feature-sample rows from its own train sequences; the two seeds share no calibration.
+    """Issue 20: seed=0, seed=1, then seed=0 again on one cache. Each run's held-out rows come from its own
+    held-out sequences, its feature-sample rows from its own train sequences with the attention mass of that
+    very token as weight, and its fidelity from its own held-out sequences; the seeds share no calibration.
     (Before the seed was keyed, seed 1 reused seed 0's calibration and re-drew the split over it.)"""
-    from kvtransfer.calibrate import kv_features, split_heldout
-    from kvtransfer.io import load_tensors
+    from kvtransfer.calibrate import kv_features, split_heldout, subsample_positions
+    from kvtransfer.families import attention_mass
 
-    extra = ("calib.mlp_samples=100", "calib.heldout_fraction=0.25")
+    extra = ("calib.mlp_samples=100", "calib.heldout_fraction=0.25", "mapper.weighting=attention_mass",
+             "eval.fidelity.sequences=2")
     dirs = {}
     for seed in (0, 1, 0):
         run = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, f"seed={seed}", *extra), "x")
         _, heldout, _ = run.moments()
         ids = run.token_ids()
         train_idx, held_idx = split_heldout(ids.shape[0], 0.25, seed)
-        source = run.model("source")[0]
-        tokens = kv_features(source, ids, stride=2)["k"].view(ids.shape[0], 16, -1)
-        for rows, own in ((heldout.features["k"]["x"][:heldout.n], held_idx),
-                          (load_tensors(run.feature_sample_path())[0]["xk"], train_idx)):
+        assert run.split() == (train_idx, held_idx)
+        tokens = kv_features(run.model("source")[0], ids, stride=2)["k"].view(ids.shape[0], 16, -1)
+        sample, weights = run.observation_weights()
+        for rows, own in ((heldout.features["k"]["x"][:heldout.n], held_idx), (sample["xk"], train_idx)):
             found = _locate(rows, tokens)
             unique = [next(iter(f)) for f in found if len(f) == 1]  # rows past any prefix another sequence shares
-            assert all(f & set(own) for f in found) and len(unique) > len(found) / 2
-            assert set(unique) <= set(own), f"seed {seed}: rows of sequences {set(unique) - set(own)} are not its own"
+            assert all({s for s, _ in f} & set(own) for f in found) and len(unique) > len(found) / 2
+            assert {s for s, _ in unique} <= set(own), f"seed {seed}: rows of other sequences than its own"
+        mass = attention_mass(run.model("target")[0], ids[train_idx], subsample_positions(32, 2), batch_size=8)
+        for row, f in enumerate(_locate(sample["xk"], tokens)):  # each weight is the mass at that very token
+            if len(f) == 1:
+                seq, pos = next(iter(f))
+                assert torch.equal(weights[row], mass[train_idx.index(seq), :, pos])  # the same pass, same batches
+        assert set(run.fidelity()["heldout_index"]) <= set(held_idx)
         dirs.setdefault(seed, set()).add(run.moments_dir("stripped"))
     assert len(dirs[0]) == 1 and dirs[0] != dirs[1]  # seed 0 again reuses its own calibration
 

@@ -536,7 +536,8 @@ class Run:
                           rope_at_inference=self.rope_at_inference, as_layers=True)
         native = prefill(target, prefix.to(target.device))
         continuation = continuation.to(target.device)
-        result = {"sequences": int(rows.shape[0]), "on_train_sequences": not held, "prefix": int(prefix.shape[1]),
+        result = {"sequences": int(rows.shape[0]), "heldout_index": held[:n_seq], "on_train_sequences": not held,
+                  "prefix": int(prefix.shape[1]),
                   "continuation": cont,
                   "native_sink": sink, "per_layer": compare_caches(target, native, mapped, continuation),
                   "per_position": position_diagnostics(target, native, mapped, continuation)}

@@ -256,22 +256,34 @@ def test_device_accumulation_resumes_bit_identically(pair, tmp_path):
 
 
 def test_accumulation_turns_tf32_off_and_restores_it(monkeypatch):
-    """TF32 rounds float32 GEMMs to ~1e-3: accumulation forces true float32 and leaves the setting as found."""
+    """TF32 rounds float32 GEMMs to ~1e-3: accumulation forces true float32 and leaves the setting as found.
+
+    The flag is set and restored here through torch's public API (set_float32_matmul_precision, the
+    backend's fp32_precision), never monkeypatched: the CPU build's cuBLAS module has no plain attribute
+    for monkeypatch to put back."""
     from kvtransfer.moments import full_precision_matmul
 
+    matmul = torch.backends.cuda.matmul
     seen = []
     real_addmm = torch.Tensor.addmm_
     monkeypatch.setattr(torch.Tensor, "addmm_", lambda self, *a, **k: (
-        seen.append(torch.backends.cuda.matmul.allow_tf32), real_addmm(self, *a, **k))[1])
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    m = Moments([0], [0], 3, 2, dtype=torch.float32, wide=True)
-    g = torch.Generator().manual_seed(0)
-    m.accumulate({k: torch.randn(5, 3, generator=g) for k in ("k", "v")},
-                 {k: torch.randn(5, 2, generator=g) for k in ("k", "v")})
-    assert seen == [False] * 4 and torch.backends.cuda.matmul.allow_tf32
-    with full_precision_matmul():
-        assert not torch.backends.cuda.matmul.allow_tf32
-    assert torch.backends.cuda.matmul.allow_tf32
+        seen.append(matmul.fp32_precision), real_addmm(self, *a, **k))[1])
+    before = torch.get_float32_matmul_precision()  # restored below with the API the test sets it through
+    try:
+        torch.set_float32_matmul_precision("high")  # what a user enabling TF32 calls
+        assert matmul.fp32_precision == "tf32"
+        m = Moments([0], [0], 3, 2, dtype=torch.float32, wide=True)
+        g = torch.Generator().manual_seed(0)
+        m.accumulate({k: torch.randn(5, 3, generator=g) for k in ("k", "v")},
+                     {k: torch.randn(5, 2, generator=g) for k in ("k", "v")})
+        assert seen == ["ieee"] * 4 and matmul.fp32_precision == "tf32"
+        assert torch.get_float32_matmul_precision() == "high"  # the user's API still reads its own setting
+        with full_precision_matmul():
+            assert matmul.fp32_precision == "ieee"
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert torch.get_float32_matmul_precision() == before and matmul.allow_tf32 == (before != "highest")
 
 
 def test_float32_device_accumulation_on_the_trained_tiny_pair():

@@ -99,10 +99,14 @@ def _caller() -> str:
 
 
 def _record(kind, observed, allowed, reason, exempt) -> Record:
+    """The comparison's record; kept for the guard by _keep once it passed (a failure fails its test)."""
     if not reason or not reason.strip():
         raise ValueError("state the derivation of the bound in reason=")
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
-    rec = Record(test, _caller(), kind, observed, allowed, reason, exempt)
+    return Record(test, _caller(), kind, observed, allowed, reason, exempt)
+
+
+def _keep(rec: Record) -> Record:
     _STACK[-1].append(rec)
     return rec
 
@@ -130,7 +134,7 @@ def assert_close(actual, expected, *, factor: float, reason: str, dtype=None, ma
     rec = _record("close", _max_error(a, e), allowed, reason, headroom_exempt)
     assert rec.observed <= allowed, (f"max |actual - expected| = {rec.observed:.3g} > allowed {allowed:.3g} "
                                      f"(eps({dtype}) x {factor} x {magnitude:.3g}): {reason}")
-    return rec
+    return _keep(rec)
 
 
 def assert_within(actual, expected, *, atol: float, reason: str, headroom_exempt: str | None = None) -> Record:
@@ -138,7 +142,7 @@ def assert_within(actual, expected, *, atol: float, reason: str, headroom_exempt
     a, e = _as_tensors(actual, expected)
     rec = _record("within", _max_error(a, e), float(atol), reason, headroom_exempt)
     assert rec.observed <= atol, f"max |actual - expected| = {rec.observed:.3g} > atol {atol:.3g}: {reason}"
-    return rec
+    return _keep(rec)
 
 
 def assert_far(actual, other, *, atol: float, reason: str, headroom_exempt: str | None = None) -> Record:
@@ -146,4 +150,4 @@ def assert_far(actual, other, *, atol: float, reason: str, headroom_exempt: str 
     a, e = _as_tensors(actual, other)
     rec = _record("far", _max_error(a, e), float(atol), reason, headroom_exempt)
     assert rec.observed > atol, f"max |actual - other| = {rec.observed:.3g} <= {atol:.3g}: {reason}"
-    return rec
+    return _keep(rec)

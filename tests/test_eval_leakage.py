@@ -45,7 +45,7 @@ from lm_eval.api.instance import Instance
 from transformers import AutoTokenizer, DynamicCache
 
 from conftest import make_model
-from tolerance import assert_close
+from tolerance import FORWARD, assert_close, forward_factor
 from kvtransfer.eval import KVTransferLM
 from kvtransfer.eval.coqa import per_turn_transfer, transfer_once
 from kvtransfer.eval.perplexity import prefix_conditioned_ppl
@@ -265,17 +265,6 @@ def encode_pair(tok, context: str, continuation: str):
     return ctx, whole[len(ctx):]
 
 
-def chain_length(model, seq: int) -> int:
-    """Sum of the reduction lengths one logit passes through: per layer q/k/v projections (hidden), QK^T
-    (head_dim), softmax x V (seq), o_proj (heads x head_dim), MLP up (hidden) and down (intermediate);
-    then the LM head (hidden). A length-n float32 dot product errs by at most ~n eps relative (Higham);
-    to first order these add along the chain."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_layer = (2 * c.hidden_size + head_dim + seq + c.num_attention_heads * head_dim + c.intermediate_size)
-    return c.num_hidden_layers * per_layer + c.hidden_size
-
-
 def min_pairwise_gap(values: dict[str, list[float]], names) -> dict[tuple, float]:
     """{(a, b): min over requests of |a - b|} for every pair of the named modes."""
     names = list(names)
@@ -303,9 +292,7 @@ def test_hand_reference_is_sound(pair, hand, tok):
         # rounding error against float64 is there on every machine, so the headroom guard sees it.
         ref = run(copy.deepcopy(model).double(), ids)[0][-4:]
         for got in (full[-4:], split):
-            assert_close(got, ref, dtype=torch.float32, factor=chain_length(model, len(ids)), reason=(
-                "float32 forward vs float64: first-order worst case eps x (sum of the reduction lengths a value "
-                "passes through, chain_length) relative to the logits' scale"))
+            assert_close(got, ref, dtype=torch.float32, factor=forward_factor(model, len(ids)), reason=FORWARD)
     for model in (src, tgt):  # apply == transformers' apply_rotary_pos_emb; strip undoes it (YaRN: / a^2)
         d = kv_shape(model).head_dim
         k = torch.randn(1, 2, 9, d, dtype=torch.float64)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Record", "assert_close", "assert_far", "assert_within", "eps", "records"]
+__all__ = ["FORWARD", "Record", "assert_close", "assert_far", "assert_within", "eps", "forward_factor", "records"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,24 @@ def records() -> list[Record]:
 def eps(dtype) -> float:
     """Machine epsilon of a torch floating dtype, or of `float` (float64)."""
     return torch.finfo(torch.float64 if dtype is float else dtype).eps
+
+
+FORWARD = ("float32 forward of a transformer (forward_factor): first-order worst case, eps x the sum of the "
+           "reduction lengths a value passes through, relative to the compared values' scale; it bounds each "
+           "path's error against exact arithmetic, so also two float32 paths that batch, split or order the "
+           "work differently (bit-identical on one CPU, not on another)")
+
+
+def forward_factor(model, seq: int) -> int:
+    """Sum of the reduction lengths one output of `model` passes through over `seq` positions: per layer
+    the q/k/v projections and the MLP up (hidden each), QK^T (head_dim), softmax x V (seq), o_proj
+    (heads x head_dim) and MLP down (intermediate); then the LM head (hidden). A length-n dot product
+    errs by at most ~n eps relative (Higham); to first order these add along the chain (see FORWARD)."""
+    c = getattr(model, "config", model)
+    c = getattr(c, "text_config", None) or c
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_layer = 2 * c.hidden_size + head_dim + seq + c.num_attention_heads * head_dim + c.intermediate_size
+    return c.num_hidden_layers * per_layer + c.hidden_size
 
 
 def _as_tensors(actual, expected):

@@ -8,7 +8,7 @@ import kvtransfer as kt
 from kvtransfer.moments import Moments
 from kvtransfer.ridge import UnderdeterminedFit, check_observations
 from tiny_models import random_ids, tiny_model
-from tolerance import assert_close, assert_within
+from tolerance import assert_close
 
 HEAD_DIM = 8
 

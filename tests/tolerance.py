@@ -8,6 +8,9 @@ A bound is derived, never picked where one machine happened to land:
   and `magnitude` is the scale of the values compared (default: max |expected|).
 - `assert_within`: a bound that is not rounding (a statistical spread, a modelled estimate, a unit
   rounding in the code under test), stated as an absolute `atol` with its derivation.
+- `assert_rounded`: a figure the code rounds for display (`round(x, decimals)`) against the exact
+  value: half a unit of the last decimal. Exempt from the headroom guard by construction: where the
+  exact value falls between two display steps decides the ratio, the same on every machine.
 - `assert_far`: the converse, two results that must differ by more than `atol` (a perturbation really
   changed something).
 
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORWARD", "Record", "assert_close", "assert_far", "assert_within", "eps", "forward_factor", "records"]
+__all__ = ["FORWARD", "Record", "assert_close", "assert_far", "assert_rounded", "assert_within", "eps", "forward_factor", "records"]
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,15 @@ def forward_factor(model, seq: int) -> int:
     return c.num_hidden_layers * per_layer + c.hidden_size
 
 
+def _tensor(x) -> torch.Tensor:
+    """x as a tensor; a Python number is float64 (torch would make it float32 and round it)."""
+    if isinstance(x, bool):
+        raise TypeError("compare bools with ==")
+    return torch.as_tensor(x, dtype=torch.float64) if isinstance(x, (int, float)) else torch.as_tensor(x)
+
+
 def _as_tensors(actual, expected):
-    a, e = torch.as_tensor(actual), torch.as_tensor(expected)
+    a, e = _tensor(actual), _tensor(expected)
     if a.shape != e.shape:
         raise AssertionError(f"shapes differ: actual {tuple(a.shape)} vs expected {tuple(e.shape)}")
     for t in (a, e):
@@ -160,6 +170,18 @@ def assert_within(actual, expected, *, atol: float, reason: str, headroom_exempt
     a, e = _as_tensors(actual, expected)
     rec = _record("within", _max_error(a, e), float(atol), reason, headroom_exempt)
     assert rec.observed <= atol, f"max |actual - expected| = {rec.observed:.3g} > atol {atol:.3g}: {reason}"
+    return _keep(rec)
+
+
+def assert_rounded(reported, exact, *, decimals: int, reason: str) -> Record:
+    """Assert |reported - exact| <= half a unit of the `decimals`-th decimal (+ 4 eps64 of |exact| for the
+    float64 arithmetic forming it): `reported` is `round(exact, decimals)` up to that arithmetic."""
+    a, e = _as_tensors(reported, exact)
+    allowed = 0.5 * 10.0 ** -decimals + 4 * eps(torch.float64) * float(e.double().abs().max())
+    rec = _record("rounded", _max_error(a, e), allowed, reason,
+                  "display rounding: the error is where the exact value falls between two steps, not machine-dependent")
+    assert rec.observed <= allowed, (f"|reported - exact| = {rec.observed:.3g} > half a unit of decimal {decimals}: "
+                                     f"{reason}")
     return _keep(rec)
 
 

@@ -12,6 +12,7 @@ from kvtransfer.mapper import Mapper, MapperBase
 from kvtransfer.rope import RopeCodec
 from kvtransfer.transfer import map_layers
 from tiny_models import qwen3_config, tiny_model
+from tolerance import assert_close
 
 CAPS = {"matmul_flops_per_s": 1e9, "copy_bytes_per_s": 1e8}
 
@@ -215,9 +216,11 @@ def test_map_layers_matches_reference(family, shapes):
     via_kind = map_layers(layers, generic, positions, **kw)
     for (rk, rv), (fk, fv), (gk, gv) in zip(ref, fast, via_kind):
         assert fk.shape == rk.shape == (batch, kv_t, seq, d_t) and fk.is_contiguous() and fv.is_contiguous()
-        scale = 1 + rk.abs().max()
-        assert (fk - rk).abs().max() / scale <= 1e-5 and (fv - rv).abs().max() / scale <= 1e-5
-        assert (gk - rk).abs().max() / scale <= 1e-5 and (gv - rv).abs().max() / scale <= 1e-5
+        for got, want in ((fk, rk), (fv, rv), (gk, rk), (gv, rv)):
+            assert_close(got, want, factor=10 * (p + 6), magnitude=1 + float(want.abs().max()), reason=(
+                "fast (chunked, fused) vs reference float32 map of p features plus RoPE strip / apply (~6 "
+                "roundings): a length-p GEMM within p eps of the output scale (+1 for the bias); x10 as one "
+                "short GEMM sits near its worst case"))
 
 
 def test_map_layers_still_detects_nan():

@@ -40,6 +40,37 @@ def bare_comparisons(source: str) -> list[tuple[int, str]]:
     return sorted(set(found))
 
 
+def hand_tolerances(source: str) -> list[int]:
+    """Lines of `assert`s that bound an absolute difference by hand: `abs(a - b) <= tol`, `(a - b).abs().max() < tol`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assert):
+            for c in ast.walk(node.test):
+                if isinstance(c, ast.Compare) and any(isinstance(o, (ast.Lt, ast.LtE)) for o in c.ops) and any(
+                        isinstance(m, ast.Call) and ((isinstance(m.func, ast.Name) and m.func.id == "abs") or
+                                                     (isinstance(m.func, ast.Attribute) and m.func.attr == "abs"))
+                        for m in ast.walk(c.left)):
+                    found.append(node.lineno)
+    return sorted(set(found))
+
+
+# Hand-written bounds not yet moved into tests/tolerance.py (issue 20 section 0 follow-up): these files may
+# hold at most this many; a new one fails here. Lower the count when converting one, never raise it.
+HAND_TOLERANCE_DEBT = {"test_calibration_fit.py": 2, "test_core_fixes.py": 3, "test_eval_adapter.py": 3,
+                       "test_eval_leakage.py": 9}
+
+
+def test_no_new_hand_written_tolerance():
+    assert hand_tolerances("assert abs(a - b) <= 1e-5\nassert (x - y).abs().max() < tol\nassert a < b\n") == [1, 2]
+    over = {}
+    for path in sorted(TESTS.glob("*.py")):
+        if path.name != "tolerance.py":
+            lines = hand_tolerances(path.read_text())
+            if len(lines) > HAND_TOLERANCE_DEBT.get(path.name, 0):
+                over[path.name] = lines
+    assert not over, f"bound float differences through tests/tolerance.py, not abs(a - b) <= tol: {over}"
+
+
 def test_no_float_comparison_bypasses_the_tolerance_helper():
     offenders = [f"{path.name}:{line}: {name}" for path in sorted(TESTS.glob("*.py")) if path.name != "tolerance.py"
                  for line, name in bare_comparisons(path.read_text())]

@@ -39,14 +39,21 @@ KINDS = ("k", "v")
 @contextlib.contextmanager
 def full_precision_matmul():
     """float32 GEMMs in true float32 while accumulating: a process that enabled TF32 (e.g.
-    torch.set_float32_matmul_precision("high")) would otherwise round every product to ~1e-3."""
+    torch.set_float32_matmul_precision("high")) would otherwise round every product to ~1e-3.
+
+    Uses the backend's own setting, `torch.backends.cuda.matmul.fp32_precision` (torch >= 2.9): it
+    reads back whichever API the process used to enable TF32 and is restored exactly (the legacy
+    `allow_tf32` cannot be read once the new API was used, and writing it back does not restore
+    "none"). Older torch has only `allow_tf32`. Works the same on a CPU-only build.
+    """
     cuda = torch.backends.cuda.matmul
-    prev = cuda.allow_tf32
-    cuda.allow_tf32 = False
+    name, off = ("fp32_precision", "ieee") if hasattr(cuda, "fp32_precision") else ("allow_tf32", False)
+    prev = getattr(cuda, name)
+    setattr(cuda, name, off)
     try:
         yield
     finally:
-        cuda.allow_tf32 = prev
+        setattr(cuda, name, prev)
 _STATS = ("mean_x", "mean_y", "cxx", "cxy", "cyy")
 _FEATURES = ("x", "y")
 

@@ -10,7 +10,7 @@ import torch
 
 from skip_guard import pytest_addoption, pytest_sessionfinish, pytest_terminal_summary  # noqa: F401 (hooks)
 
-pytest_plugins = ("pytester",)  # test_repo.py runs the skip guard on throwaway suites
+pytest_plugins = ("pytester", "headroom_guard")  # pytester: test_repo.py runs the guards on throwaway suites
 
 BENCH = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
 

@@ -12,6 +12,7 @@ from kvtransfer.mapper import Mapper, MapperBase
 from kvtransfer.rope import RopeCodec
 from kvtransfer.transfer import map_layers
 from tiny_models import qwen3_config, tiny_model
+from tolerance import assert_close
 
 CAPS = {"matmul_flops_per_s": 1e9, "copy_bytes_per_s": 1e8}
 
@@ -43,8 +44,9 @@ def test_mapper_cost_hand_computed():
     assert c["gemm_flops"] == 3 * 2 * 2 * 10 * 32 * 64                       # p = 2 * 16 = 32
     assert c["flops"] == 245_760 + 3 * 2 * 10 * 64 + (4 * 10 * 16 * 4 + 3 * 10 * 64 * 3)
     assert c["bytes"] == 3 * 2 * (32 * 64 + 64) * 4 + 4 * 2 * 10 * 16 * 4 + 3 * 2 * 10 * 64 * 4  # 71,168
-    assert bench.floor_ms(2e9, 1e6, CAPS) == pytest.approx(2000.0)
-    assert bench.floor_ms(1e6, 1e9, CAPS) == pytest.approx(10_000.0)
+    # float64 division and product are correctly rounded (IEEE 754) on every machine, and these land exactly
+    assert bench.floor_ms(2e9, 1e6, CAPS) == 2000.0
+    assert bench.floor_ms(1e6, 1e9, CAPS) == 10_000.0
 
 
 def test_paper_mapper_size_from_real_configs():
@@ -125,8 +127,8 @@ def test_bench_rows_schema_and_writers(tiny_pair, tmp_path):
             assert isinstance(r[key], float | int), key
         assert r["mode"] == "shapes_only" and r["layers_run"] == 2 and r["layers_full"] == 4
         assert r["mapper_ms_min"] <= r["mapper_ms"] <= r["mapper_ms_max"]
-        assert r["speedup"] == pytest.approx(r["prefill_ms"] / r["mapper_ms"])
-        assert r["mapper_ms_full_est"] == pytest.approx(2 * r["mapper_ms"])
+        assert r["speedup"] == r["prefill_ms"] / r["mapper_ms"]   # the same float64 expression: bit for bit
+        assert r["mapper_ms_full_est"] == 2 * r["mapper_ms"]      # x (4 / 2 layers) = x 2.0, exact
     paths = bench.write_outputs(rows, tmp_path / "out", caps=CAPS)
     data = json.loads(paths["json"].read_text())
     assert len(data["rows"]) == 2 and "times_ms" not in data["rows"][0]
@@ -214,9 +216,11 @@ def test_map_layers_matches_reference(family, shapes):
     via_kind = map_layers(layers, generic, positions, **kw)
     for (rk, rv), (fk, fv), (gk, gv) in zip(ref, fast, via_kind):
         assert fk.shape == rk.shape == (batch, kv_t, seq, d_t) and fk.is_contiguous() and fv.is_contiguous()
-        scale = 1 + rk.abs().max()
-        assert (fk - rk).abs().max() / scale <= 1e-5 and (fv - rv).abs().max() / scale <= 1e-5
-        assert (gk - rk).abs().max() / scale <= 1e-5 and (gv - rv).abs().max() / scale <= 1e-5
+        for got, want in ((fk, rk), (fv, rv), (gk, rk), (gv, rv)):
+            assert_close(got, want, factor=10 * (p + 6), magnitude=1 + float(want.abs().max()), reason=(
+                "fast (chunked, fused) vs reference float32 map of p features plus RoPE strip / apply (~6 "
+                "roundings): a length-p GEMM within p eps of the output scale (+1 for the bias); x10 as one "
+                "short GEMM sits near its worst case"))
 
 
 def test_map_layers_still_detects_nan():

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from tolerance import assert_close, assert_within, forward_factor
 
 from kvtransfer.eval import KVTransferLM
 from kvtransfer.eval.coqa import (coqa_f1, drift_curve, f1_score, load_conversations, normalize_answer,
@@ -12,6 +13,11 @@ from kvtransfer.eval.coqa import (coqa_f1, drift_curve, f1_score, load_conversat
 from kvtransfer.eval.perplexity import draw_windows, load_pages, ppl_curve, prefix_conditioned_ppl
 
 PS = [0, 16, 64]
+
+FEW = "float64 hand arithmetic, a handful of roundings: x10 their count, since a few ops sit near their worst case"
+PPL_REASON = ("ppl = exp(mean NLL): its relative error is the NLL's absolute error, a float32 forward's (FORWARD "
+              "bound, forward_factor) on log-probs up to ~log(vocab) = 8")
+
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +45,15 @@ def test_ppl_uses_the_transferred_prefix(lm, windows, eval_mapper):
     curve = ppl_curve(lm, windows, PS)
     assert set(curve) == {"target", "transfer", "source", "native_injected"}
     for p in PS:
-        assert curve["transfer"][p] == pytest.approx(curve["target"][p], rel=1e-4)
-        assert curve["native_injected"][p] == pytest.approx(curve["target"][p], rel=1e-5)
+        assert_within(curve["transfer"][p], curve["target"][p], atol=1e-4 * curve["target"][p], reason=(
+            "the near-identity self-mapper (lam 1e-4) is an approximation: 0.01 % of the perplexity"))
+        assert_close(curve["native_injected"][p], curve["target"][p], dtype=torch.float32,
+                     factor=forward_factor(lm.target_model, max(PS) + 32), magnitude=curve["target"][p] * 8,
+                     reason=PPL_REASON)
     bad = copy.deepcopy(eval_mapper)
     bad.weight = bad.weight + 0.5 * torch.randn(bad.weight.shape, generator=torch.Generator().manual_seed(0))
     noisy = prefix_conditioned_ppl(lm.with_mode("transfer", mapper=bad), windows, PS)
-    assert noisy[0]["ppl"] == pytest.approx(curve["target"][0], rel=1e-6)  # nothing transferred at P=0
+    assert noisy[0]["ppl"] == curve["target"][0]  # nothing transferred at P=0: the same target forward
     for p in PS[1:]:
         assert abs(noisy[p]["ppl"] / curve["target"][p] - 1) > 1e-3
 
@@ -70,11 +79,11 @@ def test_coqa_history_bookkeeping(bench_dir):
 def test_coqa_f1_hand_checked():
     assert normalize_answer("The  Cat, an animal!") == "cat animal"
     assert f1_score("in a barn", "in the barn") == 1.0
-    assert f1_score("white cat", "white") == pytest.approx(2 / 3)
+    assert_close(f1_score("white cat", "white"), 2 / 3, factor=10 * 4, reason=FEW)
     assert f1_score("", "") == 1.0 and f1_score("no", "") == 0.0
     assert coqa_f1("white", ["white", "white", "white kitten"]) == 1.0
     # leave-one-out: (max(0, 2/3) + max(0, 2/3) + max(0, 0)) / 3
-    assert coqa_f1("kitten", ["white", "white", "white kitten"]) == pytest.approx(4 / 9)
+    assert_close(coqa_f1("kitten", ["white", "white", "white kitten"]), 4 / 9, factor=10 * 12, reason=FEW)
     assert coqa_f1("orange", ["Orange."]) == 1.0
 
 
@@ -126,9 +135,13 @@ def test_drift_summary_pools_turns_and_resamples_conversations():
     got = [conv(0.5, 0.5), conv(0.0, 0.5, 0.0)]
     s = drift_summary(ref, got, n_boot=200)
     assert s["turns"] == 5 and s["conversations"] == 2
-    assert s["target_f1"] == pytest.approx(3.0 / 5) and s["transfer_f1"] == pytest.approx(1.5 / 5)
-    assert s["retention"] == pytest.approx(0.5) and s["transfer_f1_se"] > 0
+    assert_close(s["target_f1"], 3.0 / 5, factor=10 * 6, reason=FEW)
+    assert_close(s["transfer_f1"], 1.5 / 5, factor=10 * 6, reason=FEW)
+    assert_close(s["retention"], 0.5, factor=10 * 13, reason=FEW)
+    assert s["transfer_f1_se"] > 0
     same = drift_summary([conv(1.0, 0.5)] * 4, [conv(0.5, 0.5)] * 4, n_boot=200)
-    assert same["transfer_f1_se"] == pytest.approx(0, abs=1e-12) and same["retention"] == pytest.approx(2 / 3)
+    assert_close(same["transfer_f1_se"], 0.0, factor=10 * 200, magnitude=1.0, reason=(
+        "the SE of 200 bootstrap means of identical conversations: ~200 roundings of values <= 1"))
+    assert_close(same["retention"], 2 / 3, factor=10 * 20, reason=FEW)
     with pytest.raises(ValueError, match="turns"):
         drift_summary([conv(1.0, 0.5)], [conv(1.0)])

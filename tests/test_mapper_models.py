@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 import kvtransfer as kt
 from tiny_models import ministral3_config, random_ids, tiny_model
+from tolerance import FORWARD, assert_close, assert_far, forward_factor
 
 HEAD_DIM = 8
 
@@ -77,10 +78,10 @@ def test_native_sink_makes_first_positions_exact(pair):
     plain = kt.transfer(src, mapper, source, target, attention_mask=mask, as_layers=True)
     sunk = kt.transfer(src, mapper, source, target, attention_mask=mask, input_ids=ids, native_sink=2, as_layers=True)
     for (k, v), (nk, nv), (pk, _) in zip(sunk, native, plain):
-        assert torch.allclose(k[0, :, :2], nk[0, :, :2], atol=1e-5) and torch.allclose(v[0, :, :2], nv[0, :, :2], atol=1e-5)
-        assert torch.allclose(k[1, :, 5:7], nk[1, :, 5:7], atol=1e-5)  # first real tokens of the padded row
+        for got, want in ((k[0, :, :2], nk[0, :, :2]), (v[0, :, :2], nv[0, :, :2]), (k[1, :, 5:7], nk[1, :, 5:7])):
+            assert_close(got, want, factor=forward_factor(target, 20), reason=FORWARD)  # [1, 5:7]: padded row
         assert torch.equal(k[:, :, 7:], pk[:, :, 7:])  # the rest stays mapped
-        assert not torch.allclose(pk[0, :, :2], nk[0, :, :2], atol=1e-3)  # the sink really was mapped before
+        assert_far(pk[0, :, :2], nk[0, :, :2], atol=1e-3, reason="the sink really was mapped before: O(1) apart")
     with pytest.raises(ValueError, match="needs input_ids"):
         kt.transfer(src, mapper, source, target, native_sink=1)
     # a map that carries its sink is applied with it unless told otherwise
@@ -106,8 +107,10 @@ def test_diagnostics_separate_good_and_bad_maps(pair):
     ids = random_ids(2, 40, seed=12)
     native = kt.prefill(target, ids[:, :30])
     same = kt.compare_caches(target, native, native, ids[:, 30:])
-    assert same["kl"] == pytest.approx(0, abs=1e-6) and same["top1_agreement"] == 1.0
-    assert min(same["attn_cosine"]) > 0.9999 and min(same["key_r2"]) == pytest.approx(1.0)
+    assert same["kl"] == 0.0 and same["top1_agreement"] == 1.0  # one cache against itself: the same forward twice
+    assert min(same["attn_cosine"]) > 0.9999
+    assert_close(min(same["key_r2"]), 1.0, dtype=torch.float32, factor=10 * 2, reason=(
+        "1 - SSE / SST with SSE = 0: SST's own rounding cannot move it; x10 a few float32 roundings"))
     mapped = kt.transfer(kt.prefill(source, ids[:, :30]), mapper, source, target, as_layers=True)
     diag = kt.compare_caches(target, native, mapped, ids[:, 30:])
     assert len(diag["key_r2"]) == 3 and diag["kl"] > 1e-4 and min(diag["attn_cosine"]) < 0.9999
@@ -132,7 +135,8 @@ def test_load_model_from_local_dir(tmp_path):
     _word_tokenizer(["<unk>", "a", "b"]).save_pretrained(tmp_path / "llama")
     loaded, tok = kt.load_model(str(tmp_path / "llama"), dtype="float32", device="cpu")
     ids = random_ids(1, 9)
-    assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6)
+    assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, factor=forward_factor(model, 9),
+                 reason=FORWARD + " (the loaded model may pick another attention kernel)")
     assert loaded.name_or_path == str(tmp_path / "llama") and tok.get_vocab()["b"] == 2
     assert kt.model_identity(loaded)["rope_type"] == "llama3"
 
@@ -150,9 +154,11 @@ def test_load_model_takes_text_stack_of_mistral3_vlm(tmp_path):
     lm, _ = kt.load_model(str(tmp_path / "vlm"), dtype="float32", device="cpu")
     assert type(lm).__name__ == "Ministral3ForCausalLM" and not hasattr(lm, "vision_tower")
     ids = random_ids(1, 12)
-    assert torch.allclose(lm(input_ids=ids).logits, vlm(input_ids=ids).logits, atol=1e-5)
+    assert_close(lm(input_ids=ids).logits, vlm(input_ids=ids).logits, factor=forward_factor(lm, 12), reason=FORWARD)
     assert kt.kv_shape(lm) == kt.kv_shape(vlm.config) and kt.model_identity(lm)["rope_type"] == "yarn"
     # the text stack runs through the cache path and the RoPE codec (YaRN, attention_scaling != 1)
-    assert kt.RopeCodec(lm).attention_scaling == pytest.approx(1.25)
+    assert_close(kt.RopeCodec(lm).attention_scaling, 1.25, factor=10 * 3, reason=(
+        "YaRN's 0.1 ln(factor) + 1 in float64: a log, a product and a sum; x10 a few roundings"))
     one_pass = lm(input_ids=ids).logits[:, 8:]
-    assert torch.allclose(kt.forward_on_cache(lm, kt.prefill(lm, ids[:, :8]), None, ids[:, 8:]), one_pass, atol=1e-5)
+    assert_close(kt.forward_on_cache(lm, kt.prefill(lm, ids[:, :8]), None, ids[:, 8:]), one_pass,
+                 factor=forward_factor(lm, 12), reason=FORWARD)

@@ -52,11 +52,48 @@ def test_fail_on_skip_passes_when_only_slow_tests_are_left_out(pytester):
     result.assert_outcomes(passed=1, deselected=1)
 
 
-def test_ci_runs_the_readme_test_command_with_the_skip_guard():
+TIGHT = '''
+import torch
+from tolerance import assert_close
+
+def test_tight():  # observed 1 ulp of 1.0 against an allowance of 2 ulp: ratio 0.5
+    assert_close(torch.tensor([1.0 + 2 ** -23]), torch.tensor([1.0]), factor=2, reason="planted: 2 eps")
+
+def test_roomy():  # ratio 1/64
+    assert_close(torch.tensor([1.0 + 2 ** -23]), torch.tensor([1.0]), factor=64, reason="planted: 64 eps")
+'''
+
+
+def _run_headroom(pytester, *args):
+    # headroom_guard and tolerance are already imported (tests/conftest.py): the warning is moot
+    return pytester.runpytest("-p", "headroom_guard", "-W", "ignore::pytest.PytestAssertRewriteWarning", *args)
+
+
+def test_headroom_guard_fails_a_run_with_a_too_tight_comparison(pytester):
+    pytester.makepyfile(test_a=TIGHT)
+    assert _run_headroom(pytester).ret == 0  # without the flag: both pass
+    strict = _run_headroom(pytester, "--headroom", "0.1")
+    assert strict.ret == 1
+    strict.assert_outcomes(passed=2)
+    strict.stdout.fnmatch_lines(["*tolerance headroom: 2 comparison sites*", "*0.5 *close*test_a.py::test_tight*",
+                                 "*0.0156*test_a.py::test_roomy*", "TOO TIGHT*test_a.py::test_tight*",
+                                 "*reason given: planted: 2 eps*", "*--headroom 0.1: 1 comparison(s)*run fails*"])
+    assert _run_headroom(pytester, "--headroom", "0.6").ret == 0
+
+
+def test_headroom_guard_passes_a_declared_exemption(pytester):
+    pytester.makepyfile(test_a=TIGHT.replace('reason="planted: 2 eps")', 'reason="planted: 2 eps", '
+                                             'headroom_exempt="planted: the bound is the quantity")'))
+    result = _run_headroom(pytester, "--headroom", "0.1")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["exempt *test_tight*EXEMPT: planted: the bound is the quantity*"])
+
+
+def test_ci_runs_the_readme_test_command_with_the_skip_and_headroom_guards():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert ci == "python3 -m pytest -q -rs --fail-on-skip"
+    assert ci == "python3 -m pytest -q -rs --fail-on-skip --headroom 0.1"
     readme = (ROOT / "README.md").read_text()
-    assert re.search(r"^python -m pytest -q -rs --fail-on-skip\s", readme, re.M)
+    assert re.search(r"^python -m pytest -q -rs --fail-on-skip --headroom 0\.1\s", readme, re.M)
 
 
 def test_benchmark_samples_ship_with_the_repo_and_match_their_readme():

@@ -5,10 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from kvtransfer.runner import Run, artifact_key, execute, parse_stages
 from kvtransfer.mapper import load_mapper
 from run_configs import compose_config as _compose
+from tolerance import FORWARD, assert_close, assert_far, forward_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = sorted(p.stem for p in (ROOT / "conf" / "pair").glob("*.yaml"))
@@ -290,7 +292,9 @@ def test_attention_mass_weighting_through_the_pipeline(tiny_pair_dirs, tmp_path)
         assert hits and len({p for _, p in hits}) == 1
         pos = hits[0][1]
         expect = [torch.zeros(3) if pos == 0 else mass[seq, :, pos] for seq, _ in hits]
-        assert any(torch.allclose(weights[row], e, atol=1e-6) for e in expect)
+        nearest = min(expect, key=lambda e: float((weights[row] - e).abs().max()))
+        assert_close(weights[row], nearest, factor=forward_factor(target, 32), magnitude=1.0, reason=(
+            FORWARD + "; attention masses are <= 1, from batches of other shapes"))
         found += pos > 0
     assert 0 < found < n  # sink rows (weight 0) and others both in the sample
     fam = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", "mapper.weighting=attention_mass", *extra),
@@ -361,13 +365,21 @@ def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
     ppl = {r["prefix"]: r for r in summary["ppl"]}
     assert set(ppl) == {0, 16, 48}
     # at P=0 nothing is transferred; with a prefix the mapped cache is used, native_injected == target
-    assert ppl[0]["transfer"] == pytest.approx(ppl[0]["target"], rel=1e-5)
+    ppl_factor = forward_factor(AutoConfig.from_pretrained(tiny_pair_dirs["large"]), 64)
+    ppl_reason = ("ppl = exp(mean NLL): relative error = the NLL's absolute error, a float32 forward's (FORWARD) "
+                  "on log-probs up to log(vocab 96) < 5")
+    assert_close(ppl[0]["transfer"], ppl[0]["target"], dtype=torch.float32, factor=ppl_factor,
+                 magnitude=5 * ppl[0]["target"], reason=ppl_reason)
     for p in (16, 48):
-        assert ppl[p]["native_injected"] == pytest.approx(ppl[p]["target"], rel=1e-5)
-        assert ppl[p]["transfer"] != pytest.approx(ppl[p]["target"], rel=1e-4)
+        assert_close(ppl[p]["native_injected"], ppl[p]["target"], dtype=torch.float32, factor=ppl_factor,
+                     magnitude=5 * ppl[p]["target"], reason=ppl_reason)
+        assert_far(ppl[p]["transfer"], ppl[p]["target"], atol=1e-4 * ppl[p]["target"], reason=(
+            "a fitted map on 2-layer -> 3-layer models moves perplexity by percents, not 1e-4"))
         # per-window NLLs give the gap closed (the same number as from the perplexities) and its SE
         want = (ppl[p]["no_context"] - ppl[p]["transfer"]) / (ppl[p]["no_context"] - ppl[p]["target"])
-        assert ppl[p]["transfer_gap_closed"] == pytest.approx(want, rel=1e-9)
+        assert_close(ppl[p]["transfer_gap_closed"], want, factor=10 * 40, magnitude=abs(want) + 1, reason=(
+            "per-window NLL means, exp and a quotient of perplexity differences vs the same from the summary's "
+            "perplexities, float64: ~40 roundings, x10 few ops"))
         assert ppl[p]["transfer_gap_closed_se"] > 0
     assert "transfer_gap_closed" not in ppl[0]
     fid = summary["fidelity"]
@@ -381,7 +393,8 @@ def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
     for row in summary["drift_summary"]:  # pooled over turns = the per-turn means weighted by conversations
         per_turn = [r for r in summary["drift"] if r["protocol"] == row["protocol"] and r["series"].startswith("transfer")]
         assert row["turns"] == sum(r["n"] for r in per_turn) and row["conversations"] == 2
-        assert row["transfer_f1"] == pytest.approx(sum(r["f1"] * r["n"] for r in per_turn) / row["turns"])
+        assert_close(row["transfer_f1"], sum(r["f1"] * r["n"] for r in per_turn) / row["turns"], factor=10 * 12,
+                     magnitude=1.0, reason="pooled F1 (<= 1) two ways over 6 turns, float64: ~12 roundings, x10 few ops")
     out = tmp_path / "eval"
     assert (out / "tables" / "retention.md").exists() and (out / "tables" / "ppl.csv").exists()
     assert (out / "figures" / "retention.png").exists() and (out / "figures" / "drift.png").exists()
@@ -410,7 +423,7 @@ def test_bench_stage_times_the_run_models(tiny_pair_dirs, tmp_path):
     assert [r["tokens"] for r in rows] == [16, 64]
     for r in rows:
         assert r["mapper_ms_min"] <= r["mapper_ms"] <= r["mapper_ms_max"] and r["prefill_ms"] > 0
-        assert r["speedup"] == pytest.approx(r["prefill_ms"] / r["mapper_ms"])
+        assert r["speedup"] == r["prefill_ms"] / r["mapper_ms"]  # the same float64 expression: bit for bit
         assert r["mapper_floor_ms"] > 0 and r["flop_ratio"] > 0
     assert (tmp_path / "bench" / "tables" / "speed.md").exists()
     assert (tmp_path / "bench" / "figures" / "speedup.png").exists()

@@ -9,9 +9,16 @@ import kvtransfer as kt
 from kvtransfer.calibrate import load_calibration, subsample_positions
 from kvtransfer.moments import HeldOut, Moments
 from tiny_models import random_ids, tiny_model
+from tolerance import assert_close
 
 HEAD_DIM = 8
 STRIDE, BATCH = 2, 4
+
+R2_REASON = ("R^2 through the moment expansion SSE = Cyy - 2 W.Cxy + W.Cxx W vs direct residuals, both fp64: "
+             "agree to fp64 rounding of terms of size ~SST, i.e. of R^2's scale 1; 64 eps over the handful of "
+             "cancelling terms (a lost batch, a wrong column or an fp32 evaluation is >= 1e-7 off)")
+R2_DEVICE = ("R^2 from float32 device moments (each within 16 eps32, checked above) vs fp64: the expansion's few "
+             "cancelling terms of scale SST carry that error twice over, 32 eps32 of R^2's scale 1")
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +54,16 @@ def test_heldout_r2_from_raw_features_equals_the_moment_based_one(calib_all):
     # residuals, so the two agree to fp64 rounding of terms of size ~SST: |dR²| ~ a few eps(fp64)
     # (measured: <= 2 eps here, also for the self-map below where SSE/SST ~ 1e-9 cancels most digits).
     # 64 eps = 1.4e-14 absolute; a lost batch, a wrong column or an fp32 evaluation is >= 1e-7 off.
-    tol = 64 * torch.finfo(torch.float64).eps
     r2_raw = kt.r2_matrix(train, heldout=held, head_dim=HEAD_DIM)
     r2_mom = kt.r2_matrix(train, heldout=moments, head_dim=HEAD_DIM)
     for kind in ("k", "v"):
         assert torch.equal(r2_raw["train"][kind], r2_mom["train"][kind])
-        torch.testing.assert_close(r2_raw["heldout"][kind], r2_mom["heldout"][kind], rtol=0, atol=tol)
+        assert_close(r2_raw["heldout"][kind], r2_mom["heldout"][kind], factor=64, magnitude=1.0, reason=R2_REASON)
     selected = kt.select_topk(r2_raw["train"], "all")
     fit_raw = kt.fit_ridge(train, selected, heldout=held, head_dim=HEAD_DIM)
     fit_mom = kt.fit_ridge(train, selected, heldout=moments, head_dim=HEAD_DIM)
     for kind in ("k", "v"):
-        torch.testing.assert_close(fit_raw.r2["heldout"][kind], fit_mom.r2["heldout"][kind], rtol=0, atol=tol)
+        assert_close(fit_raw.r2["heldout"][kind], fit_mom.r2["heldout"][kind], factor=64, magnitude=1.0, reason=R2_REASON)
         assert fit_raw.r2["heldout"][kind].abs().max() > 1e-3   # not trivially zero
 
 
@@ -68,11 +74,10 @@ def test_heldout_r2_of_a_near_perfect_self_map_matches_too(pair):
     moments = _heldout_moments(c.heldout)
     fit = {name: kt.fit_ridge(c.train, [[0], [1], [2]], heldout=h, head_dim=HEAD_DIM)
            for name, h in (("raw", c.heldout), ("moments", moments))}
-    tol = 64 * torch.finfo(torch.float64).eps
     for kind in ("k", "v"):
         assert fit["raw"].r2["heldout"][kind].min() > 0.999
-        torch.testing.assert_close(fit["raw"].r2["heldout"][kind], fit["moments"].r2["heldout"][kind],
-                                   rtol=0, atol=tol)
+        assert_close(fit["raw"].r2["heldout"][kind], fit["moments"].r2["heldout"][kind], factor=64, magnitude=1.0,
+                     reason=R2_REASON)
 
 
 def test_a_subsample_keeps_exactly_the_selected_rows(pair, calib_all):
@@ -222,7 +227,8 @@ def test_float32_device_accumulation_keeps_the_mapper_within_float32_rounding(fp
     r_dev = kt.r2_matrix(d32.train, heldout=d32.heldout, head_dim=HEAD_DIM)
     for split in ("train", "heldout"):
         for kind in ("k", "v"):
-            torch.testing.assert_close(r_dev[split][kind], r_ref[split][kind], rtol=0, atol=32 * eps32)
+            assert_close(r_dev[split][kind], r_ref[split][kind], dtype=torch.float32, factor=32, magnitude=1.0,
+                         reason=R2_DEVICE)
     for k in (1, "all"):
         selected = kt.select_topk(r_ref["train"], k)
         assert kt.select_topk(r_dev["train"], k) == selected
@@ -230,7 +236,8 @@ def test_float32_device_accumulation_keeps_the_mapper_within_float32_rounding(fp
         f_dev = kt.fit_ridge(d32.train, selected, heldout=d32.heldout, head_dim=HEAD_DIM)
         held = ref.heldout
         for kind in ("k", "v"):
-            torch.testing.assert_close(f_dev.r2["heldout"][kind], f_ref.r2["heldout"][kind], rtol=0, atol=32 * eps32)
+            assert_close(f_dev.r2["heldout"][kind], f_ref.r2["heldout"][kind], dtype=torch.float32, factor=32,
+                         magnitude=1.0, reason=R2_DEVICE)
             for t, a, b in zip(ref.train.target_layers, f_ref.weights[kind], f_dev.weights[kind]):
                 x = held.x(kind)[:, a.columns].double()
                 y = held.y(kind)[:, held.target_columns(t)].double()
@@ -256,22 +263,34 @@ def test_device_accumulation_resumes_bit_identically(pair, tmp_path):
 
 
 def test_accumulation_turns_tf32_off_and_restores_it(monkeypatch):
-    """TF32 rounds float32 GEMMs to ~1e-3: accumulation forces true float32 and leaves the setting as found."""
+    """TF32 rounds float32 GEMMs to ~1e-3: accumulation forces true float32 and leaves the setting as found.
+
+    The flag is set and restored here through torch's public API (set_float32_matmul_precision, the
+    backend's fp32_precision), never monkeypatched: the CPU build's cuBLAS module has no plain attribute
+    for monkeypatch to put back."""
     from kvtransfer.moments import full_precision_matmul
 
+    matmul = torch.backends.cuda.matmul
     seen = []
     real_addmm = torch.Tensor.addmm_
     monkeypatch.setattr(torch.Tensor, "addmm_", lambda self, *a, **k: (
-        seen.append(torch.backends.cuda.matmul.allow_tf32), real_addmm(self, *a, **k))[1])
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    m = Moments([0], [0], 3, 2, dtype=torch.float32, wide=True)
-    g = torch.Generator().manual_seed(0)
-    m.accumulate({k: torch.randn(5, 3, generator=g) for k in ("k", "v")},
-                 {k: torch.randn(5, 2, generator=g) for k in ("k", "v")})
-    assert seen == [False] * 4 and torch.backends.cuda.matmul.allow_tf32
-    with full_precision_matmul():
-        assert not torch.backends.cuda.matmul.allow_tf32
-    assert torch.backends.cuda.matmul.allow_tf32
+        seen.append(matmul.fp32_precision), real_addmm(self, *a, **k))[1])
+    before = torch.get_float32_matmul_precision()  # restored below with the API the test sets it through
+    try:
+        torch.set_float32_matmul_precision("high")  # what a user enabling TF32 calls
+        assert matmul.fp32_precision == "tf32"
+        m = Moments([0], [0], 3, 2, dtype=torch.float32, wide=True)
+        g = torch.Generator().manual_seed(0)
+        m.accumulate({k: torch.randn(5, 3, generator=g) for k in ("k", "v")},
+                     {k: torch.randn(5, 2, generator=g) for k in ("k", "v")})
+        assert seen == ["ieee"] * 4 and matmul.fp32_precision == "tf32"
+        assert torch.get_float32_matmul_precision() == "high"  # the user's API still reads its own setting
+        with full_precision_matmul():
+            assert matmul.fp32_precision == "ieee"
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert torch.get_float32_matmul_precision() == before and matmul.allow_tf32 == (before != "highest")
 
 
 def test_float32_device_accumulation_on_the_trained_tiny_pair():

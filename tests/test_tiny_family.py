@@ -4,13 +4,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import torch
+from transformers import AutoConfig
 
 from kvtransfer.runner import execute
 from test_runner import _compose
+from tolerance import assert_close, assert_within, forward_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "models" / "tiny"
+
+FEW = "float64 hand arithmetic, a handful of roundings: x10 their count, since a few ops sit near their worst case"
+# the tiny target; the windows are 64-token prefixes + continuations (under 256 positions)
+TARGET_FACTOR = forward_factor(AutoConfig.from_pretrained(ROOT / "models/tiny/qwen3-tiny-7m"), 256)
+PPL_REASON = ("ppl = exp(mean NLL): its relative error is the NLL's absolute error, a float32 forward's (FORWARD "
+              "bound, forward_factor) on log-probs up to ~log(vocab) = 8")
+
 
 
 def test_checksums_of_the_committed_family():
@@ -41,7 +50,8 @@ def test_default_pipeline_reduced_budget_schema_and_invariants(tmp_path):
         assert row["native_injected"] == row["target"], task  # the control must be exact
         assert row["n"] == 12
     for row in summary["ppl"]:
-        assert row["native_injected"] == pytest.approx(row["target"], rel=1e-5)
+        assert_close(row["native_injected"], row["target"], dtype=torch.float32, factor=TARGET_FACTOR,
+                     magnitude=row["target"] * 8, reason=PPL_REASON)
 
 
 def test_self_map_of_the_target_equals_the_target(tmp_path):
@@ -52,7 +62,9 @@ def test_self_map_of_the_target_equals_the_target(tmp_path):
     for task, row in summary["tasks"].items():
         assert row["transfer"] == row["target"], task
     for row in summary["ppl"]:
-        assert row["transfer"] == pytest.approx(row["target"], rel=2e-3)
+        assert_within(row["transfer"], row["target"], atol=2e-3 * row["target"], reason=(
+            "a self-map fitted at lam 1e-6 (held-out R^2 > 0.999) is an approximation, not a rounding: "
+            "0.2 % of the perplexity"))
 
 
 def test_readme_api_example_runs(tmp_path):

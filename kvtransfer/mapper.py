@@ -199,6 +199,12 @@ class Mapper(MapperBase):
                    source=model_identity(source_model), target=model_identity(target_model), key_space=key_space,
                    lam=fit.lam, calibration=dict(calibration or {}, observations=fit.observations), r2=r2)
 
+    @staticmethod
+    def params_at(n_target_layers: int, p: int, q: int) -> int:
+        """Parameters (= float32 values stored) of a ridge mapper at these shapes: weight [L_t, 2, p, q] +
+        bias [L_t, 2, q]; p = k * source width, q = target width (n_kv_t * d_t)."""
+        return n_target_layers * 2 * (p * q + q)
+
     @property
     def apply_flops_per_token(self) -> int:
         L, kinds, p, q = self.weight.shape
@@ -255,6 +261,19 @@ class MLPMapper(MapperBase):
     @property
     def n_parameters(self) -> int:
         return sum(getattr(self, n).numel() for n in ("w1", "b1", "w2", "b2", "w3", "b3"))
+
+    @staticmethod
+    def params_at(n_target_layers: int, heads: int, p: int, hidden: int, d: int) -> int:
+        """`n_parameters` at these shapes: per target layer, kind and head w1 [p, hidden] + b1, w2 [hidden,
+        hidden] + b2, w3 [hidden, d] + b3."""
+        return n_target_layers * 2 * heads * (p * hidden + hidden + hidden * hidden + hidden + hidden * d + d)
+
+    @staticmethod
+    def values_at(n_target_layers: int, heads: int, p: int, hidden: int, d: int) -> int:
+        """Float32 values stored at these shapes: the parameters + the input/output normalisers (x_mean,
+        x_std [L_t, 2, p], y_mean, y_std [L_t, 2, heads * d])."""
+        norms = n_target_layers * 2 * 2 * (p + heads * d)
+        return MLPMapper.params_at(n_target_layers, heads, p, hidden, d) + norms
 
     @property
     def apply_flops_per_token(self) -> int:

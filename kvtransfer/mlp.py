@@ -59,6 +59,18 @@ class FeatureSampler:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_index)
         return torch.randperm(rows, generator=g)[: self.per_batch].sort().values
 
+    @staticmethod
+    def rows_at(max_rows: int, batch_rows: list[int]) -> int:
+        """Rows a sampler of `max_rows` keeps over train batches of `batch_rows` rows each (per batch
+        ceil(max_rows / n_batches), at most the batch)."""
+        per_batch = math.ceil(max_rows / max(1, len(batch_rows)))
+        return sum(min(per_batch, r) for r in batch_rows) if max_rows > 0 else 0
+
+    @staticmethod
+    def nbytes_at(rows: int, dx: int, dy: int) -> int:
+        """Bytes of a sample of `rows` rows: float32 xk, xv [rows, dx] and yk, yv [rows, dy]."""
+        return 2 * rows * (dx + dy) * 4
+
     @property
     def complete(self) -> bool:
         """Whether all `n_batches` train batches contributed their rows."""

@@ -110,6 +110,20 @@ class Moments(FeatureLayout):
             self.stats = {kind: {"mean_x": v(dx), "mean_y": v(dy), "cxx": z(dx, dx), "cxy": z(dx, dy),
                                  "cyy": v(dy)} for kind in KINDS}
 
+    @staticmethod
+    def nbytes_at(dx: int, dy: int, dtype, *, wide: bool = False) -> int:
+        """Bytes of the statistics a `Moments` of widths (dx, dy) holds in `dtype` (a torch dtype), K and V:
+        cxx [Dx, Dx] + cxy [Dx, Dy] in dtype, mean_x [Dx] + mean_y [Dy] + cyy [Dy] in float64 when `wide`
+        (else in dtype). The resource plan sizes the moments with this, so a layout change moves the plan."""
+        size = torch.empty((), dtype=dtype).element_size()
+        small = 8 if wide else size
+        return len(KINDS) * ((dx * dx + dx * dy) * size + (dx + 2 * dy) * small)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the statistics held now (every tensor of `stats`)."""
+        return sum(t.numel() * t.element_size() for st in self.stats.values() for t in st.values())
+
     def to(self, device) -> "Moments":
         """Move every statistic to `device` (in place); returns self."""
         self.stats = {kind: {name: t.to(device) for name, t in st.items()} for kind, st in self.stats.items()}
@@ -315,6 +329,18 @@ class HeldOut(FeatureLayout):
             gen = torch.Generator().manual_seed(seed + 7919)
             select = torch.randperm(total, generator=gen)[:capacity].sort().values
         return cls(list(source_layers), list(target_layers), source_width, target_width, select, **kw)
+
+    @staticmethod
+    def nbytes_at(rows: int, dx: int, dy: int, dtype=torch.float32) -> int:
+        """Bytes of a `HeldOut` keeping `rows` rows of widths (dx, dy): x [rows, Dx] and y [rows, Dy] per kind in
+        `dtype`, plus the int64 row selection (`select`)."""
+        return len(KINDS) * rows * (dx + dy) * torch.empty((), dtype=dtype).element_size() + rows * 8
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now: every feature tensor + `select`."""
+        feats = sum(t.numel() * t.element_size() for per in self.features.values() for t in per.values())
+        return feats + self.select.numel() * self.select.element_size()
 
     @property
     def capacity(self) -> int:

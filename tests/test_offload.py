@@ -6,6 +6,7 @@ On this CPU machine accelerate's disk offload stands in for host offload: the of
 become `meta` in the module and an accelerate hook runs them on its `execution_device` -- the case a
 mapped cache must follow (it used to be moved to `meta`, where the layer's k_proj weight seemed to live).
 """
+import shlex
 from pathlib import Path
 from unittest import mock
 
@@ -140,23 +141,23 @@ def test_plan_places_offloaded_weights_on_the_host_and_charges_the_stream():
     assert b["fits"] and not a["fits"]
 
 
-def test_plan_offers_offload_for_llama_70b_on_one_h200_and_the_result_fits():
+def test_plan_applies_offload_for_llama_70b_on_one_h200_and_the_result_fits():
     cfg = _compose("pair=llama31_8b_70b")
-    plan = P.make_plan(cfg, H200, rates=FIXED_RATES)
+    typed = P.make_plan(cfg, H200, rates=FIXED_RATES, auto=False)
     for stage in ("calibrate", "fit"):
-        assert not plan["stages"][stage]["fits"]
-        best = plan["stages"][stage]["knobs"][-1]
-        assert best["fits"], (stage, best)
-    combo = plan["stages"]["calibrate"]["knobs"][-1]["set"]
-    assert "pair.target.max_memory={0:" in combo and "calib.dtype=float32" in combo
-    # the suggested override is valid Hydra and, applied, gives a plan whose calibrate fits
-    overrides = [x.strip() for x in combo.split(" + ")]
+        assert not typed["stages"][stage]["fits"]
+    plan = P.make_plan(cfg, H200, rates=FIXED_RATES)
+    keys = [e["key"] for e in plan["applied"]]
+    assert "pair.target.max_memory" in keys and "calib.dtype=float32" in plan["overrides"]
+    assert keys[-1] == "pair.target.max_memory"   # the last resort comes last
+    assert all(plan["stages"][stage]["fits"] for stage in ("calibrate", "fit", "bench", "report"))
+    # the applied overrides are valid Hydra and, composed, give a plan whose calibrate fits
+    overrides = shlex.split(plan["overrides"])
     applied = P.make_plan(_compose("pair=llama31_8b_70b", *overrides), H200, rates=FIXED_RATES, knobs=False)
     assert applied["stages"]["calibrate"]["fits"]
-    # not needed where the weights fit: Qwen3 14B -> 32B fits with float32 moments alone (offload is listed
-    # as a single knob, it does not fit by itself and no combination takes it)
-    qwen = P.make_plan(_compose("pair=qwen3_14b_32b"), H200, rates=FIXED_RATES)["stages"]["calibrate"]["knobs"]
-    assert [k["set"] for k in qwen if k["fits"]] == ["calib.dtype=float32"]
+    # not needed where the weights fit: Qwen3 14B -> 32B runs without any offload
+    qwen = P.make_plan(_compose("pair=qwen3_14b_32b"), H200, rates=FIXED_RATES)
+    assert "max_memory" not in qwen["overrides"] and qwen["applied"]
 
 
 def test_calibration_through_an_offloaded_target_equals_the_whole_target(offloaded_pair):

@@ -1,9 +1,11 @@
-"""Resource plan (kvtransfer.plan, issue 10 §1/§4): hand-computed sizes for Qwen3 14B -> 32B, the JSON
-schema, the refusal message, the tiny pair, and the plan's calibration sizes against a real
-`collect_moments` on small random models built from the real config classes."""
+"""Resource plan (kvtransfer.plan, issue 10 §1/§4, issue 19 §3, issue 20 §3): hand-computed sizes for Qwen3
+14B -> 32B, the JSON schema, the knobs the run applies and the refusal message, the tiny pair, and the plan's
+calibration sizes against a real `collect_moments` on small random models built from the real config classes.
+The plan's figures here are of the config as typed (auto=False / knobs=False) unless a test is about the knobs."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,7 @@ def cfg_14_32():
 
 @pytest.fixture(scope="module")
 def plan_14_32(cfg_14_32):
-    return P.make_plan(cfg_14_32, H200, rates=FIXED_RATES)
+    return P.make_plan(cfg_14_32, H200, rates=FIXED_RATES, auto=False)
 
 
 # -- formulas, by hand ------------------------------------------------------------------------------
@@ -91,7 +93,8 @@ def test_plan_figures_of_qwen3_14b_to_32b(cfg_14_32, plan_14_32):
     assert_rounded(fit["R² pass / one ridge solve / packing (3 x float64 weights)"], 3 * w64 / P.GiB, decimals=6,
                    reason=PART)
     # float32 moments halve the moments wherever they appear
-    half = P.make_plan(dict(cfg_14_32, calib=dict(cfg_14_32["calib"], dtype="float32")), H200, rates=FIXED_RATES)
+    half = P.make_plan(dict(cfg_14_32, calib=dict(cfg_14_32["calib"], dtype="float32")), H200, rates=FIXED_RATES,
+                       knobs=False)
     assert_rounded(half["protocol"]["moments_split_gib"], split / 2 / P.GiB, decimals=2, reason=TOTAL)
     assert_rounded(half["stages"]["calibrate"]["disk_gib"], (split / 2 + held + P.GiB) / P.GiB, decimals=2, reason=TOTAL)
 
@@ -130,13 +133,16 @@ def test_the_feature_sample_is_planned_wherever_the_code_keeps_it(cfg_14_32):
     assert cfg_14_32["calib"]["mlp_samples"] == 0
     base = P.make_plan(cfg_14_32, H200, rates=FIXED_RATES, knobs=False)["stages"]
     keep = dict(cfg_14_32, calib=dict(cfg_14_32["calib"], mlp_samples=65536))
-    plan = P.make_plan(keep, H200, rates=FIXED_RATES)["stages"]
-    sample = 2 * 65536 * (40_960 + 65_536) * 4
-    assert sample / P.GiB == 52.0  # 2^16 x 104 x 2^10 x 2^3 / 2^30: exact
+    whole = P.make_plan(keep, H200, rates=FIXED_RATES, auto=False)
+    plan = whole["stages"]
+    # FeatureSampler keeps ceil(65,536 / 113) = 580 rows of each of the 113 train batches (the last has 512)
+    rows = 112 * 580 + 512
+    sample = 2 * rows * (40_960 + 65_536) * 4
+    assert 51.9 < sample / P.GiB < 52.0  # just under 2^16 rows' 52 GiB: 64 rows fewer
     for stage, what in (("calibrate", "host_gib"), ("calibrate", "disk_gib"), ("eval", "disk_gib")):
         assert_within(plan[stage][what] - base[stage][what], sample / P.GiB, atol=0.01, reason=TWO_TOTALS,
                       headroom_exempt=DISPLAY)
-    assert any(k["set"] == "calib.mlp_samples=0" for k in plan["calibrate"]["knobs"])
+    assert whole["recommended"][0]["set"] == "calib.mlp_samples=0" and whole["applied"] == []
     mass = dict(keep, mapper=dict(keep["mapper"], weighting="attention_mass"))
     fit = P.make_plan(mass, H200, rates=FIXED_RATES, knobs=False)["stages"]["fit"]
     assert fit["parts"]["host"]["feature sample + one layer's weighted rows (float64)"] * P.GiB > sample
@@ -184,7 +190,7 @@ def test_every_shipped_pair_has_shapes_without_weights_or_hub():
     assert 70.5e9 < llama70.params < 70.6e9
 
 
-# -- JSON, refusal, tiny ----------------------------------------------------------------------------
+# -- JSON, knobs, refusal, tiny ----------------------------------------------------------------------
 def test_cli_json_is_one_object_with_the_schema(tmp_path, capsys):
     assert P.main(["pair=qwen3_14b_32b", "--node", "h200", "--json", "--out", str(tmp_path)]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -193,12 +199,14 @@ def test_cli_json_is_one_object_with_the_schema(tmp_path, capsys):
     assert set(plan["stages"]) == {"calibrate", "fit", "eval", "bench", "report"}
     for name, st in plan["stages"].items():
         for key, kind in (("gpu_gib", float), ("host_gib", float), ("disk_gib", float), ("seconds", float),
-                          ("fits", bool), ("knobs", list)):
+                          ("fits", bool), ("over_time", bool), ("as_typed", dict)):
             assert isinstance(st[key], kind), (name, key)
-        assert st["fits"] == (not st["over"]) and (not st["fits"] or st["knobs"] == [])
-        for kb in st["knobs"]:
-            assert set(kb) >= {"set", "gpu_gib", "host_gib", "disk_gib", "seconds", "fits"}
-    assert not plan["stages"]["calibrate"]["fits"]
+        assert st["fits"] == (not st["over"]) and (st["refused"] is None) == (st["fits"] and not st["over_time"])
+    for kb in plan["applied"]:
+        assert set(kb) >= {"key", "value", "set", "note", "changes"}
+    # as typed calibrate does not fit one H200; the run applies the plan's knobs and then it does
+    assert not plan["stages"]["calibrate"]["as_typed"]["fits"] and plan["stages"]["calibrate"]["fits"]
+    assert "calib.dtype=float32" in plan["overrides"] and plan["rates"]["rates"]
     assert json.loads((tmp_path / "plan.json").read_text())["stages"].keys() == plan["stages"].keys()
     assert "| calibrate |" in (tmp_path / "plan.md").read_text()
     # explicit node flags
@@ -207,62 +215,192 @@ def test_cli_json_is_one_object_with_the_schema(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["node"]["gpus"] == 8
 
 
-def test_refusal_names_the_knobs_with_their_figures(cfg_14_32):
+@pytest.mark.parametrize("node", ["h200", "8xh100"])
+def test_every_paper_pair_fits_both_nodes_at_defaults_with_the_applied_knobs(node):
+    """Issue 19 §3's done-when: at the defaults every stage of the six pairs fits 1 x H200 / 128 GiB / 64 GiB and
+    8 x H100 / 1 TiB / 1 TB with the knobs the plan applies, except a stage over plan.max_hours, which is
+    refused and says so; and the applied knobs, given as Hydra overrides, make a plan that fits by itself."""
+    typed_refused, refused = [], {}
+    for pair in PAPER_PAIRS:
+        plan = P.make_plan(_compose(f"pair={pair}"), P.Node(**P.NODES[node]), rates=FIXED_RATES)
+        order = [k.key for k in P.KNOBS]
+        assert [order.index(e["key"].replace("pair.source.", "pair.target.")) for e in plan["applied"]] == sorted(
+            order.index(e["key"].replace("pair.source.", "pair.target.")) for e in plan["applied"])
+        for name, st in plan["stages"].items():
+            assert st["fits"], (pair, name, st["over"])
+            if st["over_time"]:
+                refused[(pair, name)] = st["refused"]
+        if any(not st["as_typed"]["fits"] for st in plan["stages"].values()):
+            typed_refused.append(pair)
+        again = P.make_plan(_compose(f"pair={pair}", *shlex.split(plan["overrides"])), P.Node(**P.NODES[node]),
+                            rates=FIXED_RATES, knobs=False)
+        assert all(st["fits"] for st in again["stages"].values()), pair
+    # as typed, the issue's count: report is refused for every pair on one H200; four pairs on 8 x H100
+    assert len(typed_refused) == (6 if node == "h200" else 4)
+    assert list(refused) == ([("llama31_8b_70b", "eval")] if node == "h200" else [])
+    assert all("plan.max_hours=48" in why for why in refused.values())
+
+
+def test_a_stage_over_max_hours_is_refused_not_applied():
+    cfg = _compose("pair=llama31_8b_70b")
+    plan = P.make_plan(cfg, H200, rates=FIXED_RATES)
+    assert plan["stages"]["eval"]["seconds"] > 48 * 3600 and "eval" in plan["refused"]
+    with pytest.raises(P.PlanError, match="plan.max_hours=48"):
+        P.check_plan(cfg, H200, rates=FIXED_RATES)
+    # without eval the rest runs with the knobs applied (eval's offload budget no longer binds)
+    assert P.check_plan(cfg, H200, rates=FIXED_RATES, stages=["calibrate", "fit", "bench", "report"])["applied"]
+    # a higher ceiling lets it through
+    long = dict(cfg, plan=dict(cfg["plan"], max_hours=10_000))
+    assert "eval" not in P.make_plan(long, H200, rates=FIXED_RATES)["refused"]
+
+
+def test_refusal_with_auto_off_names_the_knobs(cfg_14_32):
+    manual = dict(cfg_14_32, plan=dict(cfg_14_32["plan"], auto=False))
     with pytest.raises(P.PlanError) as err:
-        P.check_plan(cfg_14_32, H200, rates=FIXED_RATES)
+        P.check_plan(manual, H200, rates=FIXED_RATES)
     msg = str(err.value)
-    assert "calibrate" in msg and "calib.dtype=float32" in msg and "calib.capture=sequential" in msg
+    assert "calibrate" in msg and "calib.dtype=float32" in msg and "plan.auto=false" in msg
     assert "plan.enforce=false" in msg and "GiB" in msg
     # on 8 x H100 the GPU side is what fails (eval: both models on cuda:0), and device_map=auto is named
     with pytest.raises(P.PlanError, match="device_map=auto"):
-        P.check_plan(cfg_14_32, H100x8, rates=FIXED_RATES, stages=["eval"])
+        P.check_plan(manual, H100x8, rates=FIXED_RATES, stages=["eval"])
     # the ridge fit loads no model (config-only pair identity): it fits 8 x H100 and uses no GPU
     fit = P.check_plan(cfg_14_32, H100x8, rates=FIXED_RATES, stages=["fit"])["stages"]["fit"]
     assert fit["fits"] and fit["gpu_gib"] <= 1.0
+    # with auto on (the default) the same config passes on one H200, the knobs applied
+    assert {e["set"] for e in P.check_plan(cfg_14_32, H200, rates=FIXED_RATES)["applied"]} >= {"calib.dtype=float32"}
 
 
-def test_the_knob_figures_are_recomputed_plans(cfg_14_32, plan_14_32):
-    knobs = {kb["set"]: kb for kb in plan_14_32["stages"]["calibrate"]["knobs"]}
-    f32 = P.make_plan(dict(cfg_14_32, calib=dict(cfg_14_32["calib"], dtype="float32")), H200, rates=FIXED_RATES,
-                      knobs=False)["stages"]["calibrate"]
-    kb = knobs["calib.dtype=float32"]
-    assert (kb["gpu_gib"], kb["host_gib"], kb["disk_gib"]) == (f32["gpu_gib"], f32["host_gib"], f32["disk_gib"])
+def test_the_applied_figures_are_the_plan_of_the_applied_config(cfg_14_32):
+    plan = P.make_plan(cfg_14_32, H200, rates=FIXED_RATES)
+    applied = P.make_plan(P.applied_config(cfg_14_32, plan), H200, rates=FIXED_RATES, knobs=False)
+    typed = P.make_plan(cfg_14_32, H200, rates=FIXED_RATES, knobs=False)
+    for name, st in plan["stages"].items():
+        figures = ("gpu_gib", "host_gib", "disk_gib", "seconds")
+        assert [st[f] for f in figures] == [applied["stages"][name][f] for f in figures]
+        assert [st["as_typed"][f] for f in figures] == [typed["stages"][name][f] for f in figures]
+    assert plan["protocol"]["calib_dtype"] == "float32" and typed["protocol"]["calib_dtype"] == "float64"
+    fp32 = next(e for e in plan["applied"] if e["set"] == "calib.dtype=float32")
+    assert "-0.006" in fp32["changes"] and "34.5 vs 34.2" in fp32["changes"]
+
+
+def test_the_plan_parses_stages_with_the_runners_resolver(cfg_14_32):
+    from kvtransfer import runconfig
+    from kvtransfer.runner import parse_stages
+
+    assert parse_stages is runconfig.parse_stages
+    with pytest.raises(ValueError, match="unknown stage"):
+        P.make_plan(dict(cfg_14_32, stage="calibrate,evl"), H200, rates=FIXED_RATES)
+    with pytest.raises(ValueError, match="unknown stage"):
+        P.make_plan(cfg_14_32, H200, rates=FIXED_RATES, stages=["train"])
+    plan = P.make_plan(dict(cfg_14_32, stage="report,fit"), H200, rates=FIXED_RATES)
+    assert plan["requested"] == ["fit", "report"]
 
 
 def test_tiny_default_run_fits_a_small_machine():
     cfg = _compose()
-    assert cfg["pair"]["name"] == "tiny" and cfg["plan"]["enforce"] is True
+    assert cfg["pair"]["name"] == "tiny" and cfg["plan"]["enforce"] is True and cfg["plan"]["auto"] is True
     small = P.Node("laptop", gpus=0, host_gib=4.0, disk_gib=2.0)
     plan = P.check_plan(cfg, small, rates=FIXED_RATES)
-    assert all(st["fits"] for st in plan["stages"].values())
+    assert all(st["fits"] for st in plan["stages"].values()) and plan["applied"] == []
     assert plan["stages"]["calibrate"]["host_gib"] < 2 and plan["stages"]["calibrate"]["disk_gib"] < 0.1
 
 
-def test_plan_run_writes_plan_json_and_respects_enforce(tmp_path, cfg_14_32, monkeypatch):
+def test_plan_run_applies_refuses_or_warns(tmp_path, cfg_14_32, monkeypatch):
     from kvtransfer.runner.pipeline import plan_run
 
     monkeypatch.setattr(P, "detect_node", lambda cfg: P.Node("test box", 0, 0.0, 8.0, 16.0))
-    monkeypatch.setattr(P, "rates_for", lambda *a, **k: FIXED_RATES)
+    monkeypatch.setattr(P.rates, "rates_for", lambda *a, **k: FIXED_RATES)
     cfg = dict(cfg_14_32, stage="calibrate")
-    with pytest.raises(P.PlanError, match="calibrate"):
+    with pytest.raises(P.PlanError, match="calibrate"):   # no knob fits 14B -> 32B into 8 GiB of host memory
         plan_run(cfg, tmp_path / "a", log=lambda *_: None)
     assert json.loads((tmp_path / "a" / "plan.json").read_text())["stages"]["calibrate"]["fits"] is False
     with pytest.warns(UserWarning, match="plan.enforce=false"):
-        plan = plan_run(dict(cfg, plan={"enforce": False}), tmp_path / "b", log=lambda *_: None)
-    assert plan is not None and (tmp_path / "b" / "plan.md").exists()
-    assert plan_run(cfg, tmp_path / "c", [], log=lambda *_: None) is not None  # refuses for the stages asked for only
+        ran, plan = plan_run(dict(cfg, plan={"enforce": False}), tmp_path / "b", log=lambda *_: None)
+    assert plan["applied"] == [] and ran["calib"] == cfg["calib"] and (tmp_path / "b" / "plan.md").exists()
+    ran, plan = plan_run(cfg, tmp_path / "c", [], log=lambda *_: None)   # refuses for the stages asked for only
+    assert ran == cfg and plan["refused"] == {}
+    # on one H200 the knobs are applied to the config the run gets
+    monkeypatch.setattr(P, "detect_node", lambda cfg: H200)
+    logged = []
+    ran, plan = plan_run(cfg, tmp_path / "d", log=logged.append)
+    assert ran["calib"]["dtype"] == "float32" and cfg["calib"]["dtype"] == "float64"
+    assert any("applying calib.dtype=float32" in line for line in logged)
+    manual = dict(cfg, plan=dict(cfg["plan"], auto=False))
+    with pytest.raises(P.PlanError, match="plan.auto=false"):
+        plan_run(manual, tmp_path / "e", log=lambda *_: None)
+
+
+def test_a_planner_error_fails_the_run(tmp_path, cfg_14_32, monkeypatch):
+    """Issue 20 §3: a bug in the planner must not silently turn enforcement off."""
+    from kvtransfer.runner import pipeline
+
+    def broken(*a, **k):
+        raise ZeroDivisionError("a bug in the planner")
+
+    monkeypatch.setattr(P, "detect_node", lambda cfg: H200)
+    monkeypatch.setattr(P, "make_plan", broken)
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ZeroDivisionError, match="a bug in the planner"):
+        pipeline.execute(dict(cfg_14_32, cache_dir=str(tmp_path / "cache")), tmp_path / "run")
+    monkeypatch.undo()
+    # a config the planner cannot read (no config for the model) fails as loudly
+    monkeypatch.setattr(P, "detect_node", lambda cfg: H200)
+    nowhere = dict(cfg_14_32, pair=dict(cfg_14_32["pair"], source={"id": "nobody/no-such-model"}))
+    with pytest.raises(ValueError, match="no config for"):
+        pipeline.plan_run(nowhere, tmp_path / "plan", log=lambda *_: None)
 
 
 def test_execute_refuses_before_loading_anything(tmp_path, monkeypatch, cfg_14_32):
     from kvtransfer.runner import pipeline
 
     monkeypatch.setattr(P, "detect_node", lambda cfg: P.Node("test box", 0, 0.0, 8.0, 16.0))
-    monkeypatch.setattr(P, "rates_for", lambda *a, **k: FIXED_RATES)
+    monkeypatch.setattr(P.rates, "rates_for", lambda *a, **k: FIXED_RATES)
     monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = dict(cfg_14_32, stage="calibrate", cache_dir=str(tmp_path / "cache"))
     with pytest.raises(P.PlanError, match="calib.dtype=float32"):
         pipeline.execute(cfg, tmp_path / "run")
     assert (tmp_path / "run" / "plan.json").exists() and not (tmp_path / "run" / "summary.json").exists()
+
+
+# -- sizes asked of the run's own data structures -----------------------------------------------------
+@pytest.mark.parametrize("dtype,accumulate", [("float64", "host"), ("float32", "device")])
+def test_the_plans_sizes_are_the_structures_real_sizes(dtype, accumulate):
+    """Issue 20 §3: the plan's moments, held-out, feature sample and mapper sizes at a small shape equal the
+    bytes of a real Moments / HeldOut / FeatureSampler / Mapper / MLPMapper built at that shape."""
+    from kvtransfer.mapper import Mapper, MLPMapper
+    from kvtransfer.mlp import FeatureSampler
+    from kvtransfer.moments import HeldOut, Moments
+
+    src_cfg = qwen3_config(layers=3, hidden=32, heads=4, kv_heads=2, head_dim=8)
+    tgt_cfg = qwen3_config(layers=4, hidden=48, heads=6, kv_heads=3, head_dim=8)
+    cfg = _compose("pair=tiny", "calib.n_sequences=10", "calib.seq_len=16", "calib.stride=2", "calib.batch_size=4",
+                   "calib.heldout_fraction=0.2", "calib.heldout_observations=12", f"calib.dtype={dtype}",
+                   f"calib.accumulate={accumulate}", "calib.mlp_samples=20", "pair.k=2", "device=cpu")
+    s = P.Setup(cfg, P.shape_from_config(src_cfg, "s"), P.shape_from_config(tgt_cfg, "t"), P.Node(), FIXED_RATES)
+    wide = accumulate == "device"
+    moments = Moments(list(range(3)), list(range(4)), 16, 24, dtype=getattr(torch, dtype), wide=wide)
+    assert (moments.dx, moments.dy) == (s.dx, s.dy) and moments.nbytes == s.moments
+    held = HeldOut.sampled(range(3), range(4), 16, 24, total=s.n_held * s.kept, capacity=12)
+    assert held.nbytes == s.heldout and s.held_rows == 12
+    sampler = FeatureSampler(20, len(s.train_batch_rows))
+    for b, rows in enumerate(s.train_batch_rows):
+        x = {kind: torch.randn(rows, s.dx) for kind in ("k", "v")}
+        sampler("train", b, x, {kind: torch.randn(rows, s.dy) for kind in ("k", "v")})
+    assert sum(t.numel() * t.element_size() for t in sampler.tensors().values()) == s.mlp_sample > 0
+    ridge = Mapper(weight=torch.zeros(4, 2, s.p, s.q), bias=torch.zeros(4, 2, s.q),
+                   selected_layers=torch.zeros(4, 2, dtype=torch.long), source={}, target={})
+    assert ridge.n_parameters * 4 == s.mapper_w32 == P.mapper_params(16, s.tgt, 2) * 4
+    h, d = 5, 8
+    mlp = MLPMapper(w1=torch.zeros(4, 2, 3, s.p, h), b1=torch.zeros(4, 2, 3, h), w2=torch.zeros(4, 2, 3, h, h),
+                    b2=torch.zeros(4, 2, 3, h), w3=torch.zeros(4, 2, 3, h, d), b3=torch.zeros(4, 2, 3, d),
+                    x_mean=torch.zeros(4, 2, s.p), x_std=torch.ones(4, 2, s.p), y_mean=torch.zeros(4, 2, s.q),
+                    y_std=torch.ones(4, 2, s.q), selected_layers=torch.zeros(4, 2, dtype=torch.long), source={},
+                    target={})
+    mcfg = dict(cfg, mapper=dict(cfg["mapper"], kind="mlp", hidden=h))
+    m = P.Setup(mcfg, s.src, s.tgt, P.Node(), FIXED_RATES)
+    assert sum(t.numel() for t in mlp.tensors().values() if t.is_floating_point()) * 4 == m.mapper_w32
+    assert mlp.n_parameters == MLPMapper.params_at(4, 3, s.p, h, d)
 
 
 # -- simulation: the plan's calibration sizes vs a real collect_moments ---------------------------------
@@ -346,7 +484,7 @@ def test_a_per_model_device_map_spreads_only_that_model(cfg_14_32):
     # pair.target.device_map=auto on 8 GPUs: the target's weights are divided over the GPUs, the source's not;
     # the run-wide key spreads both (models.device_map_for decides for each model, as loading does)
     node = P.Node(gpus=8, gpu_gib=80, host_gib=1024, disk_gib=1000)
-    gib = lambda cfg: P.make_plan(cfg, node, rates=FIXED_RATES)["stages"]["calibrate"]["parts"]["gpu"][  # noqa: E731
+    gib = lambda cfg: P.make_plan(cfg, node, rates=FIXED_RATES, knobs=False)["stages"]["calibrate"]["parts"]["gpu"][  # noqa: E731
         "source + target weights"]
     src, tgt = 2 * 14_768_307_200, 2 * 32_762_123_264
     pair = dict(cfg_14_32["pair"], target=dict(cfg_14_32["pair"]["target"], device_map="auto"))
@@ -360,7 +498,7 @@ def test_share_prefix_keeps_the_context_logits_out_of_the_eval_plan(cfg_14_32):
     # the last context token + the longest continuation reach the [batch, rows, vocab] logits
     def part(share):
         cfg = dict(cfg_14_32, eval=dict(cfg_14_32["eval"], share_prefix=share))
-        usage = P.make_plan(cfg, H200, rates=FIXED_RATES)["stages"]["eval"]["parts"]["gpu"]
+        usage = P.make_plan(cfg, H200, rates=FIXED_RATES, knobs=False)["stages"]["eval"]["parts"]["gpu"]
         return next(v for k, v in usage.items() if k.startswith("logits"))
 
     e = cfg_14_32["eval"]

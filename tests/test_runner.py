@@ -612,3 +612,34 @@ def test_new_weights_at_the_same_path_recompute_every_artifact(tiny_pair_dirs, t
             assert after.key(name) != keys[name], f"{name} would be reused for other weights"
     second = execute(_tiny_cfg(dirs, tmp_path, "stage=[calibrate,fit]"), tmp_path / "r2")
     assert len(calls) == 2 and second["mapper"]["path"] != first["mapper"]["path"]
+
+
+def test_the_run_applies_the_plans_knobs_and_records_them(tiny_pair_dirs, tmp_path, monkeypatch):
+    """Issue 19 §3: on a node where calibrate does not fit as typed, the run applies the plan's knob set, writes
+    it into config.json (written after applying) and summary.json (resources.applied), and calibrates with it;
+    plan.auto=false refuses instead."""
+    from kvtransfer import plan as P
+    from run_configs import FIXED_RATES
+
+    cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "stage=calibrate", "device=cpu", "calib.mlp_samples=0")
+    big = P.Node("big", 0, 0.0, 64.0, 64.0)
+
+    def disk(c):   # bytes of the calibrate stage's disk peak as the plan sums them
+        return P.stage_usage(P.Setup(c, *P.load_shapes(c), big, FIXED_RATES))["calibrate"].disk
+
+    fp64, fp32 = disk(cfg), disk(dict(cfg, calib=dict(cfg["calib"], dtype="float32")))
+    assert cfg["calib"]["dtype"] == "float64" and fp32 < fp64
+    node = P.Node("small disk", 0, 0.0, 64.0, (fp64 + fp32) / 2 / 0.95 / P.GiB)   # fits float32 moments only
+    monkeypatch.setattr(P, "detect_node", lambda c: node)
+    summary = execute(cfg, tmp_path / "run")
+    assert [e["set"] for e in summary["resources"]["applied"]] == ["calib.dtype=float32"]
+    assert summary["resources"]["applied"][0]["changes"]   # it says that it changes the numbers, and by how much
+    out = tmp_path / "run"
+    assert json.loads((out / "summary.json").read_text())["resources"] == summary["resources"]
+    ran = json.loads((out / "config.json").read_text())
+    assert ran["calib"]["dtype"] == "float32" and json.loads((out / "plan.json").read_text())["applied"]
+    train, _, _ = Run(ran, out).moments()
+    assert train.dtype == torch.float32
+    with pytest.raises(Exception, match="plan.auto=false") as err:
+        execute(dict(cfg, plan=dict(cfg["plan"], auto=False)), tmp_path / "refused")
+    assert type(err.value).__name__ == "PlanError" and not (tmp_path / "refused" / "summary.json").exists()

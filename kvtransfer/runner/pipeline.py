@@ -1,8 +1,9 @@
 """The stages of a run -- calibrate -> fit -> eval -> bench -> report -- with cached artifacts.
 
 Takes a plain dict config (run.py resolves the Hydra config into one), so this module has no Hydra
-import. Before anything loads, `plan_run` plans the run on this machine (kvtransfer.plan) and refuses
-a requested stage that will not fit. Every stage artifact lives under `cache_dir` in a directory
+import. Before anything loads, `plan_run` plans the run on this machine (kvtransfer.plan), applies the
+knobs the plan recommends when a requested stage would not fit (plan.auto), and refuses a stage that does
+not fit even so or runs past plan.max_hours. Every stage artifact lives under `cache_dir` in a directory
 named by the hash of exactly its declared inputs (`artifacts.ARTIFACTS`: config keys, upstream
 artifacts, model and data identities), so changing lambda or
 k reuses the moments, changing tasks reuses the mapper, and an interrupted calibration resumes from
@@ -28,27 +29,15 @@ from ..mapper import FactoredMapper, Mapper, load_mapper
 from ..models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model, max_memory_for
 from ..moments import HeldOut, Moments
 from ..ridge import UnderdeterminedFit, fit_ridge
+from ..runconfig import STAGES, needs_feature_sample, parse_stages, resolve  # noqa: F401 (STAGES: re-exported)
 from ..select import r2_matrix, select_greedy, select_topk
 from .artifacts import ARTIFACTS, KEY_VERSION, compute_key
 
-STAGES = ("calibrate", "fit", "eval", "bench", "report")
 # Layout of a calibration artifact; part of its cache key, so artifacts of another layout are never misread.
 # 1: train + held-out moments; 2: train moments + held-out raw features (moments.HeldOut), one file each;
 # 3: the same as a tensor directory `calibration/` (calibrate.save_calibration: pieces + manifest), which is
 # also the calibration's checkpoint -- the finished checkpoint is the artifact, nothing is copied.
 MOMENTS_FORMAT = 3
-
-
-def parse_stages(stage) -> list[str]:
-    """'all', a comma string or a list of stage names -> ordered list of stages."""
-    if isinstance(stage, (list, tuple)):
-        names = list(stage)
-    else:
-        names = STAGES if stage == "all" else [s.strip() for s in str(stage).split(",") if s.strip()]
-    unknown = [s for s in names if s not in STAGES]
-    if unknown:
-        raise ValueError(f"unknown stage(s) {unknown}: use one of {', '.join(STAGES)} or all")
-    return [s for s in STAGES if s in names]
 
 
 def _progress(enabled: bool):
@@ -69,12 +58,9 @@ class Run:
         self.progress = _progress(cfg.get("progress", True))
         self._models: dict = {}
         self._memo: dict = {}
-        ablation = cfg.get("ablation") or {}
-        mapper = cfg["mapper"]
-        self.key_space = ablation.get("key_space", "stripped")
-        self.rope_at_inference = ablation.get("rope_at_inference", True)
-        self.k = ablation.get("k") if ablation.get("k") is not None else mapper["k"]
-        self.lam = ablation.get("lam") if ablation.get("lam") is not None else mapper["lam"]
+        resolved = resolve(cfg)   # the same reading of the config as the resource plan's (kvtransfer.runconfig)
+        self.key_space, self.rope_at_inference = resolved.key_space, resolved.rope_at_inference
+        self.k, self.lam = resolved.k, resolved.lam
 
     @property
     def context_start(self) -> str:
@@ -642,32 +628,34 @@ def _mean_r2(mapper_r2: dict) -> dict:
     return out
 
 
-def plan_run(cfg: dict, out_dir: str | Path, stages: list[str] | None = None, *, log=print) -> dict | None:
+def plan_run(cfg: dict, out_dir: str | Path, stages: list[str] | None = None, *, log=print) -> tuple[dict, dict]:
     """What `execute` does first: plan this run on this machine (kvtransfer.plan), print the table, write
-    out_dir/plan.json + plan.md, and raise PlanError before anything loads when one of `stages` (default:
-    cfg.stage) does not fit and plan.enforce (default true). A config the planner cannot read only warns."""
+    out_dir/plan.json + plan.md, and return (the config to run, the plan).
+
+    plan.enforce=true (default): with plan.auto=true (default) the knob set the plan recommends for `stages`
+    (default cfg.stage) is applied to the returned config and printed; a stage that does not fit even so, or
+    whose estimate exceeds plan.max_hours, raises PlanError before anything loads. plan.auto=false: the
+    config is run as typed and any stage that does not fit raises PlanError naming the knobs (the behaviour
+    before plan.auto). plan.enforce=false: the config is run as typed whatever the plan says (a warning).
+    Errors in planning propagate: a planner that cannot plan fails the run, it never turns enforcement off."""
     import warnings
 
     stages = parse_stages(cfg.get("stage", "all")) if stages is None else stages
-    try:
-        node = resource_plan.detect_node(cfg)
-        plan = resource_plan.make_plan(cfg, node, local=True)
-    except Exception as err:  # noqa: BLE001 -- planning must never be the reason a valid run fails
-        warnings.warn(f"resource plan unavailable: {err}", stacklevel=2)
-        return None
+    settings = cfg.get("plan") or {}
+    enforce = bool(settings.get("enforce", True))
+    node = resource_plan.detect_node(cfg)
+    plan = resource_plan.make_plan(cfg, node, local=True, stages=stages,
+                                   auto=bool(settings.get("auto", True)) and enforce)
     resource_plan.write_plan(plan, out_dir)
     log(resource_plan.format_plan(plan, details=False).rstrip())
     msg = resource_plan.refusal_message(plan, stages)
+    if msg and enforce:
+        raise resource_plan.PlanError(msg)
     if msg:
-        if bool((cfg.get("plan") or {}).get("enforce", True)):
-            raise resource_plan.PlanError(msg)
-        warnings.warn(msg + "\n(plan.enforce=false: running anyway)", stacklevel=2)
-    return plan
-
-
-def needs_feature_sample(mapper: dict) -> bool:
-    """Whether a mapper config fits on the calibration's kept feature rows (mapper=mlp, weighting=attention_mass)."""
-    return mapper.get("kind", "ridge") == "mlp" or mapper.get("weighting", "none") == "attention_mass"
+        warnings.warn(msg + "\n(plan.enforce=false: running as typed)", stacklevel=2)
+    if plan["applied"]:
+        log(f"resource plan: applying {plan['overrides']} (plan.auto=false to refuse instead)")
+    return resource_plan.applied_config(cfg, plan), plan
 
 
 def check_feature_sample(cfg: dict) -> None:
@@ -687,14 +675,16 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
     if (out_dir / "summary.json").exists():
         raise FileExistsError(f"{out_dir} already holds a run; choose another out_dir")
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "config.json", cfg)  # the resolved config that made this run
     stages = parse_stages(cfg.get("stage", "all"))
     check_feature_sample(cfg)
-    plan_run(cfg, out_dir, stages)  # prints + writes plan.json; PlanError before any load if a stage won't fit
+    # prints + writes plan.json, applies the plan's knobs (plan.auto); PlanError before any load if a stage won't run
+    cfg, plan = plan_run(cfg, out_dir, stages)
+    atomic_write_json(out_dir / "config.json", cfg)  # the resolved config that made this run, knobs applied
     run = Run(cfg, out_dir)
     summary: dict = {"pair": cfg["pair"]["name"], "direction": cfg["pair"].get("direction", "forward"),
                      "source": run.model_ref("source"), "target": run.model_ref("target"), "stages": stages,
-                     "ablation": cfg.get("ablation", {}), "environment": environment()}
+                     "ablation": cfg.get("ablation", {}), "resources": resource_plan.resources_summary(plan),
+                     "environment": environment()}
     r2_figure: dict = {}
     # moments are read only where a stage needs them and released after it (issue 10 §2): eval and bench never
     # hold them, and the rotated-key calibration of the report does not sit next to the stripped moments

@@ -1,0 +1,85 @@
+"""Resource plan of a run: peak GPU memory, host memory, disk and estimated time per stage, before anything loads,
+and the knobs the run will apply so that every stage fits.
+
+    python -m kvtransfer.plan pair=qwen3_14b_32b [calib.dtype=float32 ...] [--node h200 | --gpu-mem GiB
+        --host-mem GiB --disk GiB --gpus N --gpu H100|H200|A100] [--weights-on-disk] [--json] [--out DIR]
+
+No Hydra / lm-eval / W&B import at module level: `main` composes the Hydra config inside.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .build import make_plan
+from .knobs import get
+from .node import NODES, Node, detect_node
+from .rates import DEVICES
+from .text import format_plan, write_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def compose_config(overrides: list[str]) -> dict:
+    """The run's resolved config from conf/ (Hydra compose API; out_dir defaults to a placeholder)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    if not any(o.split("=", 1)[0].lstrip("+~") == "out_dir" for o in overrides):
+        overrides = ["out_dir=plan", *overrides]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kvtransfer.plan", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for run.py (pair=..., calib.dtype=...)")
+    parser.add_argument("--node", choices=sorted(NODES), help="a node shape of issue 10 (sets the four below)")
+    parser.add_argument("--gpu-mem", type=float, help="GiB per GPU")
+    parser.add_argument("--host-mem", type=float, help="GiB of host memory")
+    parser.add_argument("--disk", type=float, help="GiB of local disk")
+    parser.add_argument("--gpus", type=int, help="number of GPUs (0 = CPU only)")
+    parser.add_argument("--gpu", choices=sorted(DEVICES), help="GPU model for the rate table")
+    parser.add_argument("--weights-on-disk", action="store_true", help="count the weights against --disk")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--out", help="write plan.json + plan.md here (default: runs/plan/<pair>)")
+    return parser
+
+
+def node_from_args(args, cfg: dict) -> tuple[Node, bool]:
+    """(the node the flags describe, whether it was given) -- a preset, explicit flags, or this machine."""
+    explicit = any(v is not None for v in (args.gpu_mem, args.host_mem, args.disk, args.gpus, args.node))
+    if args.node:
+        node = Node(**NODES[args.node])
+    else:
+        node = detect_node(cfg) if not explicit else Node(name="given", gpus=1 if args.gpu_mem else 0)
+    for attr, value in (("gpu_gib", args.gpu_mem), ("host_gib", args.host_mem), ("disk_gib", args.disk),
+                        ("gpus", args.gpus), ("gpu", args.gpu)):
+        if value is not None:
+            setattr(node, attr, value)
+    if explicit and not args.node:
+        if node.gpus and node.gpu is None:
+            node.gpu = "H100"  # for the rates only; the name says so
+            node.name = f"{node.gpus} x GPU {node.gpu_gib:g} GiB (H100 rates assumed)"
+        else:
+            node.name = f"{node.gpus} x {node.gpu} {node.gpu_gib:g} GiB" if node.gpus else "CPU only"
+    node.weights_on_disk = args.weights_on_disk or bool(get(cfg, "plan.weights_on_disk", False))
+    return node, explicit
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    cfg = compose_config(args.overrides)
+    node, explicit = node_from_args(args, cfg)
+    plan = make_plan(cfg, node, local=not explicit)
+    out = Path(args.out or ROOT / "runs" / "plan" / str(plan["pair"]))
+    write_plan(plan, out)
+    if args.json:
+        print(json.dumps(plan))
+    else:
+        print(format_plan(plan, details=False), end="")
+        print(f"(written to {out}/plan.json and plan.md)")
+    return 0

@@ -1,0 +1,100 @@
+"""What a run's plain config means, resolved in one place for the runner (`runner.pipeline.Run`, `execute`)
+and the resource plan (`kvtransfer.plan`), so the two can never read a key differently.
+
+    parse_stages(cfg.stage)   -> the stages to run, in pipeline order (unknown names are an error)
+    resolve(cfg)              -> Resolved: effective k / lambda / key space / rope_at_inference (ablation.*
+                                 over mapper.*), mapper kind, direction, stages
+    side_spec(cfg, side)      -> pair.<side> of the model playing `side` under pair.direction
+    calib_split(cfg)          -> (train, held-out) sequence indices (calibrate.split_heldout)
+    kept_positions(calib)     -> calibration positions kept per sequence (calibrate.subsample_positions)
+
+Part of the core: imports only the core (no Hydra, no runner, no plan).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STAGES = ("calibrate", "fit", "eval", "bench", "report")
+DIRECTIONS = ("forward", "reverse")
+
+
+def parse_stages(stage) -> list[str]:
+    """'all', a comma string or a list of stage names -> ordered list of stages; ValueError naming the
+    valid names for an unknown one."""
+    if isinstance(stage, (list, tuple)):
+        names = list(stage)
+    else:
+        names = STAGES if stage == "all" else [s.strip() for s in str(stage).split(",") if s.strip()]
+    unknown = [s for s in names if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}: use one of {', '.join(STAGES)} or all")
+    return [s for s in STAGES if s in names]
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The effective settings of a run (what the stages and the plan use, after ablation overrides)."""
+
+    stages: list
+    k: object                # int, or "all" (every source layer)
+    lam: float
+    key_space: str           # "stripped" | "rotated"
+    rope_at_inference: bool
+    mapper_kind: str         # "ridge" | "mlp"
+    direction: str           # "forward" | "reverse"
+
+    def k_layers(self, n_source_layers: int) -> int:
+        """k as a number of source layers ("all" = every one)."""
+        return n_source_layers if self.k == "all" else int(self.k)
+
+
+def resolve(cfg: dict) -> Resolved:
+    """Resolve a plain run config (see the module docstring). ablation.k / ablation.lam override mapper.k /
+    mapper.lam when set (not None)."""
+    ablation = cfg.get("ablation") or {}
+    mapper = cfg["mapper"]
+    direction = resolve_direction(cfg)
+    return Resolved(stages=parse_stages(cfg.get("stage", "all")),
+                    k=ablation.get("k") if ablation.get("k") is not None else mapper["k"],
+                    lam=ablation.get("lam") if ablation.get("lam") is not None else mapper["lam"],
+                    key_space=ablation.get("key_space", "stripped"),
+                    rope_at_inference=ablation.get("rope_at_inference", True),
+                    mapper_kind=mapper.get("kind", "ridge"), direction=direction)
+
+
+def side_spec(cfg: dict, side: str) -> dict:
+    """pair.<side> ({"id", "path", ...}) of the model playing `side` ("source" | "target"): under
+    pair.direction=reverse the configured target is the source and vice versa."""
+    if resolve_direction(cfg) == "reverse":
+        side = {"source": "target", "target": "source"}[side]
+    return cfg["pair"][side]
+
+
+def resolve_direction(cfg: dict) -> str:
+    """pair.direction, checked."""
+    direction = (cfg.get("pair") or {}).get("direction", "forward")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"pair.direction must be forward or reverse, got {direction!r}")
+    return direction
+
+
+def calib_split(cfg: dict, n_sequences: int | None = None) -> tuple[list[int], list[int]]:
+    """(train, held-out) sequence indices of the calibration: `calibrate.split_heldout` over
+    `n_sequences` (default calib.n_sequences) with calib.heldout_fraction and the run's seed."""
+    from .calibrate import split_heldout
+
+    calib = cfg["calib"]
+    n = int(calib["n_sequences"]) if n_sequences is None else n_sequences
+    return split_heldout(n, float(calib.get("heldout_fraction", 0.1)), cfg.get("seed", 0))
+
+
+def kept_positions(calib: dict) -> int:
+    """Positions per sequence the calibration keeps (0, stride, 2 * stride, ... < seq_len)."""
+    from .calibrate import subsample_positions
+
+    return int(subsample_positions(int(calib["seq_len"]), int(calib["stride"])).numel())
+
+
+def needs_feature_sample(mapper: dict) -> bool:
+    """Whether a mapper config fits on the calibration's kept feature rows (mapper=mlp, weighting=attention_mass)."""
+    return mapper.get("kind", "ridge") == "mlp" or mapper.get("weighting", "none") == "attention_mass"

@@ -1,5 +1,4 @@
 """Runner: config composition for every pair/ablation, staged pipeline, artifact reuse, outputs."""
-import copy
 import json
 from pathlib import Path
 

@@ -62,8 +62,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if limit is None or not sites:
         return
     tr = terminalreporter
-    tr.write_sep("-", f"tolerance headroom: {len(sites)} comparison sites, tightest first (ratio = used / allowed)")
-    for r, n in sites[:SHOW]:
+    guarded = [(r, n) for r, n in sites if not r.exempt]
+    tr.write_sep("-", f"tolerance headroom: {len(sites)} comparison sites ({len(guarded)} guarded), tightest guarded "
+                      "first (ratio = used / allowed)")
+    for r, n in guarded[:SHOW]:
         tr.write_line(_row(r, n))
     exempt = [(r, n) for r, n in sites if r.exempt and r.ratio > limit]
     for r, n in exempt:

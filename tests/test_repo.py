@@ -75,7 +75,7 @@ def test_headroom_guard_fails_a_run_with_a_too_tight_comparison(pytester):
     strict = _run_headroom(pytester, "--headroom", "0.1")
     assert strict.ret == 1
     strict.assert_outcomes(passed=2)
-    strict.stdout.fnmatch_lines(["*tolerance headroom: 2 comparison sites*", "*0.5 *close*test_a.py::test_tight*",
+    strict.stdout.fnmatch_lines(["*tolerance headroom: 2 comparison sites (2 guarded)*", "*0.5 *close*test_a.py::test_tight*",
                                  "*0.0156*test_a.py::test_roomy*", "TOO TIGHT*test_a.py::test_tight*",
                                  "*reason given: planted: 2 eps*", "*--headroom 0.1: 1 comparison(s)*run fails*"])
     assert _run_headroom(pytester, "--headroom", "0.6").ret == 0

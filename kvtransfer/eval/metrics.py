@@ -208,5 +208,7 @@ def format_with_se(value: float | None, se: float | None, *, scale: float = 1.0,
         p = 3 if places is None else places
         return f"{v:.{p}f}{unit}"
     s = scale * se
-    p = significant_digits(s) if places is None else places
+    if places is None:  # an SE of exactly 0 (every resample equal) supports the value's own precision only
+        places = significant_digits(s) if s > 0 else (0 if scale == 100 else 2)
+    p = places
     return f"{v:.{p}f} ± {s:.{p}f}{unit}"

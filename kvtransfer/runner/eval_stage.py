@@ -281,9 +281,9 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
         for protocol, mapped in per_mode["transfer"]["coqa"].items():
             for r in drift_curve(per_mode["target"]["coqa"][protocol], mapped, max_turn=ecfg["coqa"]["turns"]):
                 rows.append({"protocol": protocol, "turn": r["turn"], "series": f"target ({protocol})",
-                             "f1": r["target_f1"], "n": r["n"]})
+                             "f1": r["target_f1"], "f1_se": r["target_f1_se"], "n": r["n"]})
                 rows.append({"protocol": protocol, "turn": r["turn"], "series": f"transfer ({protocol})",
-                             "f1": r["transfer_f1"], "n": r["n"], "gap": r["gap"]})
+                             "f1": r["transfer_f1"], "f1_se": r["transfer_f1_se"], "n": r["n"], "gap": r["gap"]})
         out["drift"] = rows
         out["drift_summary"] = [_finite({"protocol": protocol, **drift_summary(
             per_mode["target"]["coqa"][protocol], mapped, n_boot=ecfg.get("bootstrap", 1000), seed=seed)})

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pandas as pd
+
+# the checkout this script is in, not an installed kvtransfer: its provenance is what the README header reports
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvtransfer.bench.shapes import PAIRS, real_config
 from kvtransfer.families import map_cost

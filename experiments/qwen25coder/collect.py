@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import shutil
 from pathlib import Path
 
 import pandas as pd
+
+# the checkout this script is in, not an installed kvtransfer: its provenance is what the README header reports
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvtransfer.eval.metrics import format_with_se, upgrade_summary
 from kvtransfer.io import atomic_write_bytes, atomic_write_json

@@ -394,25 +394,35 @@ def _ppl_figure(summaries: dict[str, dict], path: Path) -> None:
     if not groups:
         return
     groups = sorted(groups.values(), key=len, reverse=True)
-    fig, axes = plt.subplots(1, len(groups), figsize=(6.4 * len(groups), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.8 * len(groups), 5.0), squeeze=False)
+    colours = plt.get_cmap("tab20").colors  # 20 distinct colours: no transfer run shares one with another
+    markers = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*", "h", "p")
     i = 0
     for ax, runs in zip(axes[0], groups):
         base = runs[0][1]["ppl"]
+        top = 1.5 * max(r.get(m) or 0 for r in base for m in ("target", "source", "no_context"))  # off scale: named
         for mode, ls in (("target", "-"), ("no_context", ":"), ("source", "--")):
             pts = [(r["prefix"], r[mode]) for r in base if r.get(mode) is not None]
             if pts:
-                ax.plot(*zip(*pts), linestyle=ls, color=MODE_STYLE[mode][0], marker=MODE_STYLE[mode][1],
-                        label=f"{mode} (these windows)")
+                ax.plot(*zip(*pts), linestyle=ls, color="black", marker=MODE_STYLE[mode][1], lw=1.8,
+                        label=f"{mode} (baseline of these windows)")
+        off = []
         for name, s in runs:
             pts = [(r["prefix"], r["transfer"]) for r in s["ppl"] if r.get("transfer") is not None]
-            ax.plot(*zip(*pts), label=f"transfer: {name}", **series_style(i + 3))
+            if max(p[1] for p in pts) > top:
+                off.append(f"{name} (ppl@{pts[-1][0]} = {pts[-1][1]:,.0f})")
+                continue
+            ax.plot(*zip(*pts), label=f"transfer: {name}", color=colours[i % 20], marker=markers[i % len(markers)],
+                    lw=1.2, ms=5)
             i += 1
         ax.set_yscale("log")
+        ax.set_ylim(top=top)
         ax.set_xlabel("prefix tokens P (mapped from the source)")
         ax.set_ylabel("perplexity of the continuation")
         windows = max(r["prefix"] for r in base)
-        ax.set_title(f"windows drawn at P ≤ {windows} (+ continuation)", fontsize=9)
-        ax.legend(fontsize=6.5)
+        ax.set_title(f"windows drawn at P ≤ {windows} (+ continuation)"
+                     + (f"\noff scale: {', '.join(off)}" if off else ""), fontsize=8)
+        ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     first = groups[0][0][1]
     fig.suptitle(f"{first.get('pair')}: WikiText-2 perplexity vs mapped prefix ({machine_label(first)}, 16 windows; "
                  "no SE: these runs kept no per-window NLLs, rerun for bands)", fontsize=9)

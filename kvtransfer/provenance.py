@@ -150,7 +150,7 @@ def provenance_header(summaries: dict[str, dict], collected_by: str) -> str:
     dirty tree, at several commits, or records no commit. Written by the collect scripts (never typed)."""
     p = results_provenance(summaries)
     lines = [f"**Provenance** (written by `{collected_by}` from the runs' `summary.json` → `environment`): "
-             f"{p['runs']} runs."]
+             f"{p['runs']} run{'s' if p['runs'] != 1 else ''}."]
     if len(p["commits"]) > 1:
         lines.append(f"- **The runs were made at {len(p['commits'])} different commits**; each row's numbers are "
                      "those of its own commit:")

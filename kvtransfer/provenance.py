@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# paths whose changes do not make a checkout "dirty" for provenance: they hold outputs, not code
+# paths whose changes do not make a checkout "dirty" for provenance: they hold outputs, not code; and Markdown
+# (READMEs carry generated blocks that the collect scripts rewrite, and no text changes a computed number)
 OUTPUT_PATHS = ("results", "runs")
+DOC_GLOBS = ("*.md", "**/*.md")
 
 
 def _git(*args: str, root: Path = ROOT) -> str | None:
@@ -30,12 +32,14 @@ def _git(*args: str, root: Path = ROOT) -> str | None:
 def git_state(root: Path = ROOT) -> dict:
     """{"commit": sha, "dirty": bool, "dirty_paths": [...]} of the checkout; {} outside a git checkout.
 
-    dirty: tracked files changed (staged or not) outside `OUTPUT_PATHS` (results/, runs/ at any depth),
-    so writing results does not make the next run's provenance dirty; untracked files are ignored."""
+    dirty: tracked files changed (staged or not) outside `OUTPUT_PATHS` (results/, runs/ at any depth) and
+    Markdown files, so writing results and their READMEs does not make the next run's provenance dirty;
+    untracked files are ignored."""
     sha = _git("rev-parse", "HEAD", root=root)
     if sha is None:
         return {}
-    excludes = [f":(exclude,glob){p}/**" for p in OUTPUT_PATHS] + [f":(exclude,glob)**/{p}/**" for p in OUTPUT_PATHS]
+    excludes = ([f":(exclude,glob){p}/**" for p in OUTPUT_PATHS] + [f":(exclude,glob)**/{p}/**" for p in OUTPUT_PATHS]
+                + [f":(exclude,glob){g}" for g in DOC_GLOBS])
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", *excludes, root=root)
     paths = [line[3:] for line in (status or "").splitlines() if line.strip()]
     return {"commit": sha.strip(), "dirty": status is None or bool(paths), "dirty_paths": paths[:50]}

@@ -92,13 +92,14 @@ def test_provenance_ignores_results_and_runs(tmp_path):
     git("init", "-q")
     git("config", "user.email", "t@t")
     git("config", "user.name", "t")
-    for rel in ("code.py", "results/x/summary.json", "experiments/e/runs/r/summary.json"):
+    for rel in ("code.py", "results/x/summary.json", "experiments/e/runs/r/summary.json", "README.md"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("0")
     git("add", "-A")
     git("commit", "-qm", "init")
     (tmp_path / "results/x/summary.json").write_text("1")
     (tmp_path / "experiments/e/runs/r/summary.json").write_text("1")
+    (tmp_path / "README.md").write_text("0")
     assert provenance.git_state(tmp_path)["dirty"] is False
     (tmp_path / "code.py").write_text("1")
     state = provenance.git_state(tmp_path)

@@ -384,7 +384,7 @@ def _ppl_figure(summaries: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvtransfer.report.figures import MODE_STYLE, machine_label, series_style
+    from kvtransfer.report.figures import MODE_STYLE, machine_label
 
     groups: dict = {}
     for name, s in summaries.items():

@@ -47,10 +47,13 @@ def table_markdown(rows: list[dict], caps: dict | None = None) -> str:
     if caps:
         lines += [f"Device rates: matmul {caps['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s, copy "
                   f"{caps['copy_bytes_per_s'] / 1e9:,.1f} GB/s. Load average: {r0.get('load_avg', 'n/a')}.", ""]
-    lines += ["Times are medians (min–max) in ms; floor (an estimate, not a guaranteed bound) = max(FLOPs / the rate "
-              "torch.matmul reached on the workload's own dominant GEMM shape, timed right before it (best of 5; at least "
-              "the device matmul rate above), minimal bytes / copy bandwidth); a median below its floor is marked ↓ "
-              "(the floor's rate was measured at another load); "
+    rate = ("the rate torch.matmul reached on the workload's own dominant GEMM shape, timed right before it (best of 5; "
+            "at least the device matmul rate above)" if "prefill_floor_rate_flops_per_s" in r0 or
+            "mapper_floor_rate_flops_per_s" in r0 else "the device's square-matmul rate above (measured once, before "
+            "the workloads; these rows predate the per-workload rate)")
+    lines += [f"Times are medians (min–max) in ms; floor (an estimate, not a guaranteed bound) = max(FLOPs / {rate}, "
+              "minimal bytes / copy bandwidth); a median below its floor is marked ↓ (its rate underestimates what the "
+              "workload reached: another load, or another GEMM shape); "
               "FLOP ratio = prefill FLOPs / mapper FLOPs; GEMM % = mapper GEMM FLOPs / whole mapper time, relative to "
               "torch.matmul on the same shapes; full-depth estimates scale per-layer times by layers_full / layers_run.",
               ""]
@@ -63,13 +66,21 @@ def table_markdown(rows: list[dict], caps: dict | None = None) -> str:
             continue
         lines.append(
             f"| {r['tokens']:,} | {_fmt(r.get('mapper_ms'))} ({_fmt(r.get('mapper_ms_min'))}–{_fmt(r.get('mapper_ms_max'))}) "
-            f"| {_fmt(r.get('mapper_floor_ms'))}{' ↓' if r.get('mapper_floor_beaten') else ''} "
+            f"| {_fmt(r.get('mapper_floor_ms'))}{' ↓' if _beaten(r, 'mapper') else ''} "
             f"| {_fmt(r.get('prefill_ms'))} ({_fmt(r.get('prefill_ms_min'))}–"
-            f"{_fmt(r.get('prefill_ms_max'))}) | {_fmt(r.get('prefill_floor_ms'))}{' ↓' if r.get('prefill_floor_beaten') else ''} "
+            f"{_fmt(r.get('prefill_ms_max'))}) | {_fmt(r.get('prefill_floor_ms'))}{' ↓' if _beaten(r, 'prefill') else ''} "
             f"| {_fmt(r.get('speedup'))}x "
             f"| {_fmt(r.get('flop_ratio'))} | {_fmt(100 * r['mapper_gemm_frac'] if 'mapper_gemm_frac' in r else None, 0)} "
             f"| {_fmt(r.get('mapper_ms_full_est'), 0)} / {_fmt(r.get('prefill_ms_full_est'), 0)} |")
     return "\n".join(lines) + "\n"
+
+
+def _beaten(row: dict, side: str) -> bool:
+    """Whether `side`'s median is below its floor (the row's flag, else computed: rows made before the flag)."""
+    if f"{side}_floor_beaten" in row:
+        return bool(row[f"{side}_floor_beaten"])
+    return row.get(f"{side}_ms") is not None and row.get(f"{side}_floor_ms") is not None and \
+        row[f"{side}_ms"] < row[f"{side}_floor_ms"]
 
 
 def table_csv(rows: list[dict]) -> str:

@@ -43,11 +43,28 @@ def main(cfg: DictConfig) -> None:
     plain = OmegaConf.to_container(cfg, resolve=True)
     summary = execute(plain, plain["out_dir"])
     print(f"[kvtransfer] {summary['pair']}: wrote {plain['out_dir']}/summary.json")
-    tasks = summary.get("tasks") or {}
-    for task, r in tasks.items():
-        ret = r.get("retention")
-        print(f"  {task:<16} target {r.get('target')!s:<8} transfer {r.get('transfer')!s:<8} "
-              f"retention {'' if ret is None else f'{100 * ret:.1f} %'}")
+    for line in summary_lines(summary):
+        print(line)
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """The summary's headline numbers, each rounded to what its paired bootstrap SE supports
+    (kvtransfer.eval.metrics.format_with_se), e.g. `target 0.397 ± 0.028`."""
+    from kvtransfer.eval.metrics import format_with_se
+
+    lines = []
+    for task, r in (summary.get("tasks") or {}).items():
+        parts = [f"{m} {format_with_se(r.get(m), r.get(f'stderr_{m}'))}" for m in ("target", "transfer", "no_context")
+                 if r.get(m) is not None]
+        parts += [f"{name} {format_with_se(r.get(name), r.get(f'stderr_{name}'), scale=100, unit=' %')}"
+                  for name in ("gap_closed", "retention") if r.get(name) is not None]
+        lines.append(f"  {task:<16} " + " | ".join(parts))
+    for r in summary.get("ppl") or []:
+        if r.get("transfer_gap_closed") is not None:
+            lines.append(f"  ppl@{r['prefix']:<12} target {r['target']:.4g} | transfer {r['transfer']:.4g} | no_context "
+                         f"{r['no_context']:.4g} | gap_closed (log-ppl) "
+                         f"{format_with_se(r['transfer_gap_closed'], r.get('transfer_gap_closed_se'), scale=100, unit=' %')}")
+    return lines
 
 
 if __name__ == "__main__":

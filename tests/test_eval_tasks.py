@@ -186,7 +186,7 @@ def test_every_table_header_names_the_gsm8k_variant(tmp_path):
     gsm_tasks = [t for t in PAPER_TASKS if "gsm8k" in t]
     assert sorted(gsm_tasks) == ["gsm8k", "gsm8k_cot"] and set(tables.TASK_LABELS) == set(gsm_tasks)
     row = {"metric": "exact_match,strict-match", "target": 0.5, "transfer": 0.4, "retention": 0.8,
-           "floor_normalized": 0.8, "n": 10}
+           "retention_vs_chance": 0.8, "n": 10}
     summary = {"pair": "p", "mapper": {"k": 4}, "ablation": {"name": "full"},
                "tasks": {"gsm8k": dict(row), "gsm8k_cot": dict(row), "arc_challenge": dict(row)}}
     cot, plain = "gsm8k_cot (CoT, fixed exemplars)", "gsm8k (train exemplars, sampled)"

@@ -1,5 +1,6 @@
 """Runner: config composition for every pair/ablation, staged pipeline, artifact reuse, outputs."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -358,7 +359,8 @@ def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
     assert set(tasks) == {"tiny_cloze", "tiny_completion"}
     for row in tasks.values():
         assert row["n"] == 6
-        assert {"target", "transfer", "source", "native_injected", "retention", "floor_normalized", "gap_closed"} <= set(row)
+        assert {"target", "transfer", "source", "native_injected", "no_context", "gap_closed", "retention",
+                "gap_closed_vs_source", "retention_vs_chance"} <= set(row)
         assert row["native_injected"] == row["target"]  # the built-in control
     assert tasks["tiny_cloze"]["metric"] == "acc_norm" and tasks["tiny_cloze"]["chance"] == 0.25
     ppl = {r["prefix"]: r for r in summary["ppl"]}
@@ -374,11 +376,11 @@ def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
                      magnitude=5 * ppl[p]["target"], reason=ppl_reason)
         assert_far(ppl[p]["transfer"], ppl[p]["target"], atol=1e-4 * ppl[p]["target"], reason=(
             "a fitted map on 2-layer -> 3-layer models moves perplexity by percents, not 1e-4"))
-        # per-window NLLs give the gap closed (the same number as from the perplexities) and its SE
-        want = (ppl[p]["no_context"] - ppl[p]["transfer"]) / (ppl[p]["no_context"] - ppl[p]["target"])
+        # per-window NLLs give the gap closed on log-perplexity (the same number as from the perplexities) and its SE
+        want = math.log(ppl[p]["no_context"] / ppl[p]["transfer"]) / math.log(ppl[p]["no_context"] / ppl[p]["target"])
         assert_close(ppl[p]["transfer_gap_closed"], want, factor=10 * 40, magnitude=abs(want) + 1, reason=(
-            "per-window NLL means, exp and a quotient of perplexity differences vs the same from the summary's "
-            "perplexities, float64: ~40 roundings, x10 few ops"))
+            "per-window NLL means and a quotient of their differences vs logs of the summary's perplexities, "
+            "float64: ~40 roundings, x10 few ops"))
         assert ppl[p]["transfer_gap_closed_se"] > 0
     assert "transfer_gap_closed" not in ppl[0]
     fid = summary["fidelity"]
@@ -399,6 +401,13 @@ def test_eval_stage_on_the_tiny_suite(tiny_pair_dirs, tmp_path):
     assert (out / "figures" / "retention.png").exists() and (out / "figures" / "drift.png").exists()
     assert (out / "figures" / "fidelity.png").exists() and (out / "tables" / "fidelity_positions.md").exists()
     assert "no_context" in (out / "tables" / "tasks.csv").read_text().splitlines()[0]
+    # the per-item / per-window scores behind the summary are written next to it, and reproduce its numbers
+    scores = json.loads((out / summary["scores_file"]).read_text())
+    assert summary["schema_version"] == 2 and summary["environment"]["config_sha256"]
+    for task, row in tasks.items():
+        assert float(__import__("numpy").mean(scores["tasks"][task]["transfer"])) == row["transfer"]  # same kernel
+    assert sorted(scores["ppl_window_nll"]) == ["0", "16", "48"] and len(scores["ppl_window_nll"]["16"]["target"]) == 3
+    assert len(scores["coqa"]["once"]["transfer"]) == 2
     # cached per mode: a rerun with the same config evaluates nothing
     import kvtransfer.runner.eval_stage as stage
 
@@ -438,7 +447,7 @@ def test_sweep_collection_writes_one_table(tmp_path):
         (run / "summary.json").write_text(json.dumps({
             "pair": "tiny", "ablation": {"name": "full"}, "mapper": {"kind": "ridge", "k": k, "lambda": 0.01},
             "r2": {"k": {"train": 0.8, "heldout": 0.7}},
-            "tasks": {"tiny_cloze": {"target": 0.4, "transfer": 0.4 * ret, "retention": ret, "floor_normalized": ret}}}))
+            "tasks": {"tiny_cloze": {"target": 0.4, "transfer": 0.4 * ret, "retention": ret, "retention_vs_chance": ret}}}))
     paths = collect(tmp_path)
     assert {"sweep.csv", "sweep.md", "sweep_retention.md", "sweep_ablation.md"} <= set(paths)
     import pandas as pd

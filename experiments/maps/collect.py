@@ -2,28 +2,42 @@
 into results/maps/: one row per map (cost, fidelity, task retention), and the cost of each family at the
 six paper pairs' real shapes.
 
-    python experiments/maps/collect.py [--no-timing]
+    python experiments/maps/collect.py [--no-timing] [--allow-dirty] [--check]
 
-Every number comes from a run's summary.json, except the CPU apply time at 1,024 tokens, which this
-script measures on the loaded artifacts (`bench.measure.time_mapper`: warm-up 2, median of 7) unless
---no-timing; run it on an idle machine. Runs not finished yet are left out, never invented.
+Every number comes from a run's summary.json (read in the current schema: kvtransfer.eval.metrics), except
+the CPU apply time at 1,024 tokens, which this script measures on the loaded artifacts
+(`bench.measure.time_mapper`: warm-up 2, median of 7); run it on an idle machine. --no-timing reuses the
+times maps.json holds (measured by an earlier collect) instead of measuring. Writes tables/, maps.json,
+figures/maps_cost_vs_gap.png and the generated blocks of results/maps/README.md and README.md. Runs not
+finished yet are left out, never invented. Writing from uncommitted code needs --allow-dirty; --check only
+compares the README blocks.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from pathlib import Path
 
 import pandas as pd
 
+# the checkout this script is in, not an installed kvtransfer: its provenance is what the README header reports
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from kvtransfer.bench.shapes import PAIRS, real_config
 from kvtransfer.families import map_cost
+from kvtransfer.eval.metrics import format_with_se, gap_closed, upgrade_summary
 from kvtransfer.io import atomic_write_bytes, atomic_write_json
 from kvtransfer.models import kv_shape
+from kvtransfer.provenance import provenance_header, refuse_dirty_write
+from kvtransfer.report import readme
 
 PAPER_RUNS = {"paper_k8_sink1": "results/qwen25coder/runs/wiki_k8_sink1",
               "paper_k8_sink0": "results/qwen25coder/runs/wiki_k8_sink0"}
 QWEN3_14B_32B = PAIRS["qwen3_14b_32b"]
+# {mapper path: apply FLOPs per token} counted by an earlier collect (maps.json), for summaries that predate the field
+PREVIOUS_FLOPS: dict[str, float] = {}
 
 
 def _write(df: pd.DataFrame, directory: Path, name: str) -> None:
@@ -33,10 +47,12 @@ def _write(df: pd.DataFrame, directory: Path, name: str) -> None:
 
 
 def _pm(x, se, pct=False):
+    """A value ± SE rounded to what the SE supports; a percentage without an SE is marked "(SE needs rerun)"."""
     if x is None:
         return None
-    s = 100 if pct else 1
-    return f"{s * x:.1f} ± {s * se:.1f}" if pct else f"{x:.3f} ± {se:.3f}"
+    if pct:
+        return format_with_se(x, se, scale=100) if se is not None else f"{100 * x:.1f} (SE needs rerun)"
+    return format_with_se(x, se)
 
 
 def _family(m: dict) -> tuple[str, int | None]:
@@ -55,10 +71,14 @@ def row_of(name: str, s: dict, timing: dict | None) -> dict:
     """One table row of a run's summary (plus the measured apply time, if any)."""
     m, fid = s["mapper"], s.get("fidelity") or {}
     flops = m.get("apply_flops_per_token")
-    if flops is None:  # summaries written before the cost fields: count them on the artifact
+    if flops is None:  # summaries written before the cost fields: count them on the artifact, else the count an
+        # earlier collect made on it (maps.json), where the artifact cache is not on this machine
         from kvtransfer.mapper import load_mapper
 
-        flops = load_mapper(m["path"]).apply_flops_per_token
+        try:
+            flops = load_mapper(m["path"]).apply_flops_per_token
+        except FileNotFoundError:
+            flops = PREVIOUS_FLOPS[m["path"]]
     support, rank = _family(m)
     full = shape_cost("qwen3_14b_32b", "full", None)["apply_flops_per_token"]
     per_layer = fid.get("per_layer", {})
@@ -85,17 +105,18 @@ def row_of(name: str, s: dict, timing: dict | None) -> dict:
     if 256 in ppl:
         r = ppl[256]
         row["ppl@256"] = round(r["transfer"], 2)
-        if "transfer_gap_closed" in r:  # per-window NLLs: paired bootstrap SE over windows
-            row["ppl@256 gap closed %"] = _pm(r["transfer_gap_closed"], r["transfer_gap_closed_se"], pct=True)
-        else:
-            row["ppl@256 gap closed %"] = round(100 * (r["no_context"] - r["transfer"]) / (r["no_context"] - r["target"]), 1)
+        # gap closed on log-perplexity (kvtransfer.eval.metrics); its SE needs the per-window NLLs (scores.json)
+        row["ppl@256 gap closed %"] = _pm(r.get("transfer_gap_closed"), r.get("transfer_gap_closed_se"), pct=True)
     for task, label in (("hellaswag", "HS"), ("arc_challenge", "ARC")):
         t = (s.get("tasks") or {}).get(task)
         if t:
             row[f"{label} n"] = t["n"]
             row[f"{label} {t['metric']}"] = _pm(t["transfer"], t["stderr_transfer"])
-            row[f"{label} gap closed %"] = _pm(t["gap_closed"], t["stderr_gap_closed"], pct=True)
-            row[f"{label} floor-norm. retention %"] = _pm(t["floor_normalized"], t["stderr_floor_normalized"], pct=True)
+            row[f"{label} gap closed %"] = _pm(t.get("gap_closed"), t.get("stderr_gap_closed"), pct=True)  # vs no context
+            row[f"{label} gap closed vs source %"] = _pm(t.get("gap_closed_vs_source"), t.get("stderr_gap_closed_vs_source"),
+                                                         pct=True)
+            row[f"{label} retention vs chance %"] = _pm(t.get("retention_vs_chance"), t.get("stderr_retention_vs_chance"),
+                                                        pct=True)
             row[f"{label} retention %"] = _pm(t["retention"], t["stderr_retention"], pct=True)  # the paper's: transfer / target
     return row
 
@@ -105,7 +126,7 @@ ISSUE_COLUMNS = {  # the issue's columns, in its order, from the HS200 rows (map
     "FLOPs vs paper @14B->32B": "FLOPs vs paper @14B->32B", "CPU ms @1K": "CPU ms @1K", "fit s": "fit s",
     "K R² held-out": "K R²", "V R² held-out": "V R²", "attn cos": "attn cos", "next-token KL": "KL",
     "top-1 agree": "top-1", "ppl@256 gap closed %": "ppl@256 gap closed %", "HS acc_norm": "HS acc_norm (200)",
-    "HS gap closed %": "HS gap closed %", "HS floor-norm. retention %": "HS floor-norm. %",
+    "HS gap closed %": "HS gap closed %", "HS gap closed vs source %": "HS gap closed vs source %",
     # ARC-C's chance floor (0.25) is within one SE of this pair's target (0.35): its floor-normalised retention
     # has SEs near 100 %, so the table gives the paper's retention (transfer / target) instead
     "ARC acc_norm": "ARC acc_norm (100)", "ARC retention %": "ARC retention % (paper's)"}
@@ -117,13 +138,13 @@ def issue_table(hs_rows: list[dict]) -> pd.DataFrame:
     rows = [{new: r.get(old) for old, new in ISSUE_COLUMNS.items()} for r in hs_rows
             if not r.get("native tail") and (r.get("HS n") or r.get("ARC n"))]
     df = pd.DataFrame(rows)
-    gap = df["ppl@256 gap closed %"].map(lambda v: float(str(v).split(" ")[0]) if isinstance(v, str) else -1.0)
+    gap = df["ppl@256 gap closed %"].map(lambda v: float(str(v).split(" ")[0]) if isinstance(v, str) else -1e9)
     return df.iloc[gap.argsort()[::-1]].reset_index(drop=True)
 
 
 def load_run(d: Path) -> dict:
     """A run directory's summary.json, with its resolved config.json (if any) under "_config"."""
-    s = json.loads((d / "summary.json").read_text())
+    s = upgrade_summary(json.loads((d / "summary.json").read_text()))
     s["_config"] = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
     return s
 
@@ -145,118 +166,335 @@ def hellaswag_context_tokens(tokenizer_path: str, n: int, data: str = "data/benc
     return out
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="results/maps/runs")
     ap.add_argument("--fidelity-runs", default="results/maps/fidelity_runs")
     ap.add_argument("--hs200-runs", default="results/maps/runs_hs200")
     ap.add_argument("--arc100-runs", default="results/maps/runs_arc100")
     ap.add_argument("--out", default="results/maps")
-    ap.add_argument("--no-timing", action="store_true", help="skip the measured CPU apply time")
-    args = ap.parse_args()
+    ap.add_argument("--readme", default="README.md", help="the top-level README (its maps_headline block)")
+    ap.add_argument("--no-timing", action="store_true", help="reuse maps.json's measured CPU apply times")
+    ap.add_argument("--allow-dirty", action="store_true", help="write although the code has uncommitted changes")
+    ap.add_argument("--check", action="store_true", help="compare the README blocks only; exit 1 on a difference")
+    return ap.parse_args(argv)
+
+
+def load_all(args: argparse.Namespace) -> dict[str, dict]:
+    """{run label: summary} of every finished run this script reads (for provenance): the paper's maps, maps,
+    fidelity-only, HS200 and ARC100 runs."""
+    out = {}
+    for name, d in PAPER_RUNS.items():
+        if (Path(d) / "summary.json").exists():
+            out[f"qwen25coder/{Path(d).name}"] = load_run(Path(d))
+    for folder in (args.runs, args.fidelity_runs, args.hs200_runs, args.arc100_runs):
+        for d in sorted(Path(folder).iterdir()) if Path(folder).is_dir() else []:
+            if (d / "summary.json").exists():
+                out[f"{Path(folder).name}/{d.name}"] = load_run(d)
+    return out
+
+
+def build(args: argparse.Namespace) -> dict:
+    """Every row of every table (no writing): {"rows", "fid_rows", "hs_rows", "speed", "cost_rows", "timings",
+    "runs"}. CPU times are measured unless args.no_timing, which reuses maps.json's."""
     runs = dict(PAPER_RUNS)
     runs.update({d.name: str(d) for d in sorted(Path(args.runs).iterdir()) if d.is_dir()} if Path(args.runs).is_dir() else {})
     summaries = {}
     for name, d in runs.items():
         if (Path(d) / "summary.json").exists():
-            s = load_run(Path(d))
-            summaries[name] = s
+            summaries[name] = load_run(Path(d))
         else:
             print(f"missing (not finished): {name}")
     if not summaries:
         raise SystemExit("no finished runs: run experiments/qwen25coder/run.sh and experiments/maps/run.sh first")
-    timings = {}
+    previous = json.loads((Path(args.out) / "maps.json").read_text()) if (Path(args.out) / "maps.json").exists() else {}
+    timings = dict(previous.get("timing_ms_1k", {})) if args.no_timing else {}
+    for r in previous.get("rows", []):
+        path = str(Path(runs.get(r["map"], "")) / "summary.json")
+        if Path(path).exists() and "apply MFLOP/token" in r:
+            PREVIOUS_FLOPS.setdefault(json.loads(Path(path).read_text())["mapper"]["path"], r["apply MFLOP/token"] * 1e6)
 
     def timing(s: dict) -> dict | None:
-        """Measured apply time at 1,024 tokens of a run's mapper (once per artifact); None with --no-timing."""
+        """Apply time at 1,024 tokens of a run's mapper (measured once per artifact, or maps.json's)."""
+        path = s["mapper"]["path"]
         if args.no_timing:
-            return None
+            return timings.get(path)
         from transformers import AutoConfig
 
         from kvtransfer.bench.measure import time_mapper
         from kvtransfer.mapper import load_mapper
 
-        path = s["mapper"]["path"]
         if path not in timings:
             configs = [AutoConfig.from_pretrained(s[side]) for side in ("source", "target")]
             timings[path] = time_mapper(load_mapper(path), *configs, tokens=1024)
         return timings[path]
 
     rows = [row_of(name, s, timing(s)) for name, s in summaries.items()]
-    out = Path(args.out)
-    _write(pd.DataFrame(rows), out / "tables", "maps")
-    # fidelity-only rows (FIDELITY=1 run.sh): cost, R² and the held-out fidelity of more maps, no benchmark
     fid_dir = Path(args.fidelity_runs)
-    fid_rows = []
-    for d in sorted(fid_dir.iterdir()) if fid_dir.is_dir() else []:
-        if (d / "summary.json").exists():
-            s = load_run(d)
-            fid_rows.append(row_of(d.name, s, None))
-    if fid_rows:
-        _write(pd.DataFrame(fid_rows).dropna(axis=1, how="all"), out / "tables", "fidelity_sweep")
-    # the issue's sizes (HS200=1 run.sh): HellaSwag n = 200, perplexity on 32 windows with SEs, native tails
-    hs_dir = Path(args.hs200_runs)
+    fid_rows = [row_of(d.name, load_run(d), None) for d in (sorted(fid_dir.iterdir()) if fid_dir.is_dir() else [])
+                if (d / "summary.json").exists()]
+    hs_rows, speed = hs200_rows(args, summaries, timing)
+    return {"rows": rows, "fid_rows": fid_rows, "hs_rows": hs_rows, "speed": speed, "timings": timings,
+            "runs": runs, "cost_rows": cost_rows(summaries)}
+
+
+def hs200_rows(args: argparse.Namespace, summaries: dict, timing) -> tuple[list[dict], list[dict] | None]:
+    """The issue's sizes (HS200=1 run.sh): one row per map with its ARC-C n = 100 columns, native tails with
+    their truncation floor; and the tail speed rows (None when not run). Adds the HS200 summaries to
+    `summaries` (for the shapes-only cost table)."""
+    hs_dir, arc_dir = Path(args.hs200_runs), Path(args.arc100_runs)
     hs_rows = []
-    arc_dir = Path(args.arc100_runs)
     # the target alone at P = 4 / 16 / 64 on the same windows: what a native tail of m tokens gives without any map
     floor_path = hs_dir / "truncation_floor" / "summary.json"
     truncated = {r["prefix"]: r["target"] for r in json.loads(floor_path.read_text())["ppl"]} if floor_path.exists() else {}
     for d in sorted(hs_dir.iterdir()) if hs_dir.is_dir() else []:
-        if d.name in ("truncation_floor", "speed_tail"):  # no map of their own: used by the rows below
-            continue
-        if (d / "summary.json").exists():
-            s = load_run(d)
-            row = row_of(d.name, s, timing(s) if s.get("native_tail", 1) == 1 else None)
-            arc = arc_dir / d.name
-            if (arc / "summary.json").exists():  # ARC-C n = 100 of the same map (ARC100=1 run.sh)
-                a = load_run(arc)
-                if a["mapper"]["path"] != s["mapper"]["path"]:
-                    raise SystemExit(f"{arc} evaluated another map than {d}: rerun ARC100=1 for {d.name}")
-                row.update({k: v for k, v in row_of(d.name, a, None).items() if k.startswith("ARC")})
-            p256 = {r["prefix"]: r for r in s.get("ppl", [])}.get(256)
-            m = s.get("native_tail", 1)
-            if m in truncated and p256:  # share of the (target at P = m) -> target gap the mapped rest closes
-                row["truncated target ppl (last m only)"] = round(truncated[m], 2)
-                row["ppl@256 gap closed over truncation %"] = round(
-                    100 * (truncated[m] - p256["transfer"]) / (truncated[m] - p256["target"]), 1)
-            hs_rows.append(row)
-            summaries.setdefault(d.name, s)  # for the shapes-only cost table below
+        if d.name in ("truncation_floor", "speed_tail") or not (d / "summary.json").exists():
+            continue  # no map of their own: used by the rows below
+        s = load_run(d)
+        row = row_of(d.name, s, timing(s) if s.get("native_tail", 1) == 1 else None)
+        arc = arc_dir / d.name
+        if (arc / "summary.json").exists():  # ARC-C n = 100 of the same map (ARC100=1 run.sh)
+            a = load_run(arc)
+            if a["mapper"]["path"] != s["mapper"]["path"]:
+                raise SystemExit(f"{arc} evaluated another map than {d}: rerun ARC100=1 for {d.name}")
+            row.update({k: v for k, v in row_of(d.name, a, None).items() if k.startswith("ARC")})
+        p256 = {r["prefix"]: r for r in s.get("ppl", [])}.get(256)
+        m = s.get("native_tail", 1)
+        if m in truncated and p256:  # share of the (target at P = m) -> target log-ppl gap the mapped rest closes
+            row["truncated target ppl (last m only)"] = round(truncated[m], 2)
+            row["ppl@256 gap closed over truncation % (log-ppl)"] = round(100 * float(gap_closed(
+                math.log(p256["transfer"]), math.log(p256["target"]), math.log(truncated[m]))), 1)
+        hs_rows.append(row)
+        summaries.setdefault(d.name, s)
     for d in sorted(arc_dir.iterdir()) if arc_dir.is_dir() else []:  # maps with ARC-C but no HS200 row yet
         if (d / "summary.json").exists() and not (hs_dir / d.name / "summary.json").exists():
             hs_rows.append(row_of(d.name, load_run(d), None))
     speed_path = hs_dir / "speed_tail" / "summary.json"
+    speed = None
     if speed_path.exists():  # what a tail costs on this CPU: mapper + the target's forward over m tokens
-        speed = json.loads(speed_path.read_text())["speed"]
-        _write(pd.DataFrame([{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()
-                              if k == "tokens" or k.startswith(("mapper_ms", "prefill_ms", "speedup", "tail"))}
-                             for r in speed]), out / "tables", "native_tail_speed")
-    if hs_rows:
-        tails = {r["native tail"] for r in hs_rows if r.get("native tail")}
-        if tails:  # the tail's share of a HellaSwag context (short: the share is far above the 256-token one)
-            lengths = hellaswag_context_tokens(next(iter(summaries.values()))["target"], 200)
-            for r in hs_rows:
-                if r.get("native tail") and r.get("HS n"):
-                    r["re-prefill share HS"] = round(sum(min(r["native tail"], n - 1) / n for n in lengths) / len(lengths), 3)
-        _write(pd.DataFrame(hs_rows).dropna(axis=1, how="all"), out / "tables", "maps_hs200")
-        _write(issue_table(hs_rows), out / "tables", "maps_issue")
+        speed = [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()
+                  if k == "tokens" or k.startswith(("mapper_ms", "prefill_ms", "speedup", "tail"))}
+                 for r in json.loads(speed_path.read_text())["speed"]]
+    tails = {r["native tail"] for r in hs_rows if r.get("native tail") and r.get("HS n")}
+    if tails:  # the tail's share of a HellaSwag context (short: the share is far above the 256-token one)
+        share = hellaswag_tail_shares(args, next(iter(summaries.values()))["target"], tails)
+        for r in hs_rows:
+            if r.get("native tail") and r.get("HS n"):
+                r["re-prefill share HS"] = share[r["native tail"]]
+    return hs_rows, speed
+
+
+def hellaswag_tail_shares(args: argparse.Namespace, tokenizer_path: str, tails: set[int]) -> dict[int, float]:
+    """{m: mean share of a HellaSwag context (first 200) that a native tail of m re-prefills}; counted with the
+    target's tokenizer, or, where it is not on this machine, read from the maps.json an earlier collect wrote."""
+    try:
+        lengths = hellaswag_context_tokens(tokenizer_path, 200)
+        return {m: round(sum(min(m, n - 1) / n for n in lengths) / len(lengths), 3) for m in tails}
+    except OSError:
+        previous = json.loads((Path(args.out) / "maps.json").read_text())["hs200_rows"]
+        return {r["native tail"]: r["re-prefill share HS"] for r in previous if "re-prefill share HS" in r}
+
+
+def cost_rows(summaries: dict) -> list[dict]:
+    """Parameters and apply GFLOP/token of every family measured here, at each paper pair's real shapes."""
     # (support, rank, k relative to this pair's k = 8): a map over twice the layers costs twice at any pair
     families = sorted({(*_family(s["mapper"]), s["mapper"]["k"] / 8) for s in summaries.values()},
                       key=lambda f: (f[0], f[1] or 0, f[2]))
-    cost_rows = []
+    rows = []
     for pair in PAIRS:
         paper = shape_cost(pair, "full", None)
         for support, rank, k_scale in families:
             k = round(PAIRS[pair][2] * k_scale)
             c = shape_cost(pair, support, rank, k)
-            cost_rows.append({"pair": pair, "k": k, "support": support, "rank": rank,
-                              "params (M)": round(c["n_parameters"] / 1e6, 1),
-                              "apply GFLOP/token": round(c["apply_flops_per_token"] / 1e9, 4),
-                              "vs paper map": round(c["apply_flops_per_token"] / paper["apply_flops_per_token"], 3)})
-    _write(pd.DataFrame(cost_rows), out / "tables", "cost_paper_pairs")
-    atomic_write_json(out / "maps.json", {"rows": rows, "hs200_rows": hs_rows, "timing_ms_1k": timings, "runs": runs})
-    if hs_rows:
-        print(pd.DataFrame(hs_rows).dropna(axis=1, how="all").to_markdown(index=False))
-    print(pd.DataFrame(rows).to_markdown(index=False))
+            rows.append({"pair": pair, "k": k, "support": support, "rank": rank,
+                         "params (M)": round(c["n_parameters"] / 1e6, 1),
+                         "apply GFLOP/token": round(c["apply_flops_per_token"] / 1e9, 4),
+                         "vs paper map": round(c["apply_flops_per_token"] / paper["apply_flops_per_token"], 3)})
+    return rows
+
+
+COLLECT = "experiments/maps/collect.py"
+
+
+def _pc(v: str | None) -> str | None:
+    """A table cell "24 ± 14" / "36.3 (SE needs rerun)" as prose: "24 ± 14 %" / "36.3 % (SE needs rerun)"."""
+    if v is None:
+        return None
+    return v.replace(" (SE", " % (SE") if "(SE" in v else f"{v} %"
+
+
+def _r2(r: dict) -> str:
+    return f"{r['K R² held-out']:.3f} / {r['V R² held-out']:.3f}"
+
+
+def _ms(v) -> str | None:
+    return None if v is None or v != v else f"{v:.0f}"
+
+
+def block_n100(rows: list[dict]) -> str:
+    out = [[r["map"], f"{r['apply MFLOP/token']:.1f}", _ms(r.get("CPU ms @1K")), f"{r['FLOPs vs paper @14B->32B']:g}",
+            _r2(r), f"{r['attn cos']:.3f}", f"{r['next-token KL']:.2f}", f"{r['top-1 agree']:.2f}",
+            f"{r['ppl@256']:.1f}; {_pc(r['ppl@256 gap closed %'])}",
+            f"{r.get('HS acc_norm')}; {_pc(r.get('HS gap closed %'))}", r.get("ARC acc_norm")] for r in rows]
+    return readme.md_table(["map", "apply MFLOP/token (this pair)", "CPU ms @ 1,024 tokens", "vs paper at 14B→32B",
+                            "K / V R² held-out", "attn cos", "KL", "top-1", "ppl@256 (gap closed, log-ppl)",
+                            "HellaSwag (gap closed)", "ARC-C"], out)
+
+
+def block_fidelity(rows: list[dict]) -> str:
+    out = [[r["map"], f"{r['apply MFLOP/token']:.1f}", f"{r['FLOPs vs paper @14B->32B']:g}", _r2(r),
+            f"{r['attn cos']:.3f}", f"{r['next-token KL']:.3f}", f"{r['top-1 agree']:.3f}"] for r in rows]
+    return readme.md_table(["map", "apply MFLOP/token", "vs paper at 14B→32B", "K / V R² held-out", "attn cos", "KL",
+                            "top-1"], out)
+
+
+def block_issue(hs_rows: list[dict]) -> str:
+    df = issue_table(hs_rows)
+    out = []
+    for r in df.to_dict("records"):
+        na = lambda v: None if v is None or v != v else v  # noqa: E731  (NaN from a missing column value)
+        out.append([r["map"], f"{r['FLOPs vs paper @14B->32B']:g}", _ms(na(r["CPU ms @1K"])), f"{r['fit s']:.2f}",
+                    f"{r['K R²']:.3f} / {r['V R²']:.3f}", f"{r['attn cos']:.3f}", f"{r['KL']:.3f}", f"{r['top-1']:.3f}",
+                    na(r["ppl@256 gap closed %"]), na(r["HS acc_norm (200)"]), na(r["HS gap closed %"]),
+                    na(r["HS gap closed vs source %"]), na(r["ARC acc_norm (100)"]), na(r["ARC retention % (paper's)"])])
+    return readme.md_table(["map", "apply FLOPs vs paper @14B→32B", "CPU ms @1K", "fit s", "K / V R²", "attn cos", "KL",
+                            "top-1", "ppl@256 gap closed % (log-ppl)", "HellaSwag (n = 200)", "HS gap closed %",
+                            "HS gap closed vs source %", "ARC-C (n = 100)", "ARC retention %"], out)
+
+
+def block_tail(hs_rows: list[dict]) -> str:
+    rows = sorted([r for r in hs_rows if r["map"] == "paper_sink1" or r.get("native tail")],
+                  key=lambda r: r.get("native tail") or 1)
+    out = [[f"{r.get('native tail') or 1}" + (" (paper)" if not r.get("native tail") else ""),
+            f"{100 * (r.get('native tail') or 1) / 257:.1f} %", f"{r['ppl@256']:.2f}", _pc(r["ppl@256 gap closed %"]),
+            r.get("truncated target ppl (last m only)"),
+            None if r.get("ppl@256 gap closed over truncation % (log-ppl)") is None
+            else f"{r['ppl@256 gap closed over truncation % (log-ppl)']:.1f} %"] for r in rows]
+    return readme.md_table(["m", "re-prefilled share at P = 256", "ppl@256", "gap closed (vs no context, log-ppl)",
+                            "truncation floor (target, last m only)", "gap closed over the truncation floor (log-ppl)"],
+                           out)
+
+
+def _by_map(hs_rows: list[dict]) -> dict[str, dict]:
+    return {r["map"]: r for r in hs_rows}
+
+
+def block_goal2(hs_rows: list[dict]) -> str:
+    rows = _by_map(hs_rows)
+    a, b = rows.get("head_local_k16_sink1"), rows.get("paper_sink1")
+    if not (a and b):
+        return ""
+    return (f"head_local k = 16 (sink 1) against the paper's map (sink 1), same items and windows: HellaSwag (n = 200) "
+            f"{a['HS acc_norm']} vs {b['HS acc_norm']}, gap closed {_pc(a['HS gap closed %'])} vs {_pc(b['HS gap closed %'])}; "
+            f"log-perplexity gap at P = 256 {_pc(a['ppl@256 gap closed %'])} vs {_pc(b['ppl@256 gap closed %'])}. "
+            "**The SE of the paired difference** (`kvtransfer.eval.metrics.paired_difference` / `gap_closed_difference`), "
+            "the comparison that decides \"as good within one SE\", **needs rerun**: these runs kept their per-item "
+            "and per-window scores only in the artifact cache (a rerun at this commit writes `scores.json`).\n")
+
+
+def readme_blocks(data: dict, summaries: dict[str, dict]) -> dict[str, str]:
+    """{block name: Markdown} of results/maps/README.md, from the rows `build` made (no model, no timing)."""
+    blocks = {"provenance": provenance_header(summaries, COLLECT), "maps_n100": block_n100(data["rows"])}
+    if data["fid_rows"]:
+        blocks["fidelity_only"] = block_fidelity(data["fid_rows"])
+    if data["hs_rows"]:
+        blocks.update(maps_issue=block_issue(data["hs_rows"]), native_tail=block_tail(data["hs_rows"]),
+                      goal2=block_goal2(data["hs_rows"]))
+    return blocks
+
+
+def top_readme_blocks(data: dict) -> dict[str, str]:
+    """{"maps_headline": the top-level README's numbers on the map families}."""
+    rows = _by_map(data["hs_rows"])
+    p, h = rows.get("paper_sink1"), rows.get("head_local_k16_sink1")
+    if not (p and h):
+        return {}
+    return {"maps_headline": (
+        f"at HellaSwag n = 200 and 32 perplexity windows the paper's map closes {_pc(p['ppl@256 gap closed %'])} of the "
+        f"log-perplexity gap at P = 256 and {_pc(p['HS gap closed %'])} of the HellaSwag gap to the no-context floor; "
+        f"head_local at k = 16 (1/4 of its FLOPs at 14B → 32B): {_pc(h['ppl@256 gap closed %'])} and {_pc(h['HS gap closed %'])} "
+        "(the SE of their paired difference needs rerun);\n")}
+
+
+def maps_figure(data: dict, path: Path, any_summary: dict) -> None:
+    """Apply cost (FLOPs vs the paper's map at Qwen3-14B -> 32B, log) against gap closed, one point per map of the
+    issue's table: HellaSwag n = 200 (floor-based, ± paired bootstrap SE) and log-perplexity at P = 256."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvtransfer.report.figures import machine_label
+
+    rows = [r for r in data["hs_rows"] if not r.get("native tail") and r.get("HS n")]
+    if not rows:
+        return
+    parse = lambda v: (float(v.split(" ")[0]), float(v.split("±")[1]) if "±" in v else None)  # noqa: E731
+    colours = plt.get_cmap("tab20").colors
+    markers = {"full": "o", "head_local": "s"}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    for i, r in enumerate(sorted(rows, key=lambda r: r["map"])):
+        x = r["FLOPs vs paper @14B->32B"]
+        style = {"color": colours[i % 20], "marker": markers.get(r["support"], "D") if r.get("rank") != r.get("rank")
+                 or r.get("rank") is None else "^", "ms": 7, "capsize": 3, "linestyle": "none"}
+        hs, hs_se = parse(r["HS gap closed %"])
+        ppl, ppl_se = parse(r["ppl@256 gap closed %"])
+        jitter = 1 + 0.04 * (i % 5 - 2)  # maps of equal cost side by side, not on top of each other
+        axes[0].errorbar(x * jitter, hs, yerr=hs_se, label=r["map"], **style)
+        axes[1].errorbar(x * jitter, ppl, yerr=ppl_se, label=r["map"], **style)
+    for ax, what in zip(axes, ("HellaSwag (n = 200): gap closed % (± paired bootstrap SE)",
+                               "WikiText-2 P = 256 (32 windows): log-ppl gap closed %\n(no SE: per-window NLLs not kept, rerun)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("apply FLOPs per token vs the paper's map, at Qwen3-14B → 32B shapes")
+        ax.set_ylabel("gap closed % (vs the no-context floor)")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_title(what, fontsize=9)
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle(f"{any_summary.get('pair')}: map families, cost vs what the target keeps ({machine_label(any_summary)}; "
+                 "markers: ● full, ■ head_local, ▲ reduced rank)", fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(args.out)
+    if args.check:
+        args.no_timing = True
+        raise SystemExit(check_readmes(args))
+    refuse_dirty_write(out, args.allow_dirty)
+    data = build(args)
+    _write(pd.DataFrame(data["rows"]), out / "tables", "maps")
+    if data["fid_rows"]:  # fidelity-only rows (FIDELITY=1 run.sh): cost, R² and held-out fidelity, no benchmark
+        _write(pd.DataFrame(data["fid_rows"]).dropna(axis=1, how="all"), out / "tables", "fidelity_sweep")
+    if data["speed"]:
+        _write(pd.DataFrame(data["speed"]), out / "tables", "native_tail_speed")
+    if data["hs_rows"]:
+        _write(pd.DataFrame(data["hs_rows"]).dropna(axis=1, how="all"), out / "tables", "maps_hs200")
+        _write(issue_table(data["hs_rows"]), out / "tables", "maps_issue")
+    _write(pd.DataFrame(data["cost_rows"]), out / "tables", "cost_paper_pairs")
+    atomic_write_json(out / "maps.json", {"rows": data["rows"], "hs200_rows": data["hs_rows"],
+                                          "timing_ms_1k": data["timings"], "runs": data["runs"]})
+    summaries = load_all(args)
+    maps_figure(data, out / "figures" / "maps_cost_vs_gap.png", next(iter(summaries.values())))
+    readme.rewrite(out / "README.md", readme_blocks(data, summaries))
+    readme.rewrite(Path(args.readme), top_readme_blocks(data))
+    print(f"wrote {out}: {len(data['rows'])} map rows, {len(data['hs_rows'])} HS200 rows")
+
+
+def check_readmes(args: argparse.Namespace) -> int:
+    """0 when the generated blocks of results/maps/README.md and README.md equal what the runs give now."""
+    data, summaries = build(args), load_all(args)
+    bad = 0
+    for path, want in ((Path(args.out) / "README.md", readme_blocks(data, summaries)),
+                       (Path(args.readme), top_readme_blocks(data))):
+        have = readme.blocks(path.read_text())
+        for name, body in want.items():
+            if have.get(name) != body.rstrip("\n") + "\n":
+                print(f"{path}: block {name!r} differs from the runs")
+                bad = 1
+    return bad
 
 
 if __name__ == "__main__":

@@ -1,21 +1,32 @@
 """Collect the qwen25coder runs (experiments/qwen25coder/run.sh) into results/qwen25coder/.
 
     python experiments/qwen25coder/collect.py [--runs results/qwen25coder/runs] [--out results/qwen25coder]
+                                              [--allow-dirty] [--check]
 
-Writes summary.json (the main configuration's summary), tables/*.csv|md and figures/*.png. Every
-number comes from a run's summary.json; the tables are derived, so rerunning this replaces them
-(atomically). Runs that have not finished yet are listed as missing, never invented.
+Writes summary.json (the main configuration's summary), tables/*.csv|md, figures/*.png and the generated
+blocks of results/qwen25coder/README.md and of the top-level README.md (`<!-- BEGIN generated:NAME -->`,
+kvtransfer.report.readme). Every number comes from a run's summary.json (read in the current schema,
+kvtransfer.eval.metrics.upgrade_summary); the outputs are derived, so rerunning this replaces them
+(atomically). Runs that have not finished yet are listed as missing, never invented. Writing from a tree
+with uncommitted code needs --allow-dirty; --check only compares the README blocks and exits 1 on a difference.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import shutil
 from pathlib import Path
 
 import pandas as pd
 
+# the checkout this script is in, not an installed kvtransfer: its provenance is what the README header reports
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kvtransfer.eval.metrics import format_with_se, upgrade_summary
 from kvtransfer.io import atomic_write_bytes, atomic_write_json
+from kvtransfer.provenance import describe_commit, provenance_header, refuse_dirty_write
+from kvtransfer.report import readme
 
 MAIN = "main"  # the run whose summary is results/qwen25coder/summary.json (falls back to wiki_k8_sink1)
 # runs of the main configuration that add tasks run.sh schedules separately (same map, same eval settings):
@@ -40,6 +51,7 @@ def merge_main(main: dict, parts: dict[str, dict]) -> dict:
             out.setdefault("eval_seconds", {}).setdefault(mode, {}).update(sec)
         out["warnings"] = list(out.get("warnings", [])) + [w for w in part.get("warnings", []) if w not in out.get("warnings", [])]
         out["merged_runs"].append(name)
+        out.setdefault("merged_environments", {})[name] = part.get("environment")
     return out
 
 
@@ -58,18 +70,29 @@ def _write(df: pd.DataFrame, directory: Path, name: str) -> None:
 
 
 def _fmt(x, se=None, pct=False):
+    """A value with its SE, rounded to what the SE supports (kvtransfer.eval.metrics.format_with_se)."""
     if x is None:
         return None
-    scale = 100 if pct else 1
-    return f"{scale * x:.1f}" + (f" ± {scale * se:.1f}" if se is not None else "") if pct else \
-        f"{x:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+    return format_with_se(x, se, scale=100, unit=" %" if pct else "", places=1 if pct and se is None else None) \
+        if pct else format_with_se(x, se)
+
+
+RERUN = "SE needs rerun"  # a number whose per-item / per-window scores were not kept with its summary
+
+
+def _pct(x, se):
+    """A percentage with its SE, or the point value marked "(SE needs rerun)" when the run kept no per-item data."""
+    if x is None:
+        return None
+    return _fmt(x, se, pct=True) if se is not None else f"{100 * x:.1f} % ({RERUN})"
 
 
 def variant_row(name: str, s: dict) -> dict:
     """One row per run: calibration, map, sink, R², per-task scores, PPL, fidelity at the sink."""
     cal, mapper = s.get("calibration", {}), s.get("mapper", {})
     cfg = s.get("_config", {})
-    row = {"run": name, "calibration": cal.get("domain"), "context_start": cal.get("context_start"),
+    row = {"run": name, "commit": describe_commit(s.get("environment")), "calibration": cal.get("domain"),
+           "context_start": cal.get("context_start"),
            "k": mapper.get("k"), "mapper": mapper.get("kind"), "ablation": (s.get("ablation") or {}).get("name", "full"),
            "native_sink": mapper.get("native_sink", cfg.get("eval", {}).get("native_sink")),
            "K R² held-out": s.get("r2", {}).get("k", {}).get("heldout"),
@@ -79,13 +102,13 @@ def variant_row(name: str, s: dict) -> dict:
         if r:
             row[f"{task} transfer"] = _fmt(r.get("transfer"), r.get("stderr_transfer"))
             row[f"{task} gap closed %"] = _fmt(r.get("gap_closed"), r.get("stderr_gap_closed"), pct=True)
-            row[f"{task} vs floor %"] = _fmt(r.get("context_gap_closed"), r.get("stderr_context_gap_closed"), pct=True)
+            row[f"{task} gap closed vs source %"] = _fmt(r.get("gap_closed_vs_source"),
+                                                         r.get("stderr_gap_closed_vs_source"), pct=True)
     for r in s.get("ppl", []):
         if r["prefix"] > 0:
             row[f"ppl@{r['prefix']} transfer"] = r.get("transfer")
-            t, f = r.get("target"), r.get("no_context")
-            if None not in (t, f, r.get("transfer")) and f != t:
-                row[f"ppl@{r['prefix']} gap closed %"] = round(100 * (f - r["transfer"]) / (f - t), 1)
+            row[f"ppl@{r['prefix']} gap closed % (log-ppl)"] = _pct(r.get("transfer_gap_closed"),
+                                                                    r.get("transfer_gap_closed_se"))
     pos = (s.get("fidelity") or {}).get("per_position", {})
     for group in ("pos0", "all"):
         if group in pos:
@@ -95,64 +118,60 @@ def variant_row(name: str, s: dict) -> dict:
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", default="results/qwen25coder/runs")
-    ap.add_argument("--out", default="results/qwen25coder")
-    args = ap.parse_args()
-    runs_dir, out = Path(args.runs), Path(args.out)
+def load_runs(runs_dir: Path) -> dict[str, dict]:
+    """{run name: summary in the current schema, its config.json under "_config"} of the finished runs."""
     summaries = {}
     for d in sorted(p for p in runs_dir.iterdir() if p.is_dir()):
         if (d / "summary.json").exists():
-            s = json.loads((d / "summary.json").read_text())
+            s = upgrade_summary(json.loads((d / "summary.json").read_text()))
             s["_config"] = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
             summaries[d.name] = s
         else:
             print(f"missing (not finished): {d.name}")
-    tdir, fdir = out / "tables", out / "figures"
-    main_name = MAIN if MAIN in summaries else "wiki_k8_sink1"
-    if main_name in summaries:
-        s = merge_main(summaries[main_name], {n: summaries[n] for n in MAIN_PARTS if n in summaries and main_name == MAIN})
-        atomic_write_json(out / "summary.json", {k: v for k, v in s.items() if k != "_config"})
-        rows = []
-        for task, r in (s.get("tasks") or {}).items():
-            rows.append({"task": task, "metric": r.get("metric"), "n": r.get("n"),
-                         **{m: _fmt(r.get(m), r.get(f"stderr_{m}")) for m in
-                            ("target", "source", "transfer", "native_injected", "no_context")},
-                         "retention %": _fmt(r.get("retention"), r.get("stderr_retention"), pct=True),
-                         "floor-normalised %": _fmt(r.get("floor_normalized"), r.get("stderr_floor_normalized"), pct=True),
-                         "gap closed %": _fmt(r.get("gap_closed"), r.get("stderr_gap_closed"), pct=True),
-                         "McNemar p (transfer vs target)": r.get("mcnemar_p")})
-        _write(pd.DataFrame(rows), tdir, "main_tasks")
-        _write(pd.DataFrame(s.get("ppl", [])), tdir, "main_ppl")
-        if s.get("drift"):  # CoQA: per turn, both protocols (transfer vs target answers)
-            _write(pd.DataFrame(s["drift"]), tdir, "main_coqa_drift")
-            from kvtransfer.report.figures import drift_per_turn
+    return summaries
 
-            fdir.mkdir(parents=True, exist_ok=True)
-            (fdir / "coqa_drift.png").unlink(missing_ok=True)  # a view of runs/, redrawn on every collect
-            drift_per_turn(s["drift"], fdir / "coqa_drift.png")
-        if s.get("drift_summary"):  # pooled over all turns, SEs over conversations
-            _write(pd.DataFrame([{"protocol": r["protocol"], "conversations": r["conversations"], "turns": r["turns"],
-                                  "target F1": _fmt(r["target_f1"], r["target_f1_se"]),
-                                  "transfer F1": _fmt(r["transfer_f1"], r["transfer_f1_se"]),
-                                  "retention %": _fmt(r["retention"], r["retention_se"], pct=True)}
-                                 for r in s["drift_summary"]]), tdir, "main_coqa_summary")
-        _write(pd.DataFrame([{"positions": g, **{k: v for k, v in r.items() if k != "positions"}}
-                             for g, r in (s.get("fidelity") or {}).get("per_position", {}).items()]),
-               tdir, "main_fidelity_positions")
-        cost = []
-        for mode, parts in (s.get("eval_seconds") or {}).items():
-            for part, sec in parts.items():
-                task = part[5:] if part.startswith("task.") else part
-                n = ((s.get("tasks") or {}).get(task) or {}).get("n")
-                cost.append({"mode": mode, "part": task, "seconds": sec, "items": n,
-                             "s/item": None if not n or sec is None else sec / n})
-        _write(pd.DataFrame(cost), tdir, "eval_cost")
-    summaries = {n: v for n, v in summaries.items() if n not in MAIN_PARTS}   # merged into the main summary above
-    _write(pd.DataFrame([variant_row(n, s) for n, s in summaries.items() if s.get("tasks") or s.get("ppl")]),
-           tdir, "variants")
-    # Table 2 (the paper's ablations) in its row order: each variant is one run on the Wikipedia calibration
+
+def main_summary(summaries: dict[str, dict]) -> tuple[str, dict] | None:
+    """(name, the main configuration's summary with MAIN_PARTS merged in) or None when it has not run."""
+    name = MAIN if MAIN in summaries else "wiki_k8_sink1"
+    if name not in summaries:
+        return None
+    parts = {n: summaries[n] for n in MAIN_PARTS if n in summaries and name == MAIN}
+    return name, merge_main(summaries[name], parts)
+
+
+def main_task_rows(s: dict) -> list[dict]:
+    """tables/main_tasks: every mode with its SE, then gap_closed (floor), retention, gap_closed_vs_source,
+    retention_vs_chance with paired bootstrap SEs (kvtransfer.eval.metrics), McNemar p."""
+    rows = []
+    for task, r in (s.get("tasks") or {}).items():
+        rows.append({"task": task, "metric": r.get("metric"), "n": r.get("n"),
+                     **{m: _fmt(r.get(m), r.get(f"stderr_{m}")) for m in
+                        ("target", "source", "transfer", "native_injected", "no_context")},
+                     "gap closed %": _fmt(r.get("gap_closed"), r.get("stderr_gap_closed"), pct=True),
+                     "retention %": _fmt(r.get("retention"), r.get("stderr_retention"), pct=True),
+                     "gap closed vs source %": _fmt(r.get("gap_closed_vs_source"), r.get("stderr_gap_closed_vs_source"),
+                                                    pct=True),
+                     "retention vs chance %": _fmt(r.get("retention_vs_chance"), r.get("stderr_retention_vs_chance"),
+                                                   pct=True),
+                     "McNemar p (transfer vs target)": r.get("mcnemar_p")})
+    return rows
+
+
+def eval_cost_rows(s: dict) -> list[dict]:
+    """tables/eval_cost: seconds per (mode, part) of the main summary and seconds per item."""
+    cost = []
+    for mode, parts in (s.get("eval_seconds") or {}).items():
+        for part, sec in parts.items():
+            task = part[5:] if part.startswith("task.") else part
+            n = ((s.get("tasks") or {}).get(task) or {}).get("n")
+            cost.append({"mode": mode, "part": task, "seconds": sec, "items": n,
+                         "s/item": None if not n or sec is None else sec / n})
+    return cost
+
+
+def table2_rows(summaries: dict[str, dict]) -> list[dict]:
+    """The paper's Table 2 rows (TABLE2) that have run, in its order."""
     table2 = []
     for label, name in TABLE2:
         if name in summaries:
@@ -165,13 +184,292 @@ def main() -> None:
                            "HellaSwag acc_norm": _fmt(hs.get("transfer"), hs.get("stderr_transfer")),
                            "HS gap closed %": _fmt(hs.get("gap_closed"), hs.get("stderr_gap_closed"), pct=True),
                            "ppl@256": round(ppl["transfer"], 2) if ppl.get("transfer") else None,
-                           "ppl@256 gap closed %": round(100 * (ppl["no_context"] - ppl["transfer"])
-                                                         / (ppl["no_context"] - ppl["target"]), 1) if ppl else None,
+                           "ppl@256 gap closed % (log-ppl)": _pct(ppl.get("transfer_gap_closed"),
+                                                                  ppl.get("transfer_gap_closed_se")),
                            "fidelity KL": round(((r.get("fidelity") or {}).get("per_layer") or {}).get("kl", float("nan")), 3),
                            "warnings": len(r.get("warnings", []))})
+    return table2
+
+
+# README row labels of the tasks (metric, protocol) of the main configuration
+TASK_LABELS = {"hellaswag": "HellaSwag acc_norm", "arc_challenge": "ARC-C acc_norm", "winogrande": "WinoGrande acc",
+               "mmlu": "MMLU acc (5-shot)", "gsm8k_cot": "GSM8K-CoT strict EM (8-shot)"}
+COLLECT = "experiments/qwen25coder/collect.py"
+
+
+def _ppl_rows(s: dict) -> dict[int, dict]:
+    return {r["prefix"]: r for r in s.get("ppl", [])}
+
+
+def _gap_cell(r: dict) -> str:
+    return _pct(r.get("transfer_gap_closed"), r.get("transfer_gap_closed_se"))
+
+
+def block_main_tasks(s: dict) -> str:
+    rows = []
+    for task in TASK_LABELS:
+        r = (s.get("tasks") or {}).get(task)
+        if not r:
+            continue
+        p = r.get("mcnemar_p")
+        rows.append([f"{TASK_LABELS[task]}, n = {r['n']}", *(_fmt(r.get(m), r.get(f"stderr_{m}")) for m in
+                                                             ("target", "source")),
+                     f"**{_fmt(r['transfer'], r.get('stderr_transfer'))}**", _fmt(r.get("no_context"), r.get("stderr_no_context")),
+                     f"**{_fmt(r.get('gap_closed'), r.get('stderr_gap_closed'), pct=True)}**",
+                     _fmt(r.get("retention"), r.get("stderr_retention"), pct=True),
+                     _fmt(r.get("gap_closed_vs_source"), r.get("stderr_gap_closed_vs_source"), pct=True),
+                     _fmt(r.get("retention_vs_chance"), r.get("stderr_retention_vs_chance"), pct=True),
+                     None if p is None else f"{p:.2g}"])
+    return readme.md_table(["task", "target", "source", "**transfer**", "no_context (floor)", "**gap closed**",
+                            "retention", "gap closed vs source", "retention vs chance", "McNemar p"], rows)
+
+
+def block_main_ppl(s: dict, injected: dict | None) -> str:
+    ppl = _ppl_rows(s)
+    prefixes = sorted(ppl)
+    modes = [("target", "target"), ("source", "source (0.5B alone)"), ("transfer", "**transfer** (sink 1)"),
+             ("no_context", "no_context (floor)")]
+    rows = [[label, *(None if ppl[p].get(m) is None else f"{ppl[p][m]:.1f}" for p in prefixes)] for m, label in modes]
+    if injected:
+        rows.append(["native_injected (`wiki_k8_sink1`)", *(None if injected.get(p, {}).get("native_injected") is None
+                                                             else f"{injected[p]['native_injected']:.1f}" for p in prefixes)])
+    rows.append(["**gap closed** (log-perplexity)", *("–" if p == 0 else _gap_cell(ppl[p]) for p in prefixes)])
+    return readme.md_table(["WikiText-2 perplexity of 64 tokens after P prefix tokens", *(f"P = {p}" for p in prefixes)],
+                           rows)
+
+
+def block_coqa(s: dict) -> str:
+    rows = [[r["protocol"], f"{r['conversations']} × {r['turns'] // max(1, r['conversations'])}",
+             _fmt(r["target_f1"], r["target_f1_se"]), f"**{_fmt(r['transfer_f1'], r['transfer_f1_se'])}**",
+             _fmt(r["retention"], r["retention_se"], pct=True)] for r in s.get("drift_summary", [])]
+    return readme.md_table(["protocol", "conversations × turns", "target F1", "**transfer F1**", "retention"], rows)
+
+
+def block_table2(summaries: dict) -> str:
+    rows = [[r["variant"], f"`{r['run']}`", r["K / V R² held-out"], r["HellaSwag acc_norm"], r["HS gap closed %"],
+             f"{r['ppl@256']:,.1f}" if r["ppl@256"] is not None else None, r["ppl@256 gap closed % (log-ppl)"],
+             f"{r['fidelity KL']:.2f}"] for r in table2_rows(summaries)]
+    return readme.md_table(["variant (paper's Table 2 row)", "run", "K / V R² held-out", "HellaSwag", "HS gap closed",
+                            "ppl@256", "ppl@256 gap closed (log-ppl)", "fidelity KL"], rows)
+
+
+VARIANTS = (("wiki_k8_sink1", "(main)"), ("wiki_k12_sink1", "(best held-out R²)"), ("wiki_mlp", "(MLP, hidden 256, 5 epochs)"),
+            ("wiki_k8_sink0", ""), ("handbook_k8_sink1", ""), ("handbook_k8_sink0", ""),
+            ("wiki_no_rerotation", "(Table 2 ablation)"), ("wiki_k8_sink1_fp32", "(float32 moments)"))
+
+
+def block_variants(summaries: dict) -> str:
+    rows = []
+    for name, note in VARIANTS:
+        s = summaries.get(name)
+        if s is None:
+            continue
+        r2 = s.get("r2", {})
+        tasks, ppl = s.get("tasks") or {}, _ppl_rows(s)
+        kl = ((s.get("fidelity") or {}).get("per_layer") or {}).get("kl")
+        sink = s["mapper"].get("native_sink", s.get("_config", {}).get("eval", {}).get("native_sink"))
+        rows.append([f"`{name}` {note}".strip(), s["calibration"].get("domain"), sink,
+                     f"{r2['k']['heldout']:.3f} / {r2['v']['heldout']:.3f}" if "heldout" in r2.get("k", {}) else
+                     f"train {r2['k']['train']:.3f} / {r2['v']['train']:.3f}",
+                     *(_fmt(tasks[t]["transfer"], tasks[t].get("stderr_transfer")) if t in tasks else None
+                       for t in ("hellaswag", "arc_challenge")),
+                     *(None if p not in ppl else f"{ppl[p]['transfer']:,.1f}" for p in (64, 256)),
+                     _gap_cell(ppl[256]) if 256 in ppl else None, None if kl is None else f"{kl:.2f}",
+                     len(s.get("warnings", [])), describe_commit(s.get("environment"))])
+    return readme.md_table(["run", "calibration", "native sink", "K / V R² held-out", "HellaSwag transfer",
+                            "ARC-C transfer", "ppl@64", "ppl@256", "ppl@256 gap closed (log-ppl)",
+                            "fidelity KL, all mapped", "warnings", "commit"], rows)
+
+
+def block_long_ppl(s: dict) -> str:
+    rows = [[r["prefix"], f"{r['target']:.1f}", f"{r['transfer']:.1f}", f"{r['no_context']:.1f}", _gap_cell(r)]
+            for r in s.get("ppl", []) if r["prefix"] > 0]
+    return readme.md_table(["prefix", "target", "transfer", "no context", "gap closed (log-ppl)"], rows)
+
+
+def block_speed(s: dict) -> str:
+    rows = [[f"{r['tokens']:,}", f"{r['mapper_ms']:.0f} ms ({r['mapper_ms_min']:.0f}–{r['mapper_ms_max']:.0f})",
+             f"{r['prefill_ms'] / 1000:.2f} s ({r['prefill_ms_min'] / 1000:.2f}–{r['prefill_ms_max'] / 1000:.2f})",
+             f"{r['speedup']:.0f}×", f"{r['flop_ratio']:.0f}×"] for r in s.get("speed", [])]
+    return readme.md_table(["tokens", "mapper, median (min–max)", "re-prefill, median (min–max)", "speedup",
+                            "FLOP ratio"], rows)
+
+
+def block_eval_cost(s: dict) -> str:
+    cost = {(r["mode"], r["part"]): r["s/item"] for r in eval_cost_rows(s) if r["s/item"] is not None}
+    parts = []
+    for task in ("mmlu", "hellaswag", "winogrande"):
+        vals = [cost.get((m, task)) for m in ("target", "transfer", "source", "no_context")]
+        if all(v is not None for v in vals):
+            parts.append(f"{TASK_LABELS[task].split()[0]} " + " / ".join(f"{v:.1f}" for v in vals))
+    return ("**Seconds per item** (`tables/eval_cost.md`; target / transfer / source / no context, shared prefixes, "
+            "partly contended): " + "; ".join(parts) + ".\n")
+
+
+def readme_blocks(summaries: dict[str, dict], out: Path) -> dict[str, str]:
+    """{block name: Markdown} of results/qwen25coder/README.md, from the runs alone (no model, no timing)."""
+    blocks = {"provenance": provenance_header(summaries, COLLECT)}
+    main = main_summary(summaries)
+    if main is not None:
+        s = main[1]
+        injected = _ppl_rows(summaries["wiki_k8_sink1"]) if "wiki_k8_sink1" in summaries else None
+        blocks.update(main_tasks=block_main_tasks(s), main_ppl=block_main_ppl(s, injected), eval_cost=block_eval_cost(s))
+        if s.get("drift_summary"):
+            blocks["coqa"] = block_coqa(s)
+    blocks["table2"] = block_table2(summaries)
+    blocks["variants"] = block_variants(summaries)
+    if "main_long_ppl" in summaries:
+        blocks["long_ppl"] = block_long_ppl(summaries["main_long_ppl"])
+    if "speed" in summaries:
+        blocks["speed"] = block_speed(summaries["speed"])
+    return blocks
+
+
+def top_readme_blocks(summaries: dict[str, dict]) -> dict[str, str]:
+    """{"real_pair": the top-level README's headline table}: floor-based gap closed (accuracy; log-perplexity)
+    with paired bootstrap SEs, or "SE needs rerun" where the run kept no per-window scores."""
+    main = main_summary(summaries)
+    if main is None:
+        return {}
+    s = main[1]
+    rows = []
+    for task, label in TASK_LABELS.items():
+        r = (s.get("tasks") or {}).get(task)
+        if r:
+            rows.append([f"{label}, n = {r['n']}", *(_fmt(r.get(m), r.get(f"stderr_{m}")) for m in
+                                                     ("target", "source", "no_context")),
+                         f"**{_fmt(r['transfer'], r.get('stderr_transfer'))}**",
+                         f"**{_fmt(r.get('gap_closed'), r.get('stderr_gap_closed'), pct=True)}**"])
+    p256 = _ppl_rows(s).get(256)
+    if p256:
+        windows = ((s.get("_config") or {}).get("eval") or {}).get("ppl", {}).get("windows")
+        rows.append([f"WikiText-2 perplexity after 256 tokens ({windows} windows)",
+                     *(f"{p256[m]:.1f}" for m in ("target", "source", "no_context")), f"**{p256['transfer']:.1f}**",
+                     f"**{_gap_cell(p256)}** (on log-perplexity)"])
+    for r in s.get("drift_summary", []):
+        rows.append([f"CoQA F1, {r['conversations']} × {r['turns'] // max(1, r['conversations'])} turns, "
+                     f"{'story mapped once' if r['protocol'] == 'once' else 'every turn mapped'}",
+                     _fmt(r["target_f1"], r["target_f1_se"]), "–", "–", f"**{_fmt(r['transfer_f1'], r['transfer_f1_se'])}**",
+                     f"retention {_fmt(r['retention'], r['retention_se'], pct=True)}"])
+    table = readme.md_table(["metric", "target", "source", "no context (floor)", "**transfer**",
+                             "**gap closed** (floor → target)"], rows)
+    note = ("gap closed = (transfer − no context) / (target − no context) (`kvtransfer/eval/metrics.py`), on "
+            "accuracy and on log-perplexity (nats/token); ± is a paired bootstrap SE over items. \"SE needs rerun\": "
+            "that run kept its per-window scores only in the artifact cache; a rerun at this commit writes them "
+            f"(`scores.json`). Generated by `{COLLECT}` from the runs' summaries.\n")
+    return {"real_pair": table + "\n" + note}
+
+
+def write_figures(summaries: dict[str, dict], main: dict | None, fdir: Path) -> None:
+    """figures/ of this folder, redrawn from the summaries on every collect: the main configuration's score per
+    task (every merged task, GSM8K included), CoQA drift, and perplexity against the prefix length."""
+    from kvtransfer.report import figures
+
+    fdir.mkdir(parents=True, exist_ok=True)
+    for name in ("retention.png", "coqa_drift.png", "ppl_vs_prefix.png"):
+        (fdir / name).unlink(missing_ok=True)  # views of runs/, redrawn on every collect
+    if main is not None:
+        figures.retention_bars(main, fdir / "retention.png")
+        if main.get("drift"):
+            figures.drift_per_turn(main["drift"], fdir / "coqa_drift.png",
+                                   figures.title(main, "CoQA F1 per turn").replace("\n", " "))
+    _ppl_figure(summaries, fdir / "ppl_vs_prefix.png")
+
+
+def _ppl_figure(summaries: dict[str, dict], path: Path) -> None:
+    """Transfer perplexity vs P of every run, one panel per window draw: a run is drawn against the baselines
+    (target, no context, source) of its own windows, never another draw's (main_long_ppl draws at 768 + 64)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvtransfer.report.figures import MODE_STYLE, machine_label
+
+    groups: dict = {}
+    for name, s in summaries.items():
+        ppl = s.get("ppl") or []
+        if ppl and name not in MAIN_PARTS:
+            key = tuple((r["prefix"], round(r["target"], 6)) for r in ppl)  # same windows -> same target curve
+            groups.setdefault(key, []).append((name, s))
+    if not groups:
+        return
+    groups = sorted(groups.values(), key=len, reverse=True)
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.8 * len(groups), 5.0), squeeze=False)
+    colours = plt.get_cmap("tab20").colors  # 20 distinct colours: no transfer run shares one with another
+    markers = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*", "h", "p")
+    i = 0
+    for ax, runs in zip(axes[0], groups):
+        base = runs[0][1]["ppl"]
+        top = 1.5 * max(r.get(m) or 0 for r in base for m in ("target", "source", "no_context"))  # off scale: named
+        for mode, ls in (("target", "-"), ("no_context", ":"), ("source", "--")):
+            pts = [(r["prefix"], r[mode]) for r in base if r.get(mode) is not None]
+            if pts:
+                ax.plot(*zip(*pts), linestyle=ls, color="black", marker=MODE_STYLE[mode][1], lw=1.8,
+                        label=f"{mode} (baseline of these windows)")
+        off = []
+        for name, s in runs:
+            pts = [(r["prefix"], r["transfer"]) for r in s["ppl"] if r.get("transfer") is not None]
+            if max(p[1] for p in pts) > top:
+                off.append(f"{name} (ppl@{pts[-1][0]} = {pts[-1][1]:,.0f})")
+                continue
+            ax.plot(*zip(*pts), label=f"transfer: {name}", color=colours[i % 20], marker=markers[i % len(markers)],
+                    lw=1.2, ms=5)
+            i += 1
+        ax.set_yscale("log")
+        ax.set_ylim(top=top)
+        ax.set_xlabel("prefix tokens P (mapped from the source)")
+        ax.set_ylabel("perplexity of the continuation")
+        windows = max(r["prefix"] for r in base)
+        ax.set_title(f"windows drawn at P ≤ {windows} (+ continuation)"
+                     + (f"\noff scale: {', '.join(off)}" if off else ""), fontsize=8)
+        ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
+    first = groups[0][0][1]
+    fig.suptitle(f"{first.get('pair')}: WikiText-2 perplexity vs mapped prefix ({machine_label(first)}, 16 windows; "
+                 "no SE: these runs kept no per-window NLLs, rerun for bands)", fontsize=9)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", default="results/qwen25coder/runs")
+    ap.add_argument("--out", default="results/qwen25coder")
+    ap.add_argument("--readme", default="README.md", help="the top-level README (its real_pair block)")
+    ap.add_argument("--allow-dirty", action="store_true", help="write although the code has uncommitted changes")
+    ap.add_argument("--check", action="store_true", help="compare the README blocks only; exit 1 on a difference")
+    args = ap.parse_args()
+    runs_dir, out = Path(args.runs), Path(args.out)
+    summaries = load_runs(runs_dir)
+    if args.check:
+        raise SystemExit(check_readmes(summaries, out, Path(args.readme)))
+    refuse_dirty_write(out, args.allow_dirty)
+    tdir, fdir = out / "tables", out / "figures"
+    main = main_summary(summaries)
+    if main is not None:
+        s = main[1]
+        atomic_write_json(out / "summary.json", {k: v for k, v in s.items() if k != "_config"})
+        _write(pd.DataFrame(main_task_rows(s)), tdir, "main_tasks")
+        _write(pd.DataFrame(s.get("ppl", [])), tdir, "main_ppl")
+        if s.get("drift"):  # CoQA: per turn, both protocols (transfer vs target answers)
+            _write(pd.DataFrame(s["drift"]), tdir, "main_coqa_drift")
+        if s.get("drift_summary"):  # pooled over all turns, SEs over conversations
+            _write(pd.DataFrame([{"protocol": r["protocol"], "conversations": r["conversations"], "turns": r["turns"],
+                                  "target F1": _fmt(r["target_f1"], r["target_f1_se"]),
+                                  "transfer F1": _fmt(r["transfer_f1"], r["transfer_f1_se"]),
+                                  "retention %": _fmt(r["retention"], r["retention_se"], pct=True)}
+                                 for r in s["drift_summary"]]), tdir, "main_coqa_summary")
+        _write(pd.DataFrame([{"positions": g, **{k: v for k, v in r.items() if k != "positions"}}
+                             for g, r in (s.get("fidelity") or {}).get("per_position", {}).items()]),
+               tdir, "main_fidelity_positions")
+        _write(pd.DataFrame(eval_cost_rows(s)), tdir, "eval_cost")
+    variants = {n: v for n, v in summaries.items() if n not in MAIN_PARTS}   # merged into the main summary above
+    _write(pd.DataFrame([variant_row(n, s) for n, s in variants.items() if s.get("tasks") or s.get("ppl")]),
+           tdir, "variants")
+    table2 = table2_rows(variants)
     if table2:
         _write(pd.DataFrame(table2), tdir, "table2_ablations")
-    for name, s in summaries.items():
+    for name, s in variants.items():
         if s.get("variance_explained"):
             _write(pd.DataFrame(s["variance_explained"]), tdir, f"table7_{s['calibration'].get('domain', name)}")
             for fig in ("r2_heatmap.png", "r2_vs_k.png"):
@@ -183,34 +481,25 @@ def main() -> None:
             _write(pd.DataFrame(s["speed"]), tdir, "speed")
     curve = [{"run": n, "prefix": r["prefix"], **{m: r.get(m) for m in
                                                   ("target", "source", "transfer", "native_injected", "no_context")}}
-             for n, s in summaries.items() for r in s.get("ppl", [])]
+             for n, s in variants.items() for r in s.get("ppl", [])]
     if curve:
         _write(pd.DataFrame(curve), tdir, "ppl_curves")
-        _ppl_figure(curve, fdir / "ppl_vs_prefix.png")
+    write_figures(summaries, main[1] if main else None, fdir)
+    readme.rewrite(out / "README.md", readme_blocks(summaries, out))
+    readme.rewrite(Path(args.readme), top_readme_blocks(summaries))
     print(f"wrote {out} from {len(summaries)} runs: {', '.join(summaries)}")
 
 
-def _ppl_figure(curve: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    df = pd.DataFrame(curve)
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    base = df[df.run == df.run.iloc[0]]
-    for mode, style in (("target", "k-"), ("no_context", "k:"), ("source", "k--")):
-        if base[mode].notna().any():
-            ax.plot(base.prefix, base[mode], style, label=mode)
-    for run, g in df.groupby("run"):
-        ax.plot(g.prefix, g.transfer, marker="o", label=f"transfer: {run}")
-    ax.set_yscale("log")
-    ax.set_xlabel("prefix tokens P (mapped from the source)")
-    ax.set_ylabel("perplexity of the continuation")
-    ax.legend(fontsize=7)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+def check_readmes(summaries: dict[str, dict], out: Path, top: Path) -> int:
+    """0 when every generated block of the two READMEs equals what the runs give now, else 1 (and a diff)."""
+    bad = 0
+    for path, want in ((out / "README.md", readme_blocks(summaries, out)), (top, top_readme_blocks(summaries))):
+        have = readme.blocks(path.read_text())
+        for name, body in want.items():
+            if have.get(name) != body.rstrip("\n") + "\n":
+                print(f"{path}: block {name!r} differs from the runs")
+                bad = 1
+    return bad
 
 
 if __name__ == "__main__":

@@ -47,7 +47,13 @@ def table_markdown(rows: list[dict], caps: dict | None = None) -> str:
     if caps:
         lines += [f"Device rates: matmul {caps['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s, copy "
                   f"{caps['copy_bytes_per_s'] / 1e9:,.1f} GB/s. Load average: {r0.get('load_avg', 'n/a')}.", ""]
-    lines += ["Times are medians (min–max) in ms; floor = max(FLOPs / matmul rate, minimal bytes / copy bandwidth); "
+    rate = ("the rate torch.matmul reached on the workload's own dominant GEMM shape, timed right before it (best of 5; "
+            "at least the device matmul rate above)" if "prefill_floor_rate_flops_per_s" in r0 or
+            "mapper_floor_rate_flops_per_s" in r0 else "the device's square-matmul rate above (measured once, before "
+            "the workloads; these rows predate the per-workload rate)")
+    lines += [f"Times are medians (min–max) in ms; floor (an estimate, not a guaranteed bound) = max(FLOPs / {rate}, "
+              "minimal bytes / copy bandwidth); a median below its floor is marked ↓ (its rate underestimates what the "
+              "workload reached: another load, or another GEMM shape); "
               "FLOP ratio = prefill FLOPs / mapper FLOPs; GEMM % = mapper GEMM FLOPs / whole mapper time, relative to "
               "torch.matmul on the same shapes; full-depth estimates scale per-layer times by layers_full / layers_run.",
               ""]
@@ -60,11 +66,21 @@ def table_markdown(rows: list[dict], caps: dict | None = None) -> str:
             continue
         lines.append(
             f"| {r['tokens']:,} | {_fmt(r.get('mapper_ms'))} ({_fmt(r.get('mapper_ms_min'))}–{_fmt(r.get('mapper_ms_max'))}) "
-            f"| {_fmt(r.get('mapper_floor_ms'))} | {_fmt(r.get('prefill_ms'))} ({_fmt(r.get('prefill_ms_min'))}–"
-            f"{_fmt(r.get('prefill_ms_max'))}) | {_fmt(r.get('prefill_floor_ms'))} | {_fmt(r.get('speedup'))}x "
+            f"| {_fmt(r.get('mapper_floor_ms'))}{' ↓' if _beaten(r, 'mapper') else ''} "
+            f"| {_fmt(r.get('prefill_ms'))} ({_fmt(r.get('prefill_ms_min'))}–"
+            f"{_fmt(r.get('prefill_ms_max'))}) | {_fmt(r.get('prefill_floor_ms'))}{' ↓' if _beaten(r, 'prefill') else ''} "
+            f"| {_fmt(r.get('speedup'))}x "
             f"| {_fmt(r.get('flop_ratio'))} | {_fmt(100 * r['mapper_gemm_frac'] if 'mapper_gemm_frac' in r else None, 0)} "
             f"| {_fmt(r.get('mapper_ms_full_est'), 0)} / {_fmt(r.get('prefill_ms_full_est'), 0)} |")
     return "\n".join(lines) + "\n"
+
+
+def _beaten(row: dict, side: str) -> bool:
+    """Whether `side`'s median is below its floor (the row's flag, else computed: rows made before the flag)."""
+    if f"{side}_floor_beaten" in row:
+        return bool(row[f"{side}_floor_beaten"])
+    return row.get(f"{side}_ms") is not None and row.get(f"{side}_floor_ms") is not None and \
+        row[f"{side}_ms"] < row[f"{side}_floor_ms"]
 
 
 def table_csv(rows: list[dict]) -> str:
@@ -79,31 +95,43 @@ def table_csv(rows: list[dict]) -> str:
 
 
 def plot_speedup(rows: list[dict], path: str | Path) -> Path:
-    """Speedup (and FLOP ratio, dashed) vs tokens, log-x, one line per pair; writes a PNG."""
+    """Speedup vs tokens, log-x, one colour + marker per pair: the median ratio with the range the measured
+    extremes allow (prefill min / mapper max .. prefill max / mapper min) as error bars, and the FLOP ratio
+    dashed; the title names the device, load and repeats. Writes a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..report.figures import series_style
+    from .timing import load_average
+
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for pair, mdt in dict.fromkeys(_group(r) for r in rows):
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for i, (pair, mdt) in enumerate(dict.fromkeys(_group(r) for r in rows)):
         rs = [r for r in rows if _group(r) == (pair, mdt) and "speedup" in r]
         if not rs:
             continue
-        name = f"{pair} ({mdt} mapper)"
-        line, = ax.plot([r["tokens"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"{name} measured")
-        ax.plot([r["tokens"] for r in rs], [r["flop_ratio"] for r in rs], "--", color=line.get_color(),
-                label=f"{name} FLOP ratio")
+        style = series_style(i)
+        tokens = [r["tokens"] for r in rs]
+        lo = [r["speedup"] - r["prefill_ms_min"] / r["mapper_ms_max"] for r in rs]
+        hi = [r["prefill_ms_max"] / r["mapper_ms_min"] - r["speedup"] for r in rs]
+        ax.errorbar(tokens, [r["speedup"] for r in rs], yerr=[lo, hi], capsize=3, label=f"{pair} ({mdt} mapper)",
+                    **style)
+        ax.plot(tokens, [r["flop_ratio"] for r in rs], "--", color=style["color"], alpha=0.6)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("tokens")
-    ax.set_ylabel("re-prefill time / mapper time")
-    ax.set_title("shapes-only (random weights, real configs)")
+    ax.set_ylabel("re-prefill time / mapper time (median; bars: min–max range)")
+    r0 = rows[0]
+    ax.set_title(f"shapes-only (random weights, real configs, {r0.get('layers_run')} layer(s) run), {r0['device']} "
+                 f"{r0['dtype']}\nload {r0.get('load_avg', load_average())}; n = {r0.get('repeats', '?')} repeats; "
+                 "dashed: FLOP ratio", fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     _exclusive(path)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -177,7 +205,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
             rows += bench_pair(pair, tokens, layers=a.layers, device=a.device, dtype=dtype,
                                mapper_dtype=getattr(torch, mapper_dtype), warmup=a.warmup, repeats=a.repeats,
                                n_inputs=a.inputs, selection=a.selection, run_prefill=not a.no_prefill, caps=caps)
-    extra = {"assumptions": ASSUMPTIONS, "argv": list(argv) if argv is not None else None}
+    from ..provenance import environment
+
+    extra = {"assumptions": ASSUMPTIONS, "argv": list(argv) if argv is not None else None,
+             "environment": environment(vars(a), argv=None if argv is None else ["python -m kvtransfer.bench", *argv])}
     if a.calibration:
         extra["calibration"] = calibration_throughput(a.pair.split(",")[0], device=a.device, dtype=dtype)
         print("calibration:", extra["calibration"])

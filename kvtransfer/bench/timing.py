@@ -2,7 +2,8 @@
 
 `time_fn` rotates distinct inputs (never all-zero ones) and reports median / quartiles / extremes in
 ms (CUDA events on a GPU, perf_counter + synchronize elsewhere); `measure_device` measures the matmul
-rate and copy bandwidth once per run; `available_bytes` and `load_average` describe the machine.
+rate and copy bandwidth once per run, `gemm_rate` the rate of a workload's own GEMM shape right before
+it runs (what its floor uses); `available_bytes` and `load_average` describe the machine.
 """
 from __future__ import annotations
 
@@ -82,6 +83,24 @@ def measure_device(device="cpu", dtype=torch.float32, *, n: int | None = None, c
             "matmul_flops_per_s": 2 * n ** 3 / (mm["min_ms"] / 1e3),
             "copy_bytes_per_s": 2 * src.numel() * src.element_size() / (cp["min_ms"] / 1e3),
             "matmul_n": n, "copy_mib": copy_mib}
+
+
+def gemm_rate(m: int, k: int, n: int, *, device="cpu", dtype=torch.float32, repeats: int = 5) -> float:
+    """FLOP/s of torch.matmul on the workload's own GEMM shape [m, k] @ [k, n] (best of `repeats` after 1
+    warm-up), measured right before that workload runs.
+
+    A floor must use the rate the workload can reach: a square n x n matmul measured once per run
+    (`measure_device`) can be slower than the prefill's tall-skinny MLP GEMMs, or measured under another
+    load, and a floor from it is then beaten by the very workload it bounds."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    r = time_fn(lambda x: torch.matmul(x, b), [a], warmup=1, repeats=repeats, device=device)
+    return 2 * m * k * n / (r["min_ms"] / 1e3)
+
+
+def workload_caps(caps: dict, rate: float) -> dict:
+    """`caps` with the matmul rate raised to `rate` where that is higher (a floor uses the best rate seen)."""
+    return dict(caps, matmul_flops_per_s=max(caps["matmul_flops_per_s"], rate))
 
 
 def available_bytes(device="cpu") -> int:

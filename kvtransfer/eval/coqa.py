@@ -152,8 +152,17 @@ def _extend(model, layers, pmask, ids: list[int]):
     return cache_to_layers(cache), mask
 
 
+def _se(values: list[float]) -> float | None:
+    """Standard error of a mean over conversations (sample sd / sqrt(n)); None for fewer than 2."""
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+
+
 def drift_curve(reference: list[list[dict]], mapped: list[list[dict]], max_turn: int = 10) -> list[dict]:
-    """Per turn 1..max_turn: mean F1 of both runs over conversations that reach it, and the gap."""
+    """Per turn 1..max_turn: mean F1 of both runs over conversations that reach it (with its SE over
+    those conversations), and the gap."""
     rows = []
     for turn in range(1, max_turn + 1):
         ref = [c[turn - 1]["f1"] for c in reference if len(c) >= turn]
@@ -161,7 +170,8 @@ def drift_curve(reference: list[list[dict]], mapped: list[list[dict]], max_turn:
         if not ref:
             break
         r, m = sum(ref) / len(ref), sum(got) / len(got)
-        rows.append({"turn": turn, "n": len(ref), "target_f1": r, "transfer_f1": m, "gap": r - m})
+        rows.append({"turn": turn, "n": len(ref), "target_f1": r, "transfer_f1": m, "gap": r - m,
+                     "target_f1_se": _se(ref), "transfer_f1_se": _se(got)})
     return rows
 
 

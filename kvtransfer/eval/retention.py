@@ -1,12 +1,13 @@
 """Retention statistics over per-item results (pure Python + numpy; no lm-eval needed).
 
-For one task with per-item scores of each mode (0/1 accuracy or exact match, or F1 in [0, 1]):
-    retention        = transfer / target
-    floor_normalized = (transfer - chance) / (target - chance)    chance: 25 % ARC-C/HellaSwag/MMLU,
-                                                                   50 % WinoGrande, 0 % GSM8K
-    gap_closed       = (transfer - source) / (target - source)
-    context_gap_closed = (transfer - no_context) / (target - no_context)   (when the floor mode ran;
-                       below_no_context flags a transfer below that floor by more than one paired SE)
+For one task with per-item scores of each mode (0/1 accuracy or exact match, or F1 in [0, 1]), the
+metric vocabulary of kvtransfer.eval.metrics:
+    gap_closed           = (transfer - no_context) / (target - no_context)   (when the floor mode ran;
+                           below_no_context flags a transfer below that floor by more than one paired SE)
+    retention            = transfer / target
+    gap_closed_vs_source = (transfer - source) / (target - source)
+    retention_vs_chance  = (transfer - chance) / (target - chance)   chance: 25 % ARC-C/HellaSwag/MMLU,
+                                                                      50 % WinoGrande, 0 % GSM8K
 Standard errors are seeded paired bootstraps over items; McNemar compares transfer and target
 per-item correctness (exact binomial when the discordant count is < 25, else chi² with continuity).
 """
@@ -16,6 +17,8 @@ import math
 from typing import Sequence
 
 import numpy as np
+
+from .metrics import gap_closed, gap_closed_vs_source, ppl_gap_closed, retention, retention_vs_chance  # noqa: F401
 
 CHANCE = {"arc_challenge": 0.25, "hellaswag": 0.25, "mmlu": 0.25, "winogrande": 0.5, "gsm8k": 0.0, "gsm8k_cot": 0.0}
 MODES = ("target", "transfer", "source", "native_injected", "no_context")
@@ -61,7 +64,8 @@ def mcnemar_p(a: Sequence[float], b: Sequence[float]) -> float:
 
 def task_summary(scores: dict[str, Sequence[float]], *, chance: float = 0.0, metric: str = "acc",
                  n_boot: int = 1000, seed: int = 0) -> dict:
-    """One task's row: means per mode, retention / floor_normalized / gap_closed, bootstrap SEs, McNemar p.
+    """One task's row: means per mode, gap_closed / retention / gap_closed_vs_source / retention_vs_chance
+    (kvtransfer.eval.metrics; None where their mode did not run), paired bootstrap SEs, McNemar p.
 
     scores: {mode: per-item scores (same items, same order)}; needs "target" and "transfer".
     """
@@ -81,9 +85,9 @@ def task_summary(scores: dict[str, Sequence[float]], *, chance: float = 0.0, met
         t, x = means["target"], means["transfer"]
         s = means.get("source")
         f = means.get("no_context")
-        return {"retention": _ratio(x, t), "floor_normalized": _ratio(x - chance, t - chance),
-                "gap_closed": None if s is None else _ratio(x - s, t - s),
-                "context_gap_closed": None if f is None else _ratio(x - f, t - f)}
+        return {"gap_closed": None if f is None else gap_closed(x, t, f), "retention": retention(x, t),
+                "gap_closed_vs_source": None if s is None else gap_closed_vs_source(x, t, s),
+                "retention_vs_chance": retention_vs_chance(x, t, chance)}
 
     point = {m: v.mean() for m, v in arrays.items()}
     row = {"metric": metric, "n": n, "chance": chance}
@@ -112,35 +116,11 @@ def retention_table(per_item: dict[str, dict[str, Sequence[float]]], *, metrics:
     chance = {**CHANCE, **(chance or {})}
     table = {task: task_summary(modes, chance=chance.get(task, 0.0), metric=(metrics or {}).get(task, "acc"),
                                 n_boot=n_boot, seed=seed) for task, modes in per_item.items()}
-    keys = ("target", "transfer", "source", "retention", "floor_normalized", "gap_closed")
+    keys = ("target", "transfer", "source", "no_context", "gap_closed", "retention", "gap_closed_vs_source",
+            "retention_vs_chance")
     avg = {}
     for k in keys:
         vals = [row[k] for row in table.values() if row[k] is not None]
         avg[k] = sum(vals) / len(vals) if vals and len(vals) == len(table) else None
     table["average"] = avg
     return table
-
-
-def ppl_gap_closed(window_nll: dict[str, Sequence[float]], *, n_boot: int = 1000, seed: int = 0) -> dict:
-    """Share of the no_context -> target perplexity gap the transfer closes, with a paired bootstrap SE.
-
-    window_nll[mode]: mean NLL per token of each window (nats; every window scores the same number of
-    tokens, so the mean over windows is the run's NLL) for "target", "transfer", "no_context", in one
-    window order. gap_closed = (ppl_floor - ppl_transfer) / (ppl_floor - ppl_target), each ppl = exp(mean
-    NLL); resampling windows with replacement (the same draw for all three) gives the SE.
-    Returns {"gap_closed", "gap_closed_se", "windows"}.
-    """
-    names = ("target", "transfer", "no_context")
-    x = np.asarray([window_nll[m] for m in names], dtype=np.float64)  # [3, W]
-    if x.ndim != 2 or x.shape[1] < 2:
-        raise ValueError("ppl_gap_closed needs >= 2 windows per mode, in the same order for every mode")
-
-    def closed(cols: np.ndarray) -> np.ndarray:
-        t, tr, f = np.exp(cols.mean(-1))  # each [...]
-        return _ratio(f - tr, f - t)
-
-    point = float(closed(x))
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, x.shape[1], size=(n_boot, x.shape[1]))
-    boot = closed(x[:, idx])  # [3, n_boot, W] -> [n_boot]
-    return {"gap_closed": point, "gap_closed_se": float(np.nanstd(boot, ddof=1)), "windows": int(x.shape[1])}

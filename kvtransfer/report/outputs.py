@@ -26,13 +26,21 @@ def write_outputs(cfg: dict, summary: dict, out_dir: Path, r2_matrices: dict | N
         if df is not None and len(df):
             for path in tables.write_table(df, tdir, name):
                 written_tables[f"{name}{path.suffix}"] = path
+    cal = summary.get("calibration") or {}
+    calib = f"calibration {cal.get('domain', '?')}, {cal.get('sequences', '?')} sequences"
     made = {
         "retention": figures.retention_bars(summary, fdir / "retention.png"),
-        "r2_heatmap": figures.r2_heatmaps(r2_matrices or {}, fdir / "r2_heatmap.png"),
-        "r2_vs_k": figures.r2_vs_k(summary.get("variance_explained", []), fdir / "r2_vs_k.png"),
-        "speedup": figures.speedup_vs_tokens(summary.get("speed", []), fdir / "speedup.png", summary["pair"]),
-        "drift": figures.drift_per_turn(summary.get("drift", []), fdir / "drift.png"),
-        "fidelity": figures.fidelity_per_layer(summary.get("fidelity") or {}, fdir / "fidelity.png"),
+        "r2_heatmap": figures.r2_heatmaps(r2_matrices or {}, fdir / "r2_heatmap.png",
+                                          figures.title(summary, "single-source-layer R² (train)", calib)),
+        "r2_vs_k": figures.r2_vs_k(summary.get("variance_explained", []), fdir / "r2_vs_k.png",
+                                   figures.title(summary, "mean R² vs k", calib)),
+        "speedup": figures.speedup_vs_tokens(summary.get("speed", []), fdir / "speedup.png",
+                                             figures.title(summary, "mapper vs re-prefill",
+                                                           f"median of {(summary.get('speed') or [{}])[0].get('repeats', '?')}")),
+        "drift": figures.drift_per_turn(summary.get("drift", []), fdir / "drift.png",
+                                        figures.title(summary, "multi-turn F1").replace("\n", " ")),
+        "fidelity": figures.fidelity_per_layer(summary.get("fidelity") or {}, fdir / "fidelity.png",
+                                               figures.title(summary, "fidelity per layer").replace("\n", " ")),
     }
     written_figures = {name: path for name, path in made.items() if path is not None}
     wandb_dir = log_run(cfg, summary, out_dir, written_tables, written_figures)

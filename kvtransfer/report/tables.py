@@ -35,7 +35,8 @@ def _ordered_tasks(tasks: dict) -> list[str]:
 
 
 def retention_table(summaries: list[dict]) -> pd.DataFrame:
-    """Table-1 layout: one row per run (pair), retention % per task, average, floor-normalised average."""
+    """Table-1 layout: one row per run (pair), retention % per task, average, and the average retention_vs_chance
+    (the paper's "floor-normalised"; kvtransfer.eval.metrics)."""
     rows = []
     for s in summaries:
         tasks = s.get("tasks", {})
@@ -46,23 +47,24 @@ def retention_table(summaries: list[dict]) -> pd.DataFrame:
             if r.get("retention") is not None:
                 row[task_label(task)] = 100 * r["retention"]
                 rets.append(r["retention"])
-            if r.get("floor_normalized") is not None:
-                floors.append(r["floor_normalized"])
+            if r.get("retention_vs_chance") is not None:
+                floors.append(r["retention_vs_chance"])
         row["avg_retention"] = 100 * sum(rets) / len(rets) if rets else None
-        row["avg_floor_normalized"] = 100 * sum(floors) / len(floors) if floors else None
+        row["avg_retention_vs_chance"] = 100 * sum(floors) / len(floors) if floors else None
         rows.append(row)
     return pd.DataFrame(rows)
 
 
 def task_table(summary: dict) -> pd.DataFrame:
-    """Per task: metric, target / transfer / source / native_injected scores, retention, gap closed, n."""
+    """Per task: metric, the modes' scores, gap_closed (vs the no-context floor), retention, gap_closed_vs_source,
+    retention_vs_chance (kvtransfer.eval.metrics), n, SEs."""
     rows = []
     for task in _ordered_tasks(summary.get("tasks", {})):
         r = summary["tasks"][task]
         rows.append({"task": task_label(task), **{k: r.get(k) for k in (
-            "metric", "target", "transfer", "source", "native_injected", "no_context", "retention",
-            "floor_normalized", "gap_closed", "context_gap_closed", "below_no_context", "n", "transfer_stderr",
-            "mcnemar_p")}})
+            "metric", "target", "transfer", "source", "native_injected", "no_context", "gap_closed", "stderr_gap_closed",
+            "retention", "stderr_retention", "gap_closed_vs_source", "retention_vs_chance", "below_no_context", "n",
+            "transfer_stderr", "mcnemar_p")}})
     return pd.DataFrame(rows)
 
 

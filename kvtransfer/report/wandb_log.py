@@ -25,7 +25,8 @@ def log_run(cfg: dict, summary: dict, out_dir: Path, tables: dict[str, Path], fi
                          reinit="finish_previous")
         metrics = {}
         for task, r in summary.get("tasks", {}).items():
-            for key in ("target", "transfer", "source", "retention", "floor_normalized", "gap_closed"):
+            for key in ("target", "transfer", "source", "no_context", "gap_closed", "retention", "gap_closed_vs_source",
+                        "retention_vs_chance"):
                 if isinstance(r.get(key), (int, float)):
                     metrics[f"{task}/{key}"] = r[key]
         for kind, per in (summary.get("r2") or {}).items():

@@ -95,7 +95,10 @@ def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | 
                    speedup=p["median_ms"] / m["median_ms"], mapper_flops=mc["flops"], prefill_flops=pc["flops"],
                    flop_ratio=pc["flops"] / mc["flops"],
                    mapper_floor_ms=shapes.floor_ms(mc["flops"], mc["bytes"], caps),
-                   prefill_floor_ms=shapes.floor_ms(pc["flops"], pc["bytes"], caps), repeats=m["n"],
+                   # the prefill floor's rate: its dominant GEMM's shape, timed now (kvtransfer.bench.timing.gemm_rate)
+                   prefill_floor_ms=shapes.floor_ms(pc["flops"], pc["bytes"], timing.workload_caps(caps, timing.gemm_rate(
+                       n_tok, target.config.hidden_size, target.config.intermediate_size, device=device, dtype=dtype))),
+                   repeats=m["n"],
                    source_kv=[s_shape.n_layers, s_shape.n_kv, s_shape.head_dim])
         log(f"[bench] {n_tok} tokens, {row['mapper_dtype']} mapper: mapper {m['median_ms']:.2f} ms, prefill "
             f"{p['median_ms']:.2f} ms, speedup {row['speedup']:.1f}x (FLOP ratio {row['flop_ratio']:.1f}x)")

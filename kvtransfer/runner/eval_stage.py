@@ -22,7 +22,8 @@ from pathlib import Path
 from ..eval.adapter import KVTransferLM
 from ..eval.coqa import drift_curve, drift_summary, load_conversations, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl
-from ..eval.retention import CHANCE, per_item_scores, ppl_gap_closed, retention_table
+from ..eval.metrics import log_ppl_gap_closed, ppl_gap_closed
+from ..eval.retention import CHANCE, per_item_scores, retention_table
 from ..eval.tasks import PAPER_TASKS, task_manager
 from ..eval.tiny_suite import TINY_TASKS, write_tiny_yamls
 from ..io import atomic_write_json
@@ -195,9 +196,33 @@ def evaluate(run, on_compute=None) -> dict:
             result.setdefault("seconds", {})[name] = record.get("seconds")
         per_mode[mode] = result
     out = summarise(per_mode, ecfg, seed)
+    write_scores(run.out_dir / SCORES_FILE, per_mode)
+    out["scores_file"] = SCORES_FILE
     out["native_tail"] = lm.native_tail
     out["eval_seconds"] = {mode: r.get("seconds", {}) for mode, r in per_mode.items()}
     return out
+
+
+SCORES_FILE = "scores.json"
+
+
+def write_scores(path: Path, per_mode: dict) -> None:
+    """The per-item / per-window scores behind a summary, next to it (small JSON), so paired SEs and
+    paired differences between runs can be recomputed from committed files: {"tasks": {task: {mode:
+    [score per item, in (subtask, doc_id) order]}}, "ppl_window_nll": {P: {mode: [mean NLL per window,
+    nats/token]}}, "coqa": {protocol: {mode: [[F1 per turn] per conversation]}}}."""
+    scores: dict = {"tasks": {}, "ppl_window_nll": {}, "coqa": {}}
+    for mode, result in per_mode.items():
+        for task, items in (result.get("tasks") or {}).items():
+            scores["tasks"].setdefault(task, {})[mode] = items
+        for prefix, nll in (result.get("ppl_windows") or {}).items():
+            scores["ppl_window_nll"].setdefault(prefix, {})[mode] = nll
+        for protocol, convs in (result.get("coqa") or {}).items():
+            scores["coqa"].setdefault(protocol, {})[mode] = [[turn["f1"] for turn in conv] for conv in convs]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():  # one eval per out_dir (execute refuses a used one): a second writer is a bug
+        raise FileExistsError(f"{path} exists; per-item scores are never overwritten (use a new out_dir)")
+    atomic_write_json(path, scores)
 
 
 def _finite(row: dict) -> dict:
@@ -224,22 +249,27 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
         out["ppl"] = [{"prefix": p, **{m: r["ppl"][str(p)] for m, r in per_mode.items() if "ppl" in r}}
                       for p in prefixes]
         windows = {m: per_mode[m].get("ppl_windows") for m in ("target", "transfer", "no_context") if m in per_mode}
-        if len(windows) == 3 and all(windows.values()):  # per-window NLLs of every mode: a bootstrap SE
-            for row in out["ppl"]:
-                if row["prefix"] > 0:
-                    gap = ppl_gap_closed({m: w[str(row["prefix"])] for m, w in windows.items()},
-                                         n_boot=ecfg.get("bootstrap", 1000), seed=seed)
-                    row["transfer_gap_closed"], row["transfer_gap_closed_se"] = gap["gap_closed"], gap["gap_closed_se"]
-            out["ppl"] = [_finite(row) for row in out["ppl"]]
+        # gap_closed on log-perplexity (kvtransfer.eval.metrics): a paired bootstrap SE over windows when every
+        # mode kept its per-window NLLs, else the point value with SE None (results cached before they were kept)
+        have_windows = len(windows) == 3 and all(windows.values())
+        for row in out["ppl"]:
+            if row["prefix"] > 0 and have_windows:
+                gap = ppl_gap_closed({m: w[str(row["prefix"])] for m, w in windows.items()},
+                                     n_boot=ecfg.get("bootstrap", 1000), seed=seed)
+                row["transfer_gap_closed"], row["transfer_gap_closed_se"] = gap["gap_closed"], gap["gap_closed_se"]
+            elif row["prefix"] > 0 and None not in (row.get("transfer"), row.get("target"), row.get("no_context")):
+                row["transfer_gap_closed"] = float(log_ppl_gap_closed(row["transfer"], row["target"], row["no_context"]))
+                row["transfer_gap_closed_se"] = None
+        out["ppl"] = [_finite(row) for row in out["ppl"]]
     out["warnings"] = floor_warnings(out)
     if "coqa" in per_mode.get("target", {}) and "coqa" in per_mode.get("transfer", {}):
         rows = []
         for protocol, mapped in per_mode["transfer"]["coqa"].items():
             for r in drift_curve(per_mode["target"]["coqa"][protocol], mapped, max_turn=ecfg["coqa"]["turns"]):
                 rows.append({"protocol": protocol, "turn": r["turn"], "series": f"target ({protocol})",
-                             "f1": r["target_f1"], "n": r["n"]})
+                             "f1": r["target_f1"], "f1_se": r["target_f1_se"], "n": r["n"]})
                 rows.append({"protocol": protocol, "turn": r["turn"], "series": f"transfer ({protocol})",
-                             "f1": r["transfer_f1"], "n": r["n"], "gap": r["gap"]})
+                             "f1": r["transfer_f1"], "f1_se": r["transfer_f1_se"], "n": r["n"], "gap": r["gap"]})
         out["drift"] = rows
         out["drift_summary"] = [_finite({"protocol": protocol, **drift_summary(
             per_mode["target"]["coqa"][protocol], mapped, n_boot=ecfg.get("bootstrap", 1000), seed=seed)})

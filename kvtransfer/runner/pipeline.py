@@ -12,22 +12,22 @@ its checkpoint. A stage asked for pulls the artifacts it needs, computing the mi
 from __future__ import annotations
 
 import json
-import platform
 import shutil
 import time
 from pathlib import Path
 
 import torch
 
-from .. import __version__
 from .. import plan as resource_plan
 from ..calibrate import collect_moments, load_calibration, split_heldout
 from ..context import describe as describe_context
 from ..data import read_documents, stream_hf_documents, token_sequences
 from ..io import atomic_save_tensors, atomic_write_json, exclusive_lock, load_tensors
+from ..eval.metrics import SCHEMA_VERSION
 from ..mapper import FactoredMapper, Mapper, load_mapper
 from ..models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model, max_memory_for
 from ..moments import HeldOut, Moments
+from ..provenance import environment
 from ..ridge import UnderdeterminedFit, fit_ridge
 from ..runconfig import STAGES, needs_feature_sample, parse_stages, resolve  # noqa: F401 (STAGES: re-exported)
 from ..select import r2_matrix, select_greedy, select_topk
@@ -586,38 +586,6 @@ def _is_family(mcfg: dict) -> bool:
             or mcfg.get("weighting", "none") != "none")
 
 
-def _git_state() -> dict:
-    """{"commit": sha, "dirty": bool} of the checkout kvtransfer runs from; {} outside a git checkout."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        if sha.returncode != 0:
-            return {}
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
-        return {"commit": sha.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
-    except (OSError, subprocess.SubprocessError):
-        return {}
-
-
-def environment() -> dict:
-    """Versions and device of this process, for summary.json."""
-    import transformers
-
-    env = {"kvtransfer": __version__, "python": platform.python_version(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "platform": platform.platform(),
-           "cpu_count": __import__("os").cpu_count(), **_git_state()}
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name(0)
-        env["cuda"] = torch.version.cuda
-        env["gpus"] = torch.cuda.device_count()
-    else:
-        env["device"] = "cpu"
-    return env
-
-
 def _mean_r2(mapper_r2: dict) -> dict:
     """{split: {kind: [[...]]}} -> {kind: {split: mean}}."""
     out: dict = {}
@@ -684,7 +652,7 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
     summary: dict = {"pair": cfg["pair"]["name"], "direction": cfg["pair"].get("direction", "forward"),
                      "source": run.model_ref("source"), "target": run.model_ref("target"), "stages": stages,
                      "ablation": cfg.get("ablation", {}), "resources": resource_plan.resources_summary(plan),
-                     "environment": environment()}
+                     "environment": environment(cfg), "schema_version": SCHEMA_VERSION}
     r2_figure: dict = {}
     # moments are read only where a stage needs them and released after it (issue 10 §2): eval and bench never
     # hold them, and the rotated-key calibration of the report does not sit next to the stripped moments

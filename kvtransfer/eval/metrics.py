@@ -1,0 +1,214 @@
+"""The metric vocabulary of every summary, table, figure and README (one definition per name).
+
+    gap_closed           = (transfer - floor) / (target - floor)     floor: the `no_context` mode
+    retention            = transfer / target
+    gap_closed_vs_source = (transfer - source) / (target - source)
+    retention_vs_chance  = (transfer - chance) / (target - chance)   (the paper's "floor-normalised")
+
+On accuracy (or F1) the scores are per-item means; on perplexity `gap_closed` is taken on the
+log-perplexity, i.e. the mean NLL in nats/token (log(ppl) = mean NLL), which is what the model loses,
+not on raw perplexity. The formula is the same in both directions (higher-is-better accuracy,
+lower-is-better NLL): (x - f) / (t - f) is the share of the floor -> target distance covered.
+
+Every number gets a paired bootstrap SE over items (or windows): one resample of item indices is applied
+to every mode at once, so the shared per-item difficulty cancels. Two maps evaluated on the same items
+are compared through the SE of their paired difference (`paired_difference`), never by each one's own SE.
+
+Pure numpy; no lm-eval or torch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+# version of the summary.json layout. 1 (no field): `gap_closed` was source-based, `context_gap_closed` the
+# floor-based one, `floor_normalized` the chance-based retention and a ppl row's `transfer_gap_closed` was on raw
+# perplexity. 2: the names above (`upgrade_summary` maps 1 -> 2).
+SCHEMA_VERSION = 2
+
+
+def _ratio(num, den):
+    num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den != 0, num / np.where(den != 0, den, 1.0), np.nan)
+
+
+def gap_closed(transfer, target, floor):
+    """(transfer - floor) / (target - floor), elementwise on floats or arrays (NaN where target == floor).
+
+    Units: any, as long as all three share them (accuracy, F1, or NLL in nats/token)."""
+    return _ratio(np.asarray(transfer, dtype=np.float64) - floor, np.asarray(target, dtype=np.float64) - floor)
+
+
+def retention(transfer, target):
+    """transfer / target, elementwise (NaN where target == 0)."""
+    return _ratio(transfer, target)
+
+
+def gap_closed_vs_source(transfer, target, source):
+    """(transfer - source) / (target - source): the share of the source -> target gap (not the floor's)."""
+    return gap_closed(transfer, target, source)
+
+
+def retention_vs_chance(transfer, target, chance: float):
+    """(transfer - chance) / (target - chance): the paper's "floor-normalised" retention (chance, not no_context)."""
+    return gap_closed(transfer, target, chance)
+
+
+def log_ppl_gap_closed(ppl_transfer, ppl_target, ppl_floor):
+    """`gap_closed` on log-perplexity (mean NLL, nats/token) from perplexities; NaN where target == floor."""
+    return gap_closed(np.log(ppl_transfer), np.log(ppl_target), np.log(ppl_floor))
+
+
+def as_float(x) -> float | None:
+    """A finite float, or None (NaN / inf / None): summaries are strict JSON."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def paired_bootstrap(per_item: Mapping[str, Sequence[float]], statistic: Callable[[dict], np.ndarray], *,
+                     n_boot: int = 1000, seed: int = 0) -> tuple[float | None, float | None]:
+    """(point, SE) of statistic({mode: mean}) with one shared resample of the items for every mode.
+
+    per_item: {mode: per-item scores [n]} over the same items in the same order (n >= 2).
+    statistic: maps {mode: mean} to a value; it is called once on the point means (floats) and once
+    on the bootstrap means (arrays [n_boot]), so it must be elementwise (the functions above are).
+    The SE is the standard deviation (ddof 1) of the finite bootstrap values; None when fewer than two are.
+    """
+    arrays = {m: np.asarray(v, dtype=np.float64) for m, v in per_item.items()}
+    lengths = {len(v) for v in arrays.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"modes have different item counts { {m: len(v) for m, v in arrays.items()} }: "
+                         "a paired bootstrap needs the same items in every mode")
+    n = lengths.pop()
+    if n < 2:
+        raise ValueError(f"a bootstrap SE needs >= 2 items, got {n}")
+    point = as_float(statistic({m: v.mean() for m, v in arrays.items()}))
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    boot = np.asarray(statistic({m: v[idx].mean(-1) for m, v in arrays.items()}), dtype=np.float64)
+    boot = boot[np.isfinite(boot)]
+    return point, (float(boot.std(ddof=1)) if boot.size >= 2 else None)
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict:
+    """Mean of a - b over the same items and its standard error std(a - b, ddof=1) / sqrt(n).
+
+    The SE that decides whether two maps differ: per-item difficulty is shared, so it is far smaller
+    than combining each map's own SE. Returns {"difference", "se", "n", "z"} (z = difference / se; None
+    when se is 0)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or a.size < 2:
+        raise ValueError(f"paired_difference needs two 1-D score lists of one length >= 2, got {a.shape} and {b.shape}")
+    d = a - b
+    se = float(d.std(ddof=1) / math.sqrt(d.size))
+    return {"difference": float(d.mean()), "se": se, "n": int(d.size), "z": float(d.mean()) / se if se > 0 else None}
+
+
+def gap_closed_difference(a: Mapping[str, Sequence[float]], b: Mapping[str, Sequence[float]], *,
+                          n_boot: int = 1000, seed: int = 0) -> dict:
+    """gap_closed(a) - gap_closed(b) for two maps scored on the same items, with a paired bootstrap SE.
+
+    a, b: {"target", "transfer", "no_context": per-item scores}, the same items in one order (the baselines
+    of the two runs must be the same numbers: they are the same modes on the same items). Returns
+    {"difference", "se"}."""
+    for name in ("target", "no_context"):
+        if not np.array_equal(np.asarray(a[name], dtype=float), np.asarray(b[name], dtype=float)):
+            raise ValueError(f"the two runs' {name} scores differ: they were not evaluated on the same items")
+    items = {"target": a["target"], "no_context": a["no_context"], "a": a["transfer"], "b": b["transfer"]}
+    point, se = paired_bootstrap(
+        items, lambda m: gap_closed(m["a"], m["target"], m["no_context"]) - gap_closed(m["b"], m["target"], m["no_context"]),
+        n_boot=n_boot, seed=seed)
+    return {"difference": point, "se": se}
+
+
+def ppl_gap_closed(window_nll: Mapping[str, Sequence[float]], *, n_boot: int = 1000, seed: int = 0) -> dict:
+    """`gap_closed` on log-perplexity from per-window mean NLLs (nats/token), with a paired bootstrap SE.
+
+    window_nll: {"target", "transfer", "no_context": [W] mean NLL of each window}, one window order; every
+    window scores the same number of tokens, so the mean over windows is the run's NLL and log(ppl).
+    Returns {"gap_closed", "gap_closed_se", "windows"}."""
+    x = {m: np.asarray(window_nll[m], dtype=np.float64) for m in ("target", "transfer", "no_context")}
+    if any(v.ndim != 1 or v.size < 2 for v in x.values()):
+        raise ValueError("ppl_gap_closed needs >= 2 windows per mode, in the same order for every mode")
+    point, se = paired_bootstrap(x, lambda m: gap_closed(m["transfer"], m["target"], m["no_context"]),
+                                 n_boot=n_boot, seed=seed)
+    return {"gap_closed": point, "gap_closed_se": se, "windows": int(x["target"].size)}
+
+
+# task-row fields of schema 1 -> their schema-2 names (the SE of each is stderr_<name>)
+_RENAMED_V1 = (("gap_closed", "gap_closed_vs_source"), ("context_gap_closed", "gap_closed"),
+               ("floor_normalized", "retention_vs_chance"))
+
+
+def _rename_row(row: dict) -> dict:
+    out = dict(row)
+    for key in [k for old, _ in _RENAMED_V1 for k in (old, f"stderr_{old}")]:
+        out.pop(key, None)
+    for old, new in _RENAMED_V1:
+        if old in row:
+            out[new] = row[old]
+        if f"stderr_{old}" in row:
+            out[f"stderr_{new}"] = row[f"stderr_{old}"]
+    return out
+
+
+def upgrade_summary(summary: dict) -> dict:
+    """A copy of a summary.json in the current schema (SCHEMA_VERSION); a current one is returned unchanged.
+
+    Schema 1 -> 2: task rows rename gap_closed -> gap_closed_vs_source, context_gap_closed -> gap_closed,
+    floor_normalized -> retention_vs_chance (and their stderr_*); a perplexity row's raw-perplexity
+    `transfer_gap_closed` (+ `_se`) becomes `transfer_gap_closed_raw_ppl` and `transfer_gap_closed` is
+    recomputed on log-perplexity from the row's perplexities, with SE None: its per-window NLLs were
+    not kept with the summary, so its SE needs a rerun."""
+    version = summary.get("schema_version", 1)
+    if version == SCHEMA_VERSION:
+        return summary
+    if version != 1:
+        raise ValueError(f"summary schema_version {version} is newer than this code's {SCHEMA_VERSION}: update kvtransfer")
+    out = dict(summary, schema_version=SCHEMA_VERSION, upgraded_from_schema=1)
+    if isinstance(summary.get("tasks"), dict):
+        out["tasks"] = {t: _rename_row(r) for t, r in summary["tasks"].items()}
+    if isinstance(summary.get("tasks_average"), dict):
+        out["tasks_average"] = _rename_row(summary["tasks_average"])
+    rows = []
+    for r in summary.get("ppl") or []:
+        r = dict(r)
+        if "transfer_gap_closed" in r:
+            r["transfer_gap_closed_raw_ppl"] = r.pop("transfer_gap_closed")
+            r["transfer_gap_closed_raw_ppl_se"] = r.pop("transfer_gap_closed_se", None)
+        if r.get("prefix", 0) > 0 and None not in (r.get("transfer"), r.get("target"), r.get("no_context")):
+            r["transfer_gap_closed"] = as_float(log_ppl_gap_closed(r["transfer"], r["target"], r["no_context"]))
+            r["transfer_gap_closed_se"] = None
+        rows.append(r)
+    if "ppl" in summary:
+        out["ppl"] = rows
+    return out
+
+
+def significant_digits(se: float) -> int:
+    """Decimal places that show an SE to two significant digits (at least 0, at most 6)."""
+    if se is None or not math.isfinite(se) or se <= 0:
+        return 3
+    return int(min(6, max(0, 1 - math.floor(math.log10(se)))))
+
+
+def format_with_se(value: float | None, se: float | None, *, scale: float = 1.0, unit: str = "",
+                   places: int | None = None) -> str:
+    """`value ± se` rounded to what the SE supports (the SE to two significant digits, the value to the
+    same decimal place), e.g. 0.39666, 0.0283 -> "0.397 ± 0.028"; scale=100, unit=" %" for percentages.
+    Without an SE: three decimals (or `places`); the caller says why there is none. None -> "–"."""
+    if value is None:
+        return "–"
+    v = scale * value
+    if se is None:
+        p = 3 if places is None else places
+        return f"{v:.{p}f}{unit}"
+    s = scale * se
+    if places is None:  # an SE of exactly 0 (every resample equal) supports the value's own precision only
+        places = significant_digits(s) if s > 0 else (0 if scale == 100 else 2)
+    p = places
+    return f"{v:.{p}f} ± {s:.{p}f}{unit}"

@@ -28,7 +28,7 @@ CORE = {"kvtransfer", "kvtransfer.models", "kvtransfer.rope", "kvtransfer.cache"
         "kvtransfer.moments", "kvtransfer.calibrate", "kvtransfer.select", "kvtransfer.ridge", "kvtransfer.families",
         "kvtransfer.mapper",
         "kvtransfer.mlp", "kvtransfer.transfer", "kvtransfer.diagnostics", "kvtransfer.data", "kvtransfer.io",
-        "kvtransfer.resources", "kvtransfer.resources.model_configs", "kvtransfer.identity",
+        "kvtransfer.resources", "kvtransfer.resources.model_configs", "kvtransfer.identity", "kvtransfer.provenance",
         "kvtransfer.runconfig"}   # the run's config resolved, shared by the runner and the plan
 # The parts built on the core, and what each may import besides the core and itself. Only the runner
 # joins them (a run's stages call eval, bench, plan and report).

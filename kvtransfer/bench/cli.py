@@ -103,8 +103,10 @@ def plot_speedup(rows: list[dict], path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..report.figures import series_style
     from .timing import load_average
+
+    colours = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+    markers = ("o", "s", "^", "D", "v", "P", "X", "<")
 
     path = Path(path)
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
@@ -112,7 +114,7 @@ def plot_speedup(rows: list[dict], path: str | Path) -> Path:
         rs = [r for r in rows if _group(r) == (pair, mdt) and "speedup" in r]
         if not rs:
             continue
-        style = series_style(i)
+        style = {"color": colours[i % len(colours)], "marker": markers[i % len(markers)]}  # one per pair
         tokens = [r["tokens"] for r in rs]
         lo = [r["speedup"] - r["prefill_ms_min"] / r["mapper_ms_max"] for r in rs]
         hi = [r["prefill_ms_max"] / r["mapper_ms_min"] - r["speedup"] for r in rs]

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..eval.metrics import upgrade_summary
 from . import tables
 
 
@@ -18,7 +17,7 @@ def collect(sweep_dir: str | Path) -> dict[str, Path]:
     for path in sorted(sweep_dir.rglob("summary.json")):
         if path.parent == sweep_dir:
             continue  # not a job of the sweep
-        s = upgrade_summary(json.loads(path.read_text()))  # a sweep may hold summaries of an older schema
+        s = json.loads(path.read_text())
         s["_run"] = str(path.parent.relative_to(sweep_dir))
         summaries.append(s)
     if not summaries:

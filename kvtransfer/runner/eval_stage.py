@@ -26,6 +26,7 @@ from ..eval.metrics import log_ppl_gap_closed, ppl_gap_closed
 from ..eval.retention import CHANCE, per_item_scores, retention_table
 from ..eval.tasks import PAPER_TASKS, task_manager
 from ..eval.tiny_suite import TINY_TASKS, write_tiny_yamls
+from .. import io
 from ..io import atomic_write_json
 from ..models import kv_shape
 
@@ -222,7 +223,7 @@ def write_scores(path: Path, per_mode: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():  # one eval per out_dir (execute refuses a used one): a second writer is a bug
         raise FileExistsError(f"{path} exists; per-item scores are never overwritten (use a new out_dir)")
-    atomic_write_json(path, scores)
+    io.atomic_write_json(path, scores)  # an output of this run, not a cached result (those use atomic_write_json)
 
 
 def _finite(row: dict) -> dict:

@@ -179,6 +179,7 @@ def test_decide_falls_back_with_a_reason_for_every_bad_case(tmp_path, pair):
     assert decide(prompt, 0, store, MapSpec(source_hash="", unusable="mapper for another target")).reason == "wrong_pair"
     assert decide([6] + prompt[1:], 0, store, spec).reason == "context_start"
     assert decide(prompt, 0, store, spec, prefix_caching=True).reason == "unsalted"
+    assert decide(prompt, 0, store, spec, off=True).reason == "off"
     assert decide(prompt, 0, store, spec, prefix_caching=True, salted=True).reason == MAPPED
     assert decide(prompt, 19, store, spec).reason == "too_short"
     assert decide(prompt[:1] + prompt[1:2], 0, store, spec).reason in ("no_entry", "too_short")
@@ -242,7 +243,12 @@ def test_identity_mapper_reproduces_the_models_own_cache(tmp_path, pair):
     """The plumbing check's map: target -> target through strip / identity / re-apply gives the target's cache."""
     tgt = pair["tgt"]
     identity_mapper(tgt.config, model_id="tgt", start_ids=[5]).save(tmp_path / "id")
-    smap = ServeMap(tmp_path / "id", tgt.config, tgt.config, target_path=str(pair["root"] / "tgt"))
+    smap = ServeMap(tmp_path / "id", tgt.config, tgt.config, target_path=str(pair["root"] / "tgt"),
+                    sink_cache=tmp_path / "sinks")
+    again = ServeMap(tmp_path / "id", tgt.config, tgt.config, target_path=str(pair["root"] / "tgt"),
+                     sink_cache=tmp_path / "sinks")  # reads the sink file the first one wrote
+    assert len(list((tmp_path / "sinks").glob("sink.*.5.safetensors"))) == 1
+    assert all(torch.equal(a, b) for kv, kv2 in zip(smap.sink, again.sink) for a, b in zip(kv, kv2))
     prompt = _prompt(25, seed=5)
     own = [(k[0], v[0]) for k, v in prefill(tgt, torch.tensor([prompt]))]
     got = smap.map_range(own, 0, 25)

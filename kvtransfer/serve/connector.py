@@ -7,12 +7,15 @@ Selected with
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {...}}'
 extra config
-    store          directory of the KV store (both roles)
+    store          directory of the KV store (both roles); the consumer keeps the target's native sink
+                   K/V in <store>/sinks (computed by one HF prefill of the start tokens on first use)
     mapper         consumer: a saved mapper directory (kvtransfer.mapper)
     source_model   consumer: the source model's directory (its config builds the source RoPE)
     native_tail    consumer: prompt tokens the target always computes itself (default 1, the paper's)
     mapped_cache_salt  consumer with prefix caching on: only requests with this cache_salt are mapped
                    (default "kvtransfer-mapped"), so mapped blocks never serve unsalted requests as exact hits
+    per request    kv_transfer_params (SamplingParams.extra_args["kv_transfer_params"]): {"kvtransfer": "off"} asks
+                   for a normal prefill; {"kvtransfer_source_len": n}: the source read the first n prompt tokens
     stats          optional JSON path: fallback reasons and per-request records (scheduler side);
                    "<stats>.worker.json" gets the worker's per-load timings
 
@@ -151,7 +154,8 @@ class KVTransferConnector(KVConnectorBase_V1):
                 raise ValueError(f"a kv_consumer needs kv_connector_extra_config[{key!r}]")
         source_cfg, target_cfg = self._configs()
         return ServeMap(self._extra["mapper"], source_cfg, target_cfg,
-                        target_path=self.model_path if with_sink else None, dtype=dtype)
+                        target_path=self.model_path if with_sink else None, dtype=dtype,
+                        sink_cache=self.store.root / "sinks")
 
     def _scheduler_spec(self, role) -> MapSpec | None:
         if HAVE_VLLM and role != KVConnectorRole.SCHEDULER:
@@ -171,7 +175,8 @@ class KVTransferConnector(KVConnectorBase_V1):
         prompt = list(request.prompt_token_ids or [])
         params = request.kv_transfer_params or {}
         decision = decide(prompt, num_computed_tokens, self.store, self.spec, prefix_caching=self.prefix_caching,
-                          salted=request.cache_salt == self.salt, source_len=params.get("kvtransfer_source_len"))
+                          salted=request.cache_salt == self.salt, source_len=params.get("kvtransfer_source_len"),
+                          off=params.get("kvtransfer") == "off")
         self.counters.record(request.request_id, len(prompt), decision)
         if decision.reason != MAPPED:
             return 0, False

@@ -38,17 +38,32 @@ def codec_from_config(config) -> RopeCodec:
 
 
 @torch.no_grad()
-def native_sink_layers(target_path: str, start_ids: list[int], dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def native_sink_layers(target_path: str, start_ids: list[int], dtype: torch.dtype, *,
+                       cache_dir: str | Path | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The target's own (keys, values) [n_kv, len(start_ids), head_dim] per layer for the start tokens at
-    positions 0.. (one HF prefill, float32 weights, cast to `dtype`). The model is freed afterwards."""
-    from transformers import AutoModelForCausalLM
+    positions 0.. (one HF prefill, float32 weights, cast to `dtype`; the model is freed afterwards).
 
+    cache_dir: keep the float32 result there (`sink.<config_hash>.<ids>.safetensors`, written once,
+    atomically) so later engines read it instead of loading the target's weights a second time.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..io import atomic_save_tensors, load_tensors
     from .hf import prefill_layers
 
+    name = f"sink.{config_hash(text_config(AutoConfig.from_pretrained(target_path)))}.{'-'.join(map(str, start_ids))}"
+    path = Path(cache_dir) / f"{name}.safetensors" if cache_dir else None
+    if path is not None and path.is_file():
+        tensors, _ = load_tensors(path)
+        n = len(tensors) // 2
+        return [(tensors[f"{i}.k"].to(dtype), tensors[f"{i}.v"].to(dtype)) for i in range(n)]
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
     model.eval()
     layers = prefill_layers(model, list(start_ids))
     del model
+    if path is not None:
+        tensors = {f"{i}.{kind}": t for i, kv in enumerate(layers) for kind, t in zip("kv", kv)}
+        atomic_save_tensors(path, tensors, {"target": str(target_path), "start_ids": list(start_ids)})
     return [(k.to(dtype), v.to(dtype)) for k, v in layers]
 
 
@@ -60,7 +75,7 @@ class ServeMap:
     """
 
     def __init__(self, mapper_dir: str | Path, source_config, target_config, *, target_path: str | None = None,
-                 dtype: torch.dtype = torch.float32, threads: int | None = None):
+                 dtype: torch.dtype = torch.float32, sink_cache: str | Path | None = None):
         self.mapper: MapperBase = load_mapper(mapper_dir)
         have = config_hash(text_config(target_config))
         if self.mapper.target["config_hash"] != have:
@@ -81,7 +96,7 @@ class ServeMap:
             raise ValueError(f"the mapper's native_sink={self.native_sink} covers more than its fixed start tokens "
                              f"{self.start_ids}: serving needs the sink to be the same for every prompt "
                              "(refit with context_start=prefix_token and native_sink <= 1)")
-        self.sink = (native_sink_layers(target_path, self.start_ids[:self.native_sink], dtype)
+        self.sink = (native_sink_layers(target_path, self.start_ids[:self.native_sink], dtype, cache_dir=sink_cache)
                      if self.native_sink and target_path else None)
 
     @property

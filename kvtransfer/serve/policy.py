@@ -49,13 +49,16 @@ class MapSpec:
 
 
 def decide(prompt: list[int], num_computed: int, store: KVStore, spec: MapSpec, *, prefix_caching: bool = False,
-           salted: bool = False, source_len: int | None = None) -> Decision:
+           salted: bool = False, source_len: int | None = None, off: bool = False) -> Decision:
     """The decision for one request whose first `num_computed` prompt tokens are already in the cache.
 
     prefix_caching / salted: with vLLM's prefix cache on, only requests carrying the connector's cache
     salt are mapped, so mapped blocks are hashed apart from every unsalted request's. source_len:
     the request names the length of the prompt prefix the source read (default: the whole prompt).
+    off: the request asked for a normal prefill (kv_transfer_params {"kvtransfer": "off"}).
     """
+    if off:
+        return Decision("off", detail="the request asked for a normal prefill")
     if spec.unusable:
         return Decision("wrong_pair", detail=spec.unusable)
     if prefix_caching and not salted:

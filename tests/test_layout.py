@@ -38,6 +38,8 @@ OUTER = {
     "kvtransfer.plan": set(),
     "kvtransfer.report": set(),
     "kvtransfer.runner": {"kvtransfer.eval", "kvtransfer.bench", "kvtransfer.plan", "kvtransfer.report"},
+    # the vLLM connector: loaded by vLLM's worker, so the core only (no runner, eval, report; see below)
+    "kvtransfer.serve": set(),
 }
 _STRING_REF = re.compile(r"kvtransfer(?:\.\w+)+:\w+")
 
@@ -187,3 +189,34 @@ def test_the_command_line_entry_points_still_answer():
                               timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         assert f"python -m {module}" in done.stdout
+
+
+def _third_party(tree: ast.AST) -> set[str]:
+    """Top-level names of the non-kvtransfer modules a file imports (anywhere in it)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out - {"kvtransfer"}
+
+
+def test_serve_loads_without_the_harness_and_the_core_never_imports_it():
+    """kvtransfer.serve (issue 22) runs inside vLLM's worker: core modules only -- no Hydra, lm-eval, W&B,
+    runner or report -- and vLLM itself only in the connector, behind an ImportError guard; no core module
+    imports serve."""
+    graph = import_graph()
+    serve = {name for name in MODULES if name == "kvtransfer.serve" or name.startswith("kvtransfer.serve.")}
+    assert "kvtransfer.serve.connector" in serve
+    for name in serve:
+        assert {t for t in graph[name] if _part(t) not in ("core", "kvtransfer.serve")} == set(), name
+        tree = ast.parse(MODULES[name].read_text())
+        assert not _third_party(tree) & {"hydra", "omegaconf", "lm_eval", "wandb", "matplotlib", "pandas"}, name
+        if name != "kvtransfer.serve.connector":
+            assert "vllm" not in _third_party(tree), f"{name} imports vllm: only the connector may, guarded"
+    guarded = [node for node in ast.walk(ast.parse(MODULES["kvtransfer.serve.connector"].read_text()))
+               if isinstance(node, ast.Try) and any(isinstance(h.type, ast.Name) and h.type.id == "ImportError"
+                                                    for h in node.handlers)]
+    assert any("vllm" in _third_party(t) for t in guarded), "the connector's vllm import is not ImportError-guarded"
+    assert {name for name, targets in graph.items() if _part(name) == "core" and targets & serve} == set()

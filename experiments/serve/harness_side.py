@@ -1,0 +1,90 @@
+"""The harness's side of the equivalence proof: the project's `transfer` mode on the perplexity windows.
+
+    python experiments/serve/harness_side.py --real DIR --mapper DIR --out FILE [--windows 32] [--max-new 32]
+        [--tail 1] [--cold]
+
+Runs in the project's own environment (transformers 5.2x: kvtransfer.cache passes `cache=`, which the
+serving environment's transformers 5.19 does not take). Per window of the perplexity protocol at
+P = 256 (kvtransfer.eval.perplexity: draw_windows(seed 0, max_prefix 256, continuation 64), context =
+<|endoftext|> + the 256 prefix tokens): the source prefills context[:-tail], `transfer` maps it with the
+mapper's native sink, the target runs the tail and then greedy-decodes `max-new` tokens on that cache;
+the first token's log-softmax (top 20) and the tokens are written. --cold adds the target's own full
+prefill (the floor the two engines differ by without any map).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def contexts(tokenizer, n_windows: int, prefix: int = 256) -> list[list[int]]:
+    """The perplexity protocol's contexts at P = prefix: start ids + the prefix tokens of each window."""
+    from kvtransfer.context import start_ids
+    from kvtransfer.eval.perplexity import draw_windows, load_pages, prefix_pairs
+
+    pages = load_pages(ROOT / "data/benchmarks/wikitext2.jsonl")
+    windows = draw_windows(tokenizer, pages, max_prefix=256, cont_len=64, n_windows=32, seed=0)[:n_windows]
+    start = start_ids(tokenizer, "prefix_token")
+    return [ctx for ctx, _ in prefix_pairs(windows, prefix, 256, start[0], start)]
+
+
+@torch.no_grad()
+def greedy(model, layers, run: list[int], max_new: int) -> tuple[torch.Tensor, list[int]]:
+    """First-step log-probs [vocab] and `max_new` greedy tokens of `model` continuing `run` after cache `layers`."""
+    from kvtransfer.cache import cache_to_layers, forward_on_cache
+
+    first, tokens = None, []
+    for _ in range(max_new):
+        logits, cache = forward_on_cache(model, layers, None, torch.tensor([run]), return_cache=True)
+        logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1)
+        first = logprobs if first is None else first
+        tokens.append(int(logprobs.argmax()))
+        layers, run = cache_to_layers(cache), tokens[-1:]
+    return first, tokens
+
+
+def top(logprobs: torch.Tensor, k: int = 20) -> dict[int, float]:
+    values, ids = logprobs.topk(k)
+    return {int(i): float(v) for i, v in zip(ids, values)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--real", required=True)
+    ap.add_argument("--mapper", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--tail", type=int, default=1)
+    ap.add_argument("--cold", action="store_true")
+    args = ap.parse_args()
+    import kvtransfer as kt
+    from kvtransfer.cache import prefill
+
+    torch.manual_seed(0)
+    hf = Path(args.real) / "hf"
+    source, tok = kt.load_model(str(hf / "qwen25coder-0.5b"), dtype="float32", device="cpu")
+    target, _ = kt.load_model(str(hf / "qwen25coder-1.5b"), dtype="float32", device="cpu")
+    mapper = kt.load_mapper(args.mapper, source, target)
+    rows = []
+    for i, ctx in enumerate(contexts(tok, args.windows)):
+        head, tail = ctx[:-args.tail], ctx[-args.tail:]
+        ids = torch.tensor([head])
+        layers = kt.transfer(prefill(source, ids), mapper, source, target, input_ids=ids, as_layers=True)
+        first, tokens = greedy(target, layers, tail, args.max_new)
+        row = {"window": i, "context": ctx, "first_logprobs": top(first), "tokens": tokens}
+        if args.cold:
+            cold_first, cold_tokens = greedy(target, prefill(target, torch.tensor([ctx[:-1]])), ctx[-1:], args.max_new)
+            row |= {"cold_first_logprobs": top(cold_first), "cold_tokens": cold_tokens}
+        rows.append(row)
+        print(f"window {i}: {tokens[:8]}", flush=True)
+    Path(args.out).write_text(json.dumps({"mapper": args.mapper, "tail": args.tail, "windows": rows}))
+
+
+if __name__ == "__main__":
+    main()

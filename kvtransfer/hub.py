@@ -45,6 +45,11 @@ def data_access():
         constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = inside
 
 
+def standins_active() -> bool:
+    """Whether model ids resolve from a dry run's stand-in cache right now."""
+    return bool(_SAVED)
+
+
 def is_offline() -> bool:
     """Whether dataset ids resolve offline in this process (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)."""
     import datasets

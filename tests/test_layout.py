@@ -28,7 +28,7 @@ CORE = {"kvtransfer", "kvtransfer.models", "kvtransfer.rope", "kvtransfer.cache"
         "kvtransfer.moments", "kvtransfer.calibrate", "kvtransfer.select", "kvtransfer.ridge", "kvtransfer.families",
         "kvtransfer.mapper",
         "kvtransfer.mlp", "kvtransfer.transfer", "kvtransfer.diagnostics", "kvtransfer.data", "kvtransfer.io",
-        "kvtransfer.resources", "kvtransfer.resources.model_configs"}
+        "kvtransfer.resources", "kvtransfer.resources.model_configs", "kvtransfer.hub"}
 # The parts built on the core, and what each may import besides the core and itself. Only the runner
 # joins them (a run's stages call eval, bench, plan and report).
 OUTER = {
@@ -36,7 +36,11 @@ OUTER = {
     "kvtransfer.bench": set(),
     "kvtransfer.plan": set(),
     "kvtransfer.report": set(),
-    "kvtransfer.runner": {"kvtransfer.eval", "kvtransfer.bench", "kvtransfer.plan", "kvtransfer.report"},
+    "kvtransfer.preflight": {"kvtransfer.eval"},
+    "kvtransfer.runner": {"kvtransfer.eval", "kvtransfer.bench", "kvtransfer.plan", "kvtransfer.report",
+                          "kvtransfer.preflight"},
+    # the dry run drives a whole run (the runner) on stand-ins, after the real run's plan and preflight
+    "kvtransfer.dryrun": {"kvtransfer.runner", "kvtransfer.plan", "kvtransfer.preflight"},
 }
 _STRING_REF = re.compile(r"kvtransfer(?:\.\w+)+:\w+")
 

@@ -26,6 +26,7 @@ from ..io import atomic_save_tensors, atomic_write_json, exclusive_lock, load_te
 from ..mapper import FactoredMapper, Mapper, load_mapper
 from ..models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model, max_memory_for
 from ..moments import HeldOut, Moments
+from ..preflight import preflight
 from ..ridge import UnderdeterminedFit, fit_ridge
 from ..select import r2_matrix, select_greedy, select_topk
 from .keys import artifact_key
@@ -620,10 +621,12 @@ def check_feature_sample(cfg: dict) -> None:
                          "calib.mlp_samples (e.g. 65536; host memory and disk: see the resource plan)")
 
 
-def execute(cfg: dict, out_dir: str | Path) -> dict:
+def execute(cfg: dict, out_dir: str | Path, *, plan: dict | None = None) -> dict:
     """Run the configured stages; write summary.json (+ tables/figures in the report stage).
 
     Returns the summary dict. Refuses an out_dir that already holds a summary (never overwrites).
+    Before anything loads: the resource plan (`plan_run`; a given `plan` -- the dry run's plan of the real
+    run, already written -- replaces it) and the preflight of every data source (kvtransfer.preflight).
     """
     out_dir = Path(out_dir)
     if (out_dir / "summary.json").exists():
@@ -632,7 +635,9 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
     atomic_write_json(out_dir / "config.json", cfg)  # the resolved config that made this run
     stages = parse_stages(cfg.get("stage", "all"))
     check_feature_sample(cfg)
-    plan_run(cfg, out_dir, stages)  # prints + writes plan.json; PlanError before any load if a stage won't fit
+    if plan is None:
+        plan_run(cfg, out_dir, stages)  # prints + writes plan.json; PlanError before any load if a stage won't fit
+    preflight(cfg, stages)  # every data source resolves, or PreflightError in seconds naming the fix
     run = Run(cfg, out_dir)
     summary: dict = {"pair": cfg["pair"]["name"], "direction": cfg["pair"].get("direction", "forward"),
                      "source": run.model_ref("source"), "target": run.model_ref("target"), "stages": stages,

@@ -9,10 +9,14 @@ preflight) and restores the process's own settings there. Outside a dry run both
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 _SAVED: list[tuple] = []   # (HF_HUB_CACHE, HF_HUB_OFFLINE) of the process while stand-ins are active
+_INSIDE: list[tuple] = []  # the stand-in settings while data_access has switched them away
+_DATA_DEPTH = 0
+_LOCK = threading.Lock()
 
 
 @contextmanager
@@ -31,18 +35,28 @@ def standin_models(cache: str | Path):
 
 @contextmanager
 def data_access():
-    """Read datasets under the process's own hub settings (a no-op unless `standin_models` is active)."""
+    """Read datasets under the process's own hub settings (a no-op unless `standin_models` is active).
+
+    Nested and concurrent uses (the preflight resolves sources in threads) share one switch: the first to
+    enter switches to the process's settings, the last to leave switches back to the stand-ins."""
+    global _DATA_DEPTH
     if not _SAVED:
         yield
         return
     from huggingface_hub import constants
 
-    inside = (constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE)
-    constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = _SAVED[0]
+    with _LOCK:
+        if _DATA_DEPTH == 0:
+            _INSIDE[:] = [(constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE)]
+            constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = _SAVED[0]
+        _DATA_DEPTH += 1
     try:
         yield
     finally:
-        constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = inside
+        with _LOCK:
+            _DATA_DEPTH -= 1
+            if _DATA_DEPTH == 0:
+                constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = _INSIDE.pop()
 
 
 def standins_active() -> bool:

@@ -131,6 +131,9 @@ def shrink(cfg: dict, out_dir: Path) -> dict:
     if small["mapper"].get("kind") == "mlp":
         small["mapper"].update(hidden=min(small["mapper"]["hidden"], 16), epochs=1, device="cpu")
     ev = small["eval"]
+    shots = dry.get("num_fewshot")  # few-shot prompts are the longest contexts (MMLU 5, GSM8K 8 shots)
+    if shots is not None:
+        ev["num_fewshot"] = int(shots) if ev.get("num_fewshot") is None else min(int(ev["num_fewshot"]), int(shots))
     ev.update(limit=int(dry["eval_limit"]), limits={}, batch_size=min(ev["batch_size"], 2),
               max_gen_toks=min(ev["max_gen_toks"], int(dry["max_gen_toks"])), bootstrap=min(ev.get("bootstrap", 0), 20))
     ev["fidelity"] = dict(ev.get("fidelity") or {}, sequences=2, continuation=8)

@@ -72,7 +72,7 @@ def standin_tokenizer(hub_id: str):
     taken = set(special.values())
     free = (i for i in range(size) if i not in taken)
     vocab = dict(special)
-    for char in pre_tokenizers.ByteLevel.alphabet():
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):  # a set: sorted, so every process agrees
         vocab[char] = next(free)
     for i in free:  # never produced (no merges): they only give the vocabulary its real size
         vocab[f"<standin_{i}>"] = i
@@ -95,7 +95,7 @@ def _revision(hub_id: str, shrink: dict) -> str:
     import transformers
 
     spec = {"id": hub_id, "config": MODEL_CONFIGS[hub_id], "tok": TOKENIZERS[hub_id], "shrink": shrink,
-            "versions": [transformers.__version__, tokenizers.__version__, torch.__version__], "format": 1}
+            "versions": [transformers.__version__, tokenizers.__version__, torch.__version__], "format": 2}
     return hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
 
 

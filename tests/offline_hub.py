@@ -34,7 +34,7 @@ def _placeholders(rows: list[dict], text_fields: tuple[str, ...], n: int, tag: s
     for i in range(n):
         row = copy.deepcopy(rows[i % len(rows)])
         for key in text_fields:
-            row[key] = f"[offline-hub placeholder {tag} {i}: not benchmark data]"
+            row[key] = f"[offline-hub placeholder {tag} {i}: not benchmark data] _ ."  # "_": WinoGrande's blank
         out.append(row)
     return out
 

@@ -168,7 +168,7 @@ def dry_run(cfg: dict, out_dir: str | Path, *, log=print) -> dict:
     small = shrink(cfg, out_dir)
     dry = cfg["dry"]
     ids = [cfg["pair"][s]["id"] for s in ("source", "target") if not cfg["pair"][s].get("path")]
-    cache = Path(dry.get("model_cache") or Path(cfg.get("cache_dir", "artifacts")) / "standins")
+    cache = Path(dry.get("model_cache") or Path(cfg.get("cache_dir", "artifacts")) / "standins").resolve()
     sizes = {k: int(dry[k]) for k in ("hidden_size", "intermediate_size", "head_dim")}
     snapshots = write_standins(ids, cache, **sizes)
     log(f"[dry run] {STANDIN_NOTE}: {', '.join(ids) or 'none (local model paths are used as they are)'} in {cache}")

@@ -78,7 +78,7 @@ def check_files(src: Source) -> str:
             return f"{path} is not JSONL ({err})"
         if record is None:
             return f"{path} holds no records"
-        missing = [f for f in src.fields if f not in record]
+        missing = [f for f in src.fields if not any(a in record for a in f.split("|"))]
         if missing:
             return f"{path} records lack {missing} (fields: {sorted(record)})"
     return ""
@@ -101,7 +101,7 @@ def check_dataset(src: Source) -> str:
                 columns = set(info.features or {}) or set(src.fields)
     except Exception as err:  # noqa: BLE001 -- any failure to resolve is the message
         return f"does not resolve ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-    missing = [f for f in src.fields if f not in columns]
+    missing = [f for f in src.fields if not any(a in columns for a in f.split("|"))]
     return f"rows lack {missing} (fields: {sorted(columns)})" if missing else ""
 
 
@@ -118,6 +118,7 @@ def model_config_differences(cfg: dict) -> tuple[list[str], list[str]]:
     from .resources.model_configs import MODEL_CONFIGS, compare_config
 
     diffs, notes = [], []
+    online = _hub_reachable()
     for side in ("source", "target"):
         spec = cfg["pair"].get(side) or {}
         hub_id = spec.get("id")
@@ -127,9 +128,10 @@ def model_config_differences(cfg: dict) -> tuple[list[str], list[str]]:
             notes.append(f"{hub_id}: not in the model table (the plan reads its cached config, if any)")
             continue
         try:
-            path = hf_hub_download(hub_id, "config.json")
+            path = hf_hub_download(hub_id, "config.json", local_files_only=not online)
         except LocalEntryNotFoundError:
-            notes.append(f"{hub_id}: config.json neither reachable nor cached (offline): table not compared")
+            notes.append(f"{hub_id}: config.json neither reachable (hub {'up' if online else 'offline'}) nor cached: "
+                         "table not compared")
             continue
         except Exception as err:  # noqa: BLE001 -- gated, missing repo, no access: the real run fails there too
             diffs.append(f"{hub_id}: config.json cannot be read ({type(err).__name__}: "
@@ -141,6 +143,24 @@ def model_config_differences(cfg: dict) -> tuple[list[str], list[str]]:
         if not found:
             notes.append(f"{hub_id}: table agrees with config.json")
     return diffs, notes
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub endpoint answers a TCP connection now (never in offline mode): without this check an
+    unreachable hub costs a minute of huggingface_hub's retries per file."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def preflight(cfg: dict, stages: list[str], *, log=print) -> dict:

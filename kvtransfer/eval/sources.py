@@ -25,7 +25,7 @@ from .tasks import _LOCAL, PAPER_TASKS, _builtin_dir
 @dataclass
 class Source:
     """One data source of a run: a hub dataset (`dataset`, `name`, `splits` it must have, `fields` its rows
-    must have) or local `files`. `what` names the part of the run that reads it; `fix` the key to change."""
+    must have; "a|b": either) or local `files`. `what` names the part of the run that reads it; `fix` the key to change."""
 
     what: str
     dataset: str | None = None
@@ -98,7 +98,7 @@ def eval_sources(ecfg: dict) -> list[Source]:
         out += local_task_sources(task, data_dir) if data_dir else stock_task_sources(task)
     pcfg, ccfg = ecfg.get("ppl") or {}, ecfg.get("coqa") or {}
     if pcfg.get("enabled"):
-        out.append(Source("perplexity", files=(str(Path(data_dir) / pcfg["file"]),), fields=(pcfg.get("field", "page"),),
+        out.append(Source("perplexity", files=(str(Path(data_dir) / pcfg["file"]),), fields=(pcfg.get("field", "page") + "|text",),
                           fix="eval.data_dir / eval.ppl.file, or eval.ppl.enabled=false") if data_dir else
                    Source("perplexity", dataset=pcfg["dataset"], name=pcfg.get("dataset_name"), splits=(pcfg["split"],),
                           fields=(pcfg.get("field", "page"),), fix="eval.ppl.dataset / split / field"))

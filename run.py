@@ -2,6 +2,7 @@
 
     python run.py                                   # tiny embedded pair, end to end, offline
     python run.py pair=qwen3_14b_32b                # a paper pair (HF hub or pair.source.path=...)
+    python run.py pair=qwen3_14b_32b dry_run=true   # the same on stand-ins, on this CPU, in minutes: before booking a node
     python run.py -m mapper.k=1,2,4,8               # a sweep; rows collected into one table
     python run.py -m ablation=full,no_rerotation,no_rope,no_rope_k1,no_rope_k1_no_ridge
     python run.py -m hydra/launcher=submitit_local mapper.k=1,2   # jobs as local subprocesses (".[slurm]")
@@ -41,7 +42,12 @@ def main(cfg: DictConfig) -> None:
         torch.set_num_threads(threads)
         print(f"[kvtransfer] torch threads: {threads} (hydra.launcher.cpus_per_task)")
     plain = OmegaConf.to_container(cfg, resolve=True)
-    summary = execute(plain, plain["out_dir"])
+    if plain.get("dry_run"):  # stand-in models, the real data sources, tiny sizes (kvtransfer.dryrun)
+        from kvtransfer.dryrun import dry_run
+
+        summary = dry_run(plain, plain["out_dir"])
+    else:
+        summary = execute(plain, plain["out_dir"])
     print(f"[kvtransfer] {summary['pair']}: wrote {plain['out_dir']}/summary.json")
     for line in summary_lines(summary):
         print(line)

@@ -37,10 +37,25 @@ def read_documents(files: list[str | Path], text_field: str = "text") -> Iterato
 
 
 def stream_hf_documents(dataset: str, name: str | None, split: str, text_field: str = "text") -> Iterator[str]:
-    """Yield documents from a Hugging Face dataset in streaming mode (needs network or a local cache)."""
+    """Yield documents from a Hugging Face dataset in streaming mode (needs network or a local cache).
+
+    Raises KeyError naming calib.text_field when a record lacks `text_field`."""
     from datasets import load_dataset
 
-    for record in load_dataset(dataset, name, split=split, streaming=True):
+    from .hub import data_access
+
+    # a dry run: the data stays real while the models are stand-ins. Each read is wrapped on its own, so the
+    # hub settings are never left switched while this generator is suspended (or abandoned) between records.
+    with data_access():
+        rows = iter(load_dataset(dataset, name, split=split, streaming=True))
+    while True:
+        with data_access():
+            record = next(rows, None)
+        if record is None:
+            return
+        if text_field not in record:
+            raise KeyError(f"{dataset} [{name}] {split} has no field {text_field!r} (fields: {sorted(record)}): "
+                           "set calib.text_field")
         yield record[text_field]
 
 

@@ -29,6 +29,7 @@ CORE = {"kvtransfer", "kvtransfer.models", "kvtransfer.rope", "kvtransfer.cache"
         "kvtransfer.mapper",
         "kvtransfer.mlp", "kvtransfer.transfer", "kvtransfer.diagnostics", "kvtransfer.data", "kvtransfer.io",
         "kvtransfer.resources", "kvtransfer.resources.model_configs", "kvtransfer.identity", "kvtransfer.provenance",
+        "kvtransfer.hub",
         "kvtransfer.runconfig"}   # the run's config resolved, shared by the runner and the plan
 # The parts built on the core, and what each may import besides the core and itself. Only the runner
 # joins them (a run's stages call eval, bench, plan and report).
@@ -37,7 +38,11 @@ OUTER = {
     "kvtransfer.bench": set(),
     "kvtransfer.plan": set(),
     "kvtransfer.report": set(),
-    "kvtransfer.runner": {"kvtransfer.eval", "kvtransfer.bench", "kvtransfer.plan", "kvtransfer.report"},
+    "kvtransfer.preflight": {"kvtransfer.eval"},
+    "kvtransfer.runner": {"kvtransfer.eval", "kvtransfer.bench", "kvtransfer.plan", "kvtransfer.report",
+                          "kvtransfer.preflight"},
+    # the dry run drives a whole run (the runner) on stand-ins, after the real run's plan and preflight
+    "kvtransfer.dryrun": {"kvtransfer.runner", "kvtransfer.plan", "kvtransfer.preflight"},
     # the vLLM connector: loaded by vLLM's worker, so the core only (no runner, eval, report; see below)
     "kvtransfer.serve": set(),
 }

@@ -1,6 +1,6 @@
 """The paper's pairs as shapes, and what mapping and prefilling them costs.
 
-Shapes: the REAL text configs of the paper's models (public config.json values; see ASSUMPTIONS), the
+Shapes: the REAL text configs of the paper's models (rows of kvtransfer.resources.model_configs), the
 pairs with their k, and "shapes-only" builders: random-weight decoder bodies of those configs
 (optionally fewer layers) and a random mapper of the real per-layer size. Timing them says nothing
 about quality, only about cost.
@@ -16,46 +16,22 @@ import torch
 
 from ..mapper import Mapper
 from ..models import kv_shape
+from ..resources.model_configs import ASSUMED, MODEL_CONFIGS
 
 # ---------------------------------------------------------------------------------------------
-# Real text configs of the paper's models (public config.json values; see ASSUMPTIONS).
-_QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, num_key_value_heads=8, rms_norm_eps=1e-6,
-              max_position_embeddings=40960, tie_word_embeddings=False,
-              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-_LLAMA31 = dict(model_type="llama", vocab_size=128256, head_dim=128, num_key_value_heads=8, rms_norm_eps=1e-5,
-                max_position_embeddings=131072, tie_word_embeddings=False,
-                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 8192})
-_MINISTRAL3 = dict(model_type="ministral3", vocab_size=131072, head_dim=128, num_key_value_heads=8,
-                   rms_norm_eps=1e-5, max_position_embeddings=262144, tie_word_embeddings=False,
-                   rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
-                                    "original_max_position_embeddings": 16384, "beta_fast": 32.0,
-                                    "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                    "llama_4_scaling_beta": 0.1})
-
-
-def _m(base, layers, hidden, heads, inter, **kw):
-    return dict(base, num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                intermediate_size=inter, **kw)
-
-
-MODELS = {
-    "qwen3_8b": _m(_QWEN3, 36, 4096, 32, 12288),
-    "qwen3_14b": _m(_QWEN3, 40, 5120, 40, 17408),
-    "qwen3_32b": _m(_QWEN3, 64, 5120, 64, 25600),
-    "llama31_8b": _m(_LLAMA31, 32, 4096, 32, 14336),
-    "llama31_70b": _m(_LLAMA31, 80, 8192, 64, 28672),
-    "ministral3_3b": _m(_MINISTRAL3, 26, 3072, 32, 9216, tie_word_embeddings=True),
-    "ministral3_8b": _m(_MINISTRAL3, 34, 4096, 32, 14336),
-    "ministral3_14b": _m(_MINISTRAL3, 40, 5120, 32, 16384),
+# The paper's models: rows of the one model table (kvtransfer.resources.model_configs, each value with its
+# source; its ASSUMED entries are the unverified ones), under short names.
+_IDS = {
+    "qwen3_8b": "Qwen/Qwen3-8B", "qwen3_14b": "Qwen/Qwen3-14B", "qwen3_32b": "Qwen/Qwen3-32B",
+    "llama31_8b": "meta-llama/Llama-3.1-8B", "llama31_70b": "meta-llama/Llama-3.1-70B",
+    "ministral3_3b": "mistralai/Ministral-3-3B-Reasoning-2512",
+    "ministral3_8b": "mistralai/Ministral-3-8B-Reasoning-2512",
+    "ministral3_14b": "mistralai/Ministral-3-14B-Reasoning-2512",
 }
-ASSUMPTIONS = {
-    "ministral3_3b": "26 layers/3072/9216 from public config.json copies; vocab 131072 assumed",
-    "ministral3_8b": "= transformers Ministral3Config defaults (4096/34/14336/131072)",
-    "ministral3_14b": "5120 hidden, 40 layers, 32 heads from a public test config; intermediate 16384 and "
-                      "vocab 131072 are ASSUMPTIONS (not verified)",
-}
+MODELS = {name: {k: v for k, v in MODEL_CONFIGS[hub_id].items() if k != "load_extra_params"}
+          for name, hub_id in _IDS.items()}
+ASSUMPTIONS = {name: "; ".join(f"{field}: {why}" for (i, field), why in ASSUMED.items() if i == hub_id)
+               for name, hub_id in _IDS.items() if any(i == hub_id for i, _ in ASSUMED)}
 # pair -> (source, target, k)   (k = the paper's chosen number of source layers per target layer)
 PAIRS = {
     "qwen3_14b_32b": ("qwen3_14b", "qwen3_32b", 8),

@@ -80,7 +80,7 @@ def _check_jsonl(path: Path) -> int:
 
 def write_task_yamls(out_dir: str | Path, data_dir: str | Path | None = None,
                      tasks: tuple[str, ...] = ("arc_challenge", "hellaswag", "winogrande", "mmlu", "gsm8k",
-                                               "gsm8k_cot")) -> Path:
+                                               "gsm8k_cot")) -> Path:  # = ALL_TASKS
     """Write override YAMLs for `tasks` into `out_dir`; local data when `data_dir` is given.
 
     Without data_dir only the paper's few-shot counts are set (mmlu 5, gsm8k/gsm8k_cot 8) and the normal HF
@@ -145,9 +145,15 @@ def _write_mmlu(out_dir: Path, builtin: Path, data_dir: Path | None) -> None:
         (out_dir / "_mmlu_local.yaml").write_text(yaml.safe_dump(group, sort_keys=False))
 
 
+ALL_TASKS = ("arc_challenge", "hellaswag", "winogrande", "mmlu", "gsm8k", "gsm8k_cot")
+
+
 def task_manager(data_dir: str | Path | None = None, *, include_defaults: bool = True,
-                 out_dir: str | Path | None = None):
+                 out_dir: str | Path | None = None, tasks: tuple[str, ...] | None = None):
     """An lm-eval `TaskManager` whose paper tasks read `data_dir`'s JSONL files (None: HF datasets).
+
+    tasks: the paper tasks to write overrides for (default: all); a run passes the ones it evaluates, so it
+    needs only their files (eval.tasks=[hellaswag] reads hellaswag.jsonl, never mmlu.jsonl).
 
     include_defaults=False indexes only the override tasks (fast: indexing all built-in YAMLs takes
     ~20 s). The YAMLs go to `out_dir` (default: a fresh temp dir, kept for the process lifetime).
@@ -155,5 +161,5 @@ def task_manager(data_dir: str | Path | None = None, *, include_defaults: bool =
     from lm_eval.tasks import TaskManager
 
     out_dir = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="kvtransfer_tasks_"))
-    write_task_yamls(out_dir, data_dir)
+    write_task_yamls(out_dir, data_dir, tasks=ALL_TASKS if tasks is None else tuple(tasks))
     return TaskManager(include_path=str(out_dir), include_defaults=include_defaults)

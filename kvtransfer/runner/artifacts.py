@@ -40,8 +40,10 @@ _MODEL_RUN = ("pair.dtype", "attn_implementation")
 _EVAL_COMMON = ("eval.data_dir", "eval.batch_size", "eval.bootstrap", "calib.context_start", "seed", *_MODEL_RUN)
 _EVAL_MAPPED = ("eval.native_tail", "eval.allow_context_start_mismatch", "ablation.rope_at_inference")
 _TASKS = ("eval.limit", "eval.limits", "eval.num_fewshot", "eval.share_prefix", "eval.max_gen_toks")
-_PPL = ("eval.ppl.file", "eval.ppl.prefixes", "eval.ppl.continuation", "eval.ppl.windows")
-_COQA = ("eval.coqa.file", "eval.coqa.conversations", "eval.coqa.turns", "eval.coqa.protocols",
+_PPL = ("eval.ppl.file", "eval.ppl.dataset", "eval.ppl.dataset_name", "eval.ppl.split", "eval.ppl.field",
+        "eval.ppl.prefixes", "eval.ppl.continuation", "eval.ppl.windows")
+_COQA = ("eval.coqa.file", "eval.coqa.dataset", "eval.coqa.dataset_name", "eval.coqa.split",
+         "eval.coqa.conversations", "eval.coqa.turns", "eval.coqa.protocols",
          "eval.coqa.max_gen_toks")
 _MLP = ("mapper.hidden", "mapper.lr", "mapper.epochs", "mapper.batch_tokens", "mapper.device")
 
@@ -94,7 +96,7 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
 # way that changes a cached number.
 NOT_INPUTS: dict[str, str] = {
     "stage": "selects which stages run", "out_dir": "where the run writes", "cache_dir": "where artifacts live",
-    "progress": "progress bars",
+    "progress": "progress bars", "dry_run": "runs the same stages on stand-ins (see dry.)",
     "device": "placement: which device computes (kernel rounding only)",
     "device_map": "placement across GPUs", "trust_remote_code": "permission to run hub code; the model's "
     "config hash and weights identity are keyed", "context_start": "read through calib.context_start "
@@ -120,7 +122,8 @@ NOT_INPUT_PREFIXES: dict[str, str] = {
     "plan.": "the resource plan decides whether and how a run starts; the knobs it applies are config keys "
              "that are classified themselves",
     "wandb.": "logging only",
-    "dry_run.": "the dry run swaps models and data sizes, which are keyed through identities and config",
+    "dry.": "the dry run's sizes are applied to the config keys above before anything is keyed, and its "
+            "stand-in weights are keyed through the model identity",
     "hydra.": "launcher settings",
 }
 # dict-valued leaves hashed whole: their keys are user data (task names, devices), not config keys

@@ -20,12 +20,14 @@ import warnings
 from pathlib import Path
 
 from ..eval.adapter import KVTransferLM
-from ..eval.coqa import drift_curve, drift_summary, load_conversations, per_turn_transfer, transfer_once
+from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl
 from ..eval.metrics import log_ppl_gap_closed, ppl_gap_closed
 from ..eval.retention import CHANCE, per_item_scores, retention_table
+from ..eval.sources import coqa_docs, ppl_pages
 from ..eval.tasks import PAPER_TASKS, task_manager
 from ..eval.tiny_suite import TINY_TASKS, write_tiny_yamls
+from ..hub import data_access
 from .. import io
 from ..io import atomic_write_json
 from ..models import kv_shape
@@ -51,10 +53,13 @@ def _task_setup(ecfg: dict, work_dir: Path):
         spec[t] = (t, metric, chance)
     data_dir = ecfg.get("data_dir")
     if paper:
-        manager = task_manager(data_dir, include_defaults=data_dir is None, out_dir=work_dir / "tasks")
+        # each override YAML includes its built-in task by absolute path; only the hub `mmlu` group (57 built-in
+        # subject tasks) needs lm-eval's index of every built-in YAML, which costs ~20 s per task and mode
+        builtins = data_dir is None and "mmlu" in paper
+        manager = task_manager(data_dir, include_defaults=builtins, out_dir=work_dir / "tasks", tasks=paper)
         if tiny:
             write_tiny_yamls(work_dir / "tasks", data_dir, max_gen_toks=ecfg.get("max_gen_toks", 16))
-            manager = TaskManager(include_path=str(work_dir / "tasks"), include_defaults=data_dir is None)
+            manager = TaskManager(include_path=str(work_dir / "tasks"), include_defaults=builtins)
     else:
         if data_dir is None:
             raise ValueError("the tiny suite reads local files: set eval.data_dir=data/tiny")
@@ -67,7 +72,7 @@ def _benchmarks(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:
     """{task: per-item scores} for one mode through lm-eval's simple_evaluate."""
     from lm_eval import simple_evaluate
 
-    with tempfile.TemporaryDirectory(prefix="kvtransfer_eval_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvtransfer_eval_") as tmp, data_access():
         manager, spec = _task_setup(ecfg, Path(tmp))
         results = simple_evaluate(model=lm.with_mode(mode), tasks=[name for name, _, _ in spec.values()],
                                   task_manager=manager, limit=ecfg.get("limit"), num_fewshot=ecfg.get("num_fewshot"),
@@ -80,15 +85,7 @@ def _ppl(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:
     """{P: perplexity, "window_nll": {P: [mean NLL of each window]}} for one mode on windows drawn once at
     max(P) (results cached before the per-window NLLs were kept have only the perplexities)."""
     pcfg = ecfg["ppl"]
-    path = Path(ecfg["data_dir"] or ".") / pcfg["file"]
-    if not path.is_file():
-        raise FileNotFoundError(f"perplexity text {path} is missing: set eval.data_dir / eval.ppl.file, "
-                                "or eval.ppl.enabled=false")
-    pages = []
-    for line in path.open():
-        if line.strip():
-            record = json.loads(line)
-            pages.append(record.get("page") or record.get("text") or "")
+    pages = ppl_pages(ecfg)  # data_dir's file, or the hub dataset (eval.ppl.dataset) when data_dir is null
     windows = draw_windows(lm.tokenizer, pages, max_prefix=max(pcfg["prefixes"]), cont_len=pcfg["continuation"],
                            n_windows=pcfg["windows"], seed=seed)
     result = prefix_conditioned_ppl(lm.with_mode(mode), windows, list(pcfg["prefixes"]))
@@ -105,8 +102,7 @@ def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
     """{protocol: per-conversation turn records} for one mode. In an own-cache mode the protocols coincide,
     so only the cheaper one (`once`: no re-prefill per turn) runs and its records serve every protocol."""
     ccfg = ecfg["coqa"]
-    path = Path(ecfg["data_dir"] or ".") / ccfg["file"]
-    docs = load_conversations(path)[: ccfg["conversations"]]
+    docs = coqa_docs(ecfg)  # data_dir's file, or the hub dataset (eval.coqa.dataset) when data_dir is null
     out = {}
     other = lm.with_mode(mode)
     protocols = list(ccfg["protocols"])

@@ -27,6 +27,7 @@ from ..eval.metrics import SCHEMA_VERSION
 from ..mapper import FactoredMapper, Mapper, load_mapper
 from ..models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model, max_memory_for
 from ..moments import HeldOut, Moments
+from ..preflight import preflight
 from ..provenance import environment
 from ..ridge import UnderdeterminedFit, fit_ridge
 from ..runconfig import STAGES, needs_feature_sample, parse_stages, resolve  # noqa: F401 (STAGES: re-exported)
@@ -634,10 +635,12 @@ def check_feature_sample(cfg: dict) -> None:
                          "calib.mlp_samples (e.g. 65536; host memory and disk: see the resource plan)")
 
 
-def execute(cfg: dict, out_dir: str | Path) -> dict:
+def execute(cfg: dict, out_dir: str | Path, *, plan: dict | None = None) -> dict:
     """Run the configured stages; write summary.json (+ tables/figures in the report stage).
 
     Returns the summary dict. Refuses an out_dir that already holds a summary (never overwrites).
+    Before anything loads: the resource plan (`plan_run`; a given `plan` -- the dry run's plan of the real
+    run, already written -- replaces it) and the preflight of every data source (kvtransfer.preflight).
     """
     out_dir = Path(out_dir)
     if (out_dir / "summary.json").exists():
@@ -645,9 +648,10 @@ def execute(cfg: dict, out_dir: str | Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     stages = parse_stages(cfg.get("stage", "all"))
     check_feature_sample(cfg)
-    # prints + writes plan.json, applies the plan's knobs (plan.auto); PlanError before any load if a stage won't run
-    cfg, plan = plan_run(cfg, out_dir, stages)
+    if plan is None:  # prints + writes plan.json, applies the plan's knobs (plan.auto); PlanError before any load
+        cfg, plan = plan_run(cfg, out_dir, stages)
     atomic_write_json(out_dir / "config.json", cfg)  # the resolved config that made this run, knobs applied
+    preflight(cfg, stages)  # every data source resolves, or PreflightError in seconds naming the fix
     run = Run(cfg, out_dir)
     summary: dict = {"pair": cfg["pair"]["name"], "direction": cfg["pair"].get("direction", "forward"),
                      "source": run.model_ref("source"), "target": run.model_ref("target"), "stages": stages,

@@ -1,0 +1,189 @@
+"""`python run.py pair=P dry_run=true`: the whole pipeline on stand-ins, before a node is booked.
+
+Order: (1) the resource plan of the REAL run for `dry.node`, printed and written (plan.json); (2) the
+preflight of the REAL run: every data source it reads resolves, and the model table agrees with each
+reachable config.json (kvtransfer.preflight); (3) device maps are validated; (4) stand-ins of the
+pair's hub models are written under their real ids (kvtransfer.dryrun.standin) and the SAME `execute`
+runs every requested stage -- calibrate, fit, eval (every task, perplexity, CoQA), bench, report -- on
+them, with the run's real data sources at tiny sizes (`shrink`). Only sizes and weights differ from the
+real run. What it cannot show is printed and written to dry_run.json (`CANNOT_SHOW`).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from pathlib import Path
+
+from ..hub import standin_models
+from ..io import atomic_write_json
+from .standin import STANDIN_NOTE, write_standins
+
+CANNOT_SHOW = (
+    "online resolution of the model hub ids: the stand-ins load from a local cache under those ids (the preflight "
+    "reads each real config.json where it can: online, or from the HF cache)",
+    "multi-GPU placement: device_map / max_memory are validated, not applied (the dry run runs on this CPU)",
+    "GPU memory: the plan above estimates it; the stand-ins' sizes say nothing about it",
+    "the real tokenizers: a byte-level stand-in with the real vocabulary size and special-token ids "
+    "(token counts are ~4x a real tokenizer's)",
+    "any number: scores, R² and times of a dry run are of random weights",
+)
+
+
+class DryRunError(RuntimeError):
+    """The real run would be refused (its plan on the named node), found by the dry run before it ran."""
+
+
+def plan_node(cfg: dict):
+    """The kvtransfer.plan.Node the printed plan is for: dry.node = null (this machine), a preset name of the
+    planner (h200, 8xh100) or a mapping {gpus, gpu_gib, host_gib, disk_gib, gpu}."""
+    from .. import plan as resource_plan
+
+    spec = (cfg.get("dry") or {}).get("node")
+    if spec is None:
+        return resource_plan.detect_node(cfg)
+    if isinstance(spec, str):
+        presets = getattr(resource_plan, "NODES", {})
+        if spec not in presets:
+            raise ValueError(f"dry.node={spec!r} is no node preset ({', '.join(sorted(presets))}); or give "
+                             "dry.node={gpus: 1, gpu_gib: 80, host_gib: 256, disk_gib: 500, gpu: H100}")
+        return resource_plan.Node(**presets[spec])
+    fields = dict(spec)
+    fields.setdefault("name", f"{fields.get('gpus', 0)} x GPU {fields.get('gpu_gib', 0):g} GiB (dry.node)")
+    return resource_plan.Node(**fields)
+
+
+def plan_real_run(cfg: dict, out_dir: Path, stages: list[str], *, log=print) -> tuple[dict, dict]:
+    """(the real run's config with the knobs its plan applies, the plan) on `dry.node`, printed and written to
+    out_dir. A requested stage the plan refuses on a named node (it does not fit even with the knobs, or runs
+    past plan.max_hours) fails the dry run, as it fails the run there (unless plan.enforce=false); on this
+    machine it only warns. The dry run then runs the applied config, so it rehearses the knobs too."""
+    from .. import plan as resource_plan
+
+    named = (cfg.get("dry") or {}).get("node") is not None
+    node = plan_node(cfg)
+    settings = cfg.get("plan") or {}
+    enforce = bool(settings.get("enforce", True))
+    plan = resource_plan.make_plan(cfg, node, local=not named, stages=stages,
+                                   auto=bool(settings.get("auto", True)) and enforce)
+    resource_plan.write_plan(plan, out_dir)
+    log(f"[dry run] resource plan of the REAL run on {node.name}:")
+    log(resource_plan.format_plan(plan, details=False).rstrip())
+    msg = resource_plan.refusal_message(plan, stages)
+    if msg:
+        if named and enforce:
+            raise DryRunError(f"the real run on {node.name}: {msg}")
+        log(f"[dry run] NOTE: {msg}" + ("" if named else "; name the node you will book with dry.node=..."))
+    if plan["applied"]:
+        log(f"[dry run] the real run applies {plan['overrides']}; the dry run runs with them")
+    return resource_plan.applied_config(cfg, plan), plan
+
+
+def check_placement(cfg: dict) -> None:
+    """Validate what the dry run does not apply: each side's device_map and max_memory as the loader reads them."""
+    from ..models import device_map_for, max_memory_for
+
+    for side in ("source", "target"):
+        device_map_for(cfg, side)
+        max_memory_for(cfg, side)
+
+
+def _side_kv(cfg: dict, side: str, dry: dict) -> tuple[int, int]:
+    """(layers, KV width) of the model playing `side` in the dry run: the stand-in's, or a local model's own."""
+    from transformers import AutoConfig
+
+    from ..models import kv_shape
+    from ..resources.model_configs import MODEL_CONFIGS
+
+    spec = cfg["pair"][_config_side(cfg, side)]
+    if spec.get("path"):
+        shape = kv_shape(AutoConfig.from_pretrained(spec["path"], trust_remote_code=cfg.get("trust_remote_code", False)))
+        return shape.n_layers, shape.n_kv * shape.head_dim
+    row = MODEL_CONFIGS[spec["id"]]
+    n_kv = row.get("num_key_value_heads") or row["num_attention_heads"]
+    return row["num_hidden_layers"], n_kv * dry["head_dim"]
+
+
+def _config_side(cfg: dict, side: str) -> str:
+    return {"source": "target", "target": "source"}[side] if cfg["pair"].get("direction") == "reverse" else side
+
+
+def calib_sequences(cfg: dict, dry: dict, seq_len: int) -> int:
+    """Calibration sequences for the dry run: enough that the fit's features / observations <= dry.p_over_n
+    (the ridge refuses >= 0.5), at least 10 (one held out)."""
+    calib, mapper, ablation = cfg["calib"], cfg["mapper"], cfg.get("ablation") or {}
+    layers, width = _side_kv(cfg, "source", dry)
+    k = ablation.get("k") if ablation.get("k") is not None else mapper["k"]
+    p = (layers if k == "all" else int(k)) * width
+    per_seq = len(range(0, seq_len, int(calib["stride"])))
+    n_train = math.ceil(p / float(dry["p_over_n"]) / per_seq)
+    return max(10, math.ceil(n_train / (1 - float(calib["heldout_fraction"]))) + 1)
+
+
+def shrink(cfg: dict, out_dir: Path) -> dict:
+    """The dry run's config: `cfg` with tiny sizes (dry.*), on this CPU, artifacts under out_dir. Everything
+    else -- data sources, protocol keys, tasks, modes, stages, dtypes, mapper kind -- stays as given."""
+    dry = cfg["dry"]
+    small = copy.deepcopy(cfg)
+    small.update(device="cpu", device_map=None, cache_dir=str(out_dir / "artifacts"))
+    for side in ("source", "target"):
+        small["pair"][side] = dict(small["pair"][side], device_map=None, max_memory=None)
+    calib = small["calib"]
+    seq_len = min(int(calib["seq_len"]), int(dry["seq_len"]))
+    calib.update(seq_len=seq_len, n_sequences=calib_sequences(cfg, dry, seq_len), batch_size=min(calib["batch_size"], 4),
+                 heldout_observations=min(calib.get("heldout_observations") or 512, 512),
+                 mlp_samples=min(calib.get("mlp_samples") or 0, 2048), store_device="cpu", accumulate="host")
+    if small["mapper"].get("kind") == "mlp":
+        small["mapper"].update(hidden=min(small["mapper"]["hidden"], 16), epochs=1, device="cpu")
+    ev = small["eval"]
+    shots = dry.get("num_fewshot")  # few-shot prompts are the longest contexts (MMLU 5, GSM8K 8 shots)
+    if shots is not None:
+        ev["num_fewshot"] = int(shots) if ev.get("num_fewshot") is None else min(int(ev["num_fewshot"]), int(shots))
+    ev.update(limit=int(dry["eval_limit"]), limits={}, batch_size=min(ev["batch_size"], 2),
+              max_gen_toks=min(ev["max_gen_toks"], int(dry["max_gen_toks"])), bootstrap=min(ev.get("bootstrap", 0), 20))
+    ev["fidelity"] = dict(ev.get("fidelity") or {}, sequences=2, continuation=8)
+    ev["ppl"] = dict(ev["ppl"], windows=int(dry["ppl_windows"]), continuation=max(4, ev["ppl"]["continuation"] // 16),
+                     prefixes=sorted({int(p) // 16 for p in ev["ppl"]["prefixes"]}))
+    ev["coqa"] = dict(ev["coqa"], conversations=int(dry["coqa_conversations"]), turns=int(dry["coqa_turns"]),
+                      max_gen_toks=min(ev["coqa"]["max_gen_toks"], int(dry["max_gen_toks"])))
+    small["bench"] = dict(small["bench"], tokens=list(dry["bench_tokens"]), warmup=1, repeats=2,
+                          layers=1 if small["bench"].get("shapes_only") else small["bench"].get("layers"))
+    if (small.get("wandb") or {}).get("enabled"):
+        small["wandb"] = dict(small["wandb"], mode="offline")
+    return small
+
+
+def dry_run(cfg: dict, out_dir: str | Path, *, log=print) -> dict:
+    """Run `cfg` as a dry run into `out_dir` (see module doc); returns the run's summary."""
+    from ..preflight import preflight
+    from ..runner.pipeline import check_feature_sample, execute, parse_stages
+
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    if (out_dir / "summary.json").exists():
+        raise FileExistsError(f"{out_dir} already holds a run; choose another out_dir")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stages = parse_stages(cfg.get("stage", "all"))
+    log(f"[dry run] {cfg['pair']['name']}: stages {stages} on stand-in models with the real data sources at tiny "
+        "sizes, on this CPU")
+    check_feature_sample(cfg)
+    cfg, plan = plan_real_run(cfg, out_dir, stages, log=log)
+    checks = preflight(cfg, stages, log=log)
+    check_placement(cfg)
+    small = shrink(cfg, out_dir)
+    dry = cfg["dry"]
+    ids = [cfg["pair"][s]["id"] for s in ("source", "target") if not cfg["pair"][s].get("path")]
+    cache = Path(dry.get("model_cache") or Path(cfg.get("cache_dir", "artifacts")) / "standins").resolve()
+    sizes = {k: int(dry[k]) for k in ("hidden_size", "intermediate_size", "head_dim")}
+    snapshots = write_standins(ids, cache, **sizes)
+    log(f"[dry run] {STANDIN_NOTE}: {', '.join(ids) or 'none (local model paths are used as they are)'} in {cache}")
+    with standin_models(cache):
+        summary = execute(small, out_dir, plan=plan)
+    record = {"pair": cfg["pair"]["name"], "stages": stages, "standins": {i: str(p) for i, p in snapshots.items()},
+              "standin_sizes": sizes, "note": STANDIN_NOTE, "preflight": checks, "cannot_show": list(CANNOT_SHOW),
+              "calibration_sequences": small["calib"]["n_sequences"], "seconds": round(time.perf_counter() - started, 1)}
+    atomic_write_json(out_dir / "dry_run.json", record)
+    log(f"[dry run] every stage ran in {record['seconds']:.0f} s. What a dry run cannot show:")
+    for line in CANNOT_SHOW:
+        log(f"  - {line}")
+    return summary

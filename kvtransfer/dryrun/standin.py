@@ -1,0 +1,131 @@
+"""Stand-in models for a dry run: random weights, the real architecture, widths shrunk.
+
+`standin_config(hub_id)` is the real transformers config class (Qwen3Config, LlamaConfig, Qwen2Config,
+or Mistral3Config around a Ministral3Config text stack, as the checkpoint is) filled from the model table
+(kvtransfer.resources.model_configs) with the real layer count, attention and KV-head counts, RoPE
+type and scaling, norm eps, tie and vocabulary, and only `hidden_size`, `intermediate_size` and
+`head_dim` shrunk (at the real KV layout one float64 covariance is ~13 GB). The stand-in tokenizer is
+byte-level (no merges) with the real vocabulary size and the real special-token ids at their real
+ids; it is NOT the model's tokenizer (which cannot be fetched offline), so token counts are ~4x a real
+tokenizer's. `write_standins` saves model + tokenizer into an HF hub cache layout under the REAL id
+(models--<org>--<name>/snapshots/<rev>/, refs/main), so the run loads them with the ordinary
+`from_pretrained(hub_id)` (kvtransfer.hub.standin_models).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..resources.model_configs import CHECKPOINT_TYPE, MODEL_CONFIGS, TOKENIZERS
+
+STANDIN_NOTE = ("stand-in: random weights of the real architecture with shrunk widths, and a byte-level "
+                "tokenizer with the real vocabulary size and special-token ids (not the model's tokenizer)")
+
+
+def _require(hub_id: str) -> None:
+    if hub_id not in MODEL_CONFIGS:
+        raise KeyError(f"no table row for {hub_id!r}: a dry run builds stand-ins of the models in "
+                       f"kvtransfer/resources/model_configs.py ({', '.join(MODEL_CONFIGS)}); add its row")
+
+
+def standin_config(hub_id: str, *, hidden_size: int = 64, intermediate_size: int = 128, head_dim: int = 8):
+    """The stand-in config of `hub_id` (see module doc): a transformers config object, `mistral3` with a
+    tiny vision tower for the Ministral 3 checkpoints (their loading path drops it, as for the real ones)."""
+    from transformers import AutoConfig
+
+    _require(hub_id)
+    fields = {k: v for k, v in MODEL_CONFIGS[hub_id].items() if k != "load_extra_params"}
+    tok = TOKENIZERS[hub_id]
+    model_type = fields.pop("model_type")
+    fields.update(hidden_size=hidden_size, intermediate_size=intermediate_size, head_dim=head_dim,
+                  bos_token_id=tok["bos_token_id"], eos_token_id=tok["eos_token_id"], pad_token_id=tok["pad_token_id"])
+    if model_type == "qwen2":  # Qwen2 has no head_dim field: head_dim = hidden / heads
+        fields["hidden_size"] = fields.pop("head_dim") * fields["num_attention_heads"]
+    text = AutoConfig.for_model(model_type, **fields)
+    if CHECKPOINT_TYPE.get(hub_id) != "mistral3":
+        text.architectures = [type(text).__name__.replace("Config", "ForCausalLM")]
+        return text
+    from transformers import Mistral3Config, PixtralVisionConfig
+
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 head_dim=8, image_size=56, patch_size=14)
+    config = Mistral3Config(text_config=text, vision_config=vision, tie_word_embeddings=text.tie_word_embeddings)
+    config.architectures = ["Mistral3ForConditionalGeneration"]
+    return config
+
+
+def standin_tokenizer(hub_id: str):
+    """Byte-level stand-in tokenizer of `hub_id`: vocabulary size = the model's vocab_size, the table's special
+    tokens at their real ids, BOS prepended exactly when the real tokenizer prepends it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    _require(hub_id)
+    tok = TOKENIZERS[hub_id]
+    size = MODEL_CONFIGS[hub_id]["vocab_size"]
+    special = dict(tok["special"])
+    taken = set(special.values())
+    free = (i for i in range(size) if i not in taken)
+    vocab = dict(special)
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):  # a set: sorted, so every process agrees
+        vocab[char] = next(free)
+    for i in free:  # never produced (no merges): they only give the vocabulary its real size
+        vocab[f"<standin_{i}>"] = i
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    names = {v: k for k, v in special.items()}
+    bos = names.get(tok["bos_token_id"])
+    if tok["add_bos"]:
+        backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                               special_tokens=[(bos, tok["bos_token_id"])])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=names.get(tok["eos_token_id"]),
+                                   pad_token=names.get(tok["pad_token_id"]), unk_token=names.get(0) if 0 in names else None,
+                                   additional_special_tokens=sorted(set(special) - {bos}), name_or_path=hub_id)
+
+
+def _revision(hub_id: str, shrink: dict) -> str:
+    """40-hex revision of a stand-in: the table row, the shrink and the library versions it was written with."""
+    import tokenizers
+    import transformers
+
+    spec = {"id": hub_id, "config": MODEL_CONFIGS[hub_id], "tok": TOKENIZERS[hub_id], "shrink": shrink,
+            "versions": [transformers.__version__, tokenizers.__version__, torch.__version__], "format": 2}
+    return hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def write_standin(hub_id: str, cache: str | Path, *, seed: int = 0, **shrink) -> Path:
+    """Save the stand-in of `hub_id` into the HF hub cache `cache` under its real id; returns the snapshot
+    directory. Reused when already there (the revision names the stand-in's spec); written atomically."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    repo = Path(cache) / ("models--" + hub_id.replace("/", "--"))
+    rev = _revision(hub_id, shrink)
+    snapshot = repo / "snapshots" / rev
+    if not (snapshot / "STANDIN.json").exists():
+        config = standin_config(hub_id, **shrink)
+        torch.manual_seed(seed)
+        auto = AutoModelForImageTextToText if config.model_type == "mistral3" else AutoModelForCausalLM
+        model = auto.from_config(config, dtype=torch.float32)
+        snapshot.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{rev}.", dir=snapshot.parent))
+        model.save_pretrained(tmp)
+        standin_tokenizer(hub_id).save_pretrained(tmp)
+        (tmp / "STANDIN.json").write_text(json.dumps({"id": hub_id, "note": STANDIN_NOTE, "shrink": shrink}))
+        try:
+            tmp.rename(snapshot)
+        except OSError:  # written meanwhile by another process: theirs is the same stand-in
+            shutil.rmtree(tmp, ignore_errors=True)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(rev)
+    return snapshot
+
+
+def write_standins(hub_ids, cache: str | Path, **shrink) -> dict[str, Path]:
+    """`write_standin` for each id (each once); {id: snapshot dir}."""
+    return {hub_id: write_standin(hub_id, cache, seed=i, **shrink) for i, hub_id in enumerate(dict.fromkeys(hub_ids))}

@@ -41,6 +41,18 @@ def _ones_mask(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _check_extended(cache: DynamicCache, before: int, new: int) -> None:
+    """Raise when the forward left `cache` as it was: a transformers release that names the cache argument
+    otherwise silently computes without it (seen: 5.19 takes `past_key_values` only). Only "not extended at
+    all" is checked: a sliding-window layer may hold fewer than before + new tokens."""
+    if new > 0 and cache.get_seq_length() == before:
+        import transformers
+
+        raise RuntimeError(f"the model did not extend the cache it was given ({before} + {new} tokens expected, "
+                           f"{cache.get_seq_length()} held): transformers {transformers.__version__} ignores the "
+                           "`cache` argument; install the transformers version pyproject.toml asks for")
+
+
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> KVLayers:
     """Run the decoder body (no LM head) on token ids [batch, seq]; return its cache as layers.
 
@@ -53,6 +65,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     cache = DynamicCache(config=model.config)
     decoder(model)(input_ids=input_ids, attention_mask=mask, position_ids=positions_from_mask(mask),
                    cache=cache, use_cache=True)
+    _check_extended(cache, 0, input_ids.shape[-1])
     return cache_to_layers(cache)
 
 
@@ -80,8 +93,10 @@ def forward_on_cache(model, layers: KVLayers | None, prefix_mask: torch.Tensor |
     else:
         cache = DynamicCache(config=model.config)
         offset, full_mask = 0, new_mask.long()
+    before = cache.get_seq_length()
     out = model(input_ids=input_ids, attention_mask=full_mask,
                 position_ids=positions_from_mask(new_mask, offset), cache=cache, use_cache=True)
+    _check_extended(cache, before, input_ids.shape[-1])
     return (out.logits, cache) if return_cache else out.logits
 
 

@@ -34,25 +34,20 @@ def duration(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds < 90 * 60 else f"{seconds / 3600:.1f} h"
 
 
-def _knob_seconds(stage: dict, setting: str) -> float:
-    for knob in stage["knobs"]:
-        if knob["set"] == setting:
-            return knob["seconds"]
-    raise KeyError(f"no knob {setting!r} in this stage: regenerate results/plan (make.py)")
-
-
 def key_numbers(plans: dict) -> str:
-    """The numbers the README's reading cites, each with the plan it comes from."""
+    """The numbers the README's reading cites, each with the plan it comes from (stage figures are after the
+    knobs the run applies; `as_typed` holds the figures of the config as typed)."""
     h200, fp32, h100 = plans["h200"], plans["h200_fp32_device"], plans["8xh100"]
     q, ll = "qwen3_14b_32b", "llama31_8b_70b"
+    cal = h200[q]["stages"]["calibrate"]
     lines = [
         f"- Qwen3-14B → 32B calibrate on 1 x H200: {duration(fp32[q]['stages']['calibrate']['seconds'])} with "
-        f"`calib.dtype=float32 calib.accumulate=device` (`h200_fp32_device/`) against "
-        f"{duration(h200[q]['stages']['calibrate']['seconds'])} with the defaults (`h200/`, which do not fit).",
+        f"`calib.dtype=float32 calib.accumulate=device` (`h200_fp32_device/`); at the defaults the run applies "
+        f"`{h200[q]['overrides']}` and takes {duration(cal['seconds'])} (`h200/`; as typed it does not fit).",
         f"- Qwen3-14B → 32B calibrate + fit on 8 x H100: {duration(h100[q]['stages']['calibrate']['seconds'])} + "
-        f"{duration(h100[q]['stages']['fit']['seconds'])} (`8xh100/`).",
-        f"- Llama-3.1-8B → 70B eval on 8 x H100 with `pair.target.device_map=auto`: "
-        f"{duration(_knob_seconds(h100[ll]['stages']['eval'], 'device_map=auto'))} (`8xh100/`).",
+        f"{duration(h100[q]['stages']['fit']['seconds'])} (`8xh100/`, applying `{h100[q]['overrides']}`).",
+        f"- Llama-3.1-8B → 70B eval on 8 x H100 with the knobs the run applies (`{h100[ll]['overrides']}`): "
+        f"{duration(h100[ll]['stages']['eval']['seconds'])} (`8xh100/`).",
     ]
     return "\n".join(lines) + "\n"
 

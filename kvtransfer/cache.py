@@ -40,7 +40,6 @@ def _ones_mask(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(input_ids, dtype=torch.long)
 
 
-@torch.no_grad()
 def _check_extended(cache: DynamicCache, before: int, new: int) -> None:
     """Raise when the forward left `cache` as it was: a transformers release that names the cache argument
     otherwise silently computes without it (seen: 5.19 takes `past_key_values` only). Only "not extended at
@@ -53,6 +52,7 @@ def _check_extended(cache: DynamicCache, before: int, new: int) -> None:
                            "`cache` argument; install the transformers version pyproject.toml asks for")
 
 
+@torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> KVLayers:
     """Run the decoder body (no LM head) on token ids [batch, seq]; return its cache as layers.
 

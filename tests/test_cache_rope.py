@@ -119,3 +119,24 @@ def test_length_dependent_rope_is_refused():
     model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(NotImplementedError, match="depends on sequence length"):
         RopeCodec(model)
+
+
+def test_a_model_that_ignores_the_cache_argument_is_an_error():
+    """transformers 5.19 (the serving environment's pin) takes the cache only as `past_key_values`: a forward that
+    drops `cache` would compute without the prefix and return numbers, so prefill / forward_on_cache refuse."""
+    from kvtransfer.models import decoder
+
+    model = tiny_model("qwen3")
+    ids = random_ids(1, 6)
+    layers = prefill(model, ids)
+    body, full = decoder(model), model.forward
+
+    def drop_cache(forward):
+        return lambda *a, cache=None, **k: forward(*a, **k)
+
+    body.forward = drop_cache(body.forward)
+    with pytest.raises(RuntimeError, match="ignores the `cache` argument"):
+        prefill(model, ids)
+    model.forward = drop_cache(full)
+    with pytest.raises(RuntimeError, match="ignores the `cache` argument"):
+        forward_on_cache(model, layers, None, ids[:, :2])

@@ -79,11 +79,9 @@ def check(folder: Path, top: Path) -> int:
     s = load(folder)
     bad = 0
     for path, want in ((folder / "README.md", blocks(s)), (top, top_blocks(s))):
-        have = readme.blocks(path.read_text())
-        for name, body in want.items():
-            if have.get(name) != body.rstrip("\n") + "\n":
-                print(f"{path}: block {name!r} differs from {folder}/summary.json")
-                bad = 1
+        for name in readme.stale_blocks(path, want):
+            print(f"{path}: block {name!r} differs from {folder}/summary.json")
+            bad = 1
     return bad
 
 

@@ -62,6 +62,12 @@ def rewrite(path: str | Path, bodies: dict[str, str]) -> bool:
     return new != text
 
 
+def stale_blocks(path: str | Path, bodies: dict[str, str]) -> list[str]:
+    """Names of the generated blocks of file `path` whose text differs from `bodies` (what --check reports)."""
+    have = blocks(Path(path).read_text())
+    return [name for name, body in bodies.items() if have.get(name) != body.rstrip("\n") + "\n"]
+
+
 def md_table(header: list[str], rows: list[list]) -> str:
     """A GitHub Markdown table; None cells print as "–"."""
     cell = lambda v: "–" if v is None else str(v)  # noqa: E731

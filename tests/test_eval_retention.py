@@ -108,3 +108,15 @@ def test_ppl_gap_closed_and_its_bootstrap():
     assert ppl_gap_closed(big)["gap_closed_se"] < a["gap_closed_se"] / 2
     with pytest.raises(ValueError, match="windows"):
         ppl_gap_closed({"target": [1.0], "no_context": [2.0], "transfer": [1.5]})
+
+
+def test_per_item_scores_reads_nested_groups():
+    """lm-eval's hub `mmlu` is a group of groups (mmlu -> mmlu_humanities -> subjects): the items are the
+    subjects' samples, in (subject, doc_id) order (the dry run of qwen3_14b_32b on the hub task found this)."""
+    results = {"group_subtasks": {"mmlu": ["mmlu_stem", "mmlu_humanities"], "mmlu_humanities": ["mmlu_law"],
+                                  "mmlu_stem": ["mmlu_physics", "mmlu_algebra"]},
+               "samples": {"mmlu_law": [{"doc_id": 1, "acc": 0}, {"doc_id": 0, "acc": 1}],
+                           "mmlu_physics": [{"doc_id": 0, "acc": 1}], "mmlu_algebra": [{"doc_id": 0, "acc": 0}]}}
+    assert per_item_scores(results, "mmlu", "acc") == [0.0, 1.0, 0.0, 1.0]  # algebra, law (doc 0, 1), physics
+    with pytest.raises(KeyError, match="mmlu_algebra"):  # the first subject without samples
+        per_item_scores({"group_subtasks": results["group_subtasks"], "samples": {}}, "mmlu", "acc")

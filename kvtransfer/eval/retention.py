@@ -28,13 +28,20 @@ def per_item_scores(results: dict, task: str, metric: str) -> list[float]:
     """Per-item scores from lm-eval results (run with log_samples=True), ordered by (subtask, doc_id).
 
     metric: "acc", "acc_norm", or "name,filter" (e.g. "exact_match,strict-match"). A group name
-    (e.g. "mmlu") concatenates its subtasks' items.
+    (e.g. "mmlu") concatenates its tasks' items, through nested groups (lm-eval's hub `mmlu` is
+    mmlu -> mmlu_humanities, ... -> subjects; only the subjects hold samples).
     """
     name, _, filt = metric.partition(",")
     samples = results.get("samples") or {}
-    subtasks = results.get("group_subtasks", {}).get(task) or [task]
+    groups = results.get("group_subtasks", {})
+
+    def leaves(t: str, seen: tuple = ()) -> list[str]:
+        if not groups.get(t) or t in seen:
+            return [t]
+        return [leaf for sub in groups[t] for leaf in leaves(sub, (*seen, t))]
+
     out = []
-    for sub in sorted(subtasks):
+    for sub in sorted(leaves(task)):
         if sub not in samples:
             raise KeyError(f"no samples for {sub!r}: run simple_evaluate with log_samples=True")
         rows = [s for s in samples[sub] if not filt or s.get("filter") == filt]

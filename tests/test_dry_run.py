@@ -232,3 +232,10 @@ def test_standin_keeps_the_real_layout(hub_id):
     ids = tok("Hello world").input_ids
     assert (ids[0] == tok_row["bos_token_id"]) == tok_row["add_bos"]
     assert tok.decode(ids, skip_special_tokens=True) == "Hello world"
+    # a real tokenizer's token counts (~4 characters per English token), not a byte-level one's (~1): the stand-ins
+    # keep the real layer and head counts, so a prompt 4x too long costs ~16x in attention
+    text = " ".join(json.loads(line)["ctx"] for line in list((BENCH / "hellaswag.jsonl").open())[:50])
+    assert 3.0 <= len(text) / len(tok(text, add_special_tokens=False).input_ids) <= 6.0
+    odd = "Ünïcödé ∑ 漢字 \t tabs\n  and  spaces 12345.678 <|not special|>"
+    assert tok.decode(tok(odd, add_special_tokens=False).input_ids) == odd  # byte-level: every string round-trips
+    assert max(tok(text + odd, add_special_tokens=False).input_ids) < row["vocab_size"]

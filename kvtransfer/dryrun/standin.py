@@ -4,15 +4,19 @@
 or Mistral3Config around a Ministral3Config text stack, as the checkpoint is) filled from the model table
 (kvtransfer.resources.model_configs) with the real layer count, attention and KV-head counts, RoPE
 type and scaling, norm eps, tie and vocabulary, and only `hidden_size`, `intermediate_size` and
-`head_dim` shrunk (at the real KV layout one float64 covariance is ~13 GB). The stand-in tokenizer is
-byte-level (no merges) with the real vocabulary size and the real special-token ids at their real
-ids; it is NOT the model's tokenizer (which cannot be fetched offline), so token counts are ~4x a real
-tokenizer's. `write_standins` saves model + tokenizer into an HF hub cache layout under the REAL id
+`head_dim` shrunk (at the real KV layout one float64 covariance is ~13 GB). The stand-in tokenizer is a
+byte-level BPE trained on the repository's benchmark samples (data/benchmarks, 8,000 tokens: ~3.8
+characters per token on MMLU, near a real tokenizer's ~4), padded to the real vocabulary size with the
+real special-token ids at their real ids; it is NOT the model's tokenizer (which cannot be fetched
+offline). Its token counts matter: the stand-ins keep the real layer and head counts, so attention cost
+grows with the square of the prompt length, and a byte-level tokenizer (4x the tokens) made one MMLU
+pass of the Qwen3-32B stand-in take 11 minutes instead of about one. `write_standins` saves model + tokenizer into an HF hub cache layout under the REAL id
 (models--<org>--<name>/snapshots/<rev>/, refs/main), so the run loads them with the ordinary
 `from_pretrained(hub_id)` (kvtransfer.hub.standin_models).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -23,8 +27,11 @@ import torch
 
 from ..resources.model_configs import CHECKPOINT_TYPE, MODEL_CONFIGS, TOKENIZERS
 
-STANDIN_NOTE = ("stand-in: random weights of the real architecture with shrunk widths, and a byte-level "
-                "tokenizer with the real vocabulary size and special-token ids (not the model's tokenizer)")
+STANDIN_NOTE = ("stand-in: random weights of the real architecture with shrunk widths, and a byte-level BPE "
+                "tokenizer trained on the repository's benchmark samples, with the real vocabulary size and "
+                "special-token ids (not the model's tokenizer)")
+BPE_TOKENS = 8_000  # learned tokens of the stand-in tokenizer (the rest of the real vocabulary is never produced)
+BPE_CORPUS = Path(__file__).resolve().parents[2] / "data" / "benchmarks"
 
 
 def _require(hub_id: str) -> None:
@@ -59,9 +66,47 @@ def standin_config(hub_id: str, *, hidden_size: int = 64, intermediate_size: int
     return config
 
 
+def _strings(obj):
+    """Every string inside a JSON value."""
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _strings(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _strings(v)
+
+
+def corpus_files() -> list[Path]:
+    """The stand-in tokenizer's training text: the repository's benchmark samples (a clear error without them)."""
+    files = sorted(BPE_CORPUS.glob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no benchmark samples in {BPE_CORPUS}: the dry run's stand-in tokenizer is trained "
+                                "on them; run it from a clone of the repository (python run.py ... dry_run=true)")
+    return files
+
+
+@functools.lru_cache(maxsize=4)
+def trained_bpe(n_tokens: int = BPE_TOKENS) -> tuple[list[str], list[tuple[str, str]]]:
+    """(tokens in learned order, merges) of a byte-level BPE trained on `corpus_files()`; deterministic for a
+    given corpus and tokenizers version (both are in the stand-in's revision)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    texts = [t for f in corpus_files() for line in f.open() if line.strip() for t in _strings(json.loads(line))]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=n_tokens, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = json.loads(bpe.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    return tokens, [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+
+
 def standin_tokenizer(hub_id: str):
-    """Byte-level stand-in tokenizer of `hub_id`: vocabulary size = the model's vocab_size, the table's special
-    tokens at their real ids, BOS prepended exactly when the real tokenizer prepends it."""
+    """Stand-in tokenizer of `hub_id` (see module doc): vocabulary size = the model's vocab_size, the table's
+    special tokens at their real ids, the trained BPE's tokens in the other ids from 0 up, BOS prepended exactly
+    when the real tokenizer prepends it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -71,12 +116,13 @@ def standin_tokenizer(hub_id: str):
     special = dict(tok["special"])
     taken = set(special.values())
     free = (i for i in range(size) if i not in taken)
+    tokens, merges = trained_bpe(min(BPE_TOKENS, size - len(special)))
     vocab = dict(special)
-    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):  # a set: sorted, so every process agrees
-        vocab[char] = next(free)
-    for i in free:  # never produced (no merges): they only give the vocabulary its real size
+    for token in tokens:
+        vocab[token] = next(free)
+    for i in free:  # never produced: they only give the vocabulary its real size
         vocab[f"<standin_{i}>"] = i
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     names = {v: k for k, v in special.items()}
@@ -94,8 +140,10 @@ def _revision(hub_id: str, shrink: dict) -> str:
     import tokenizers
     import transformers
 
+    corpus = hashlib.sha1(b"".join(f.read_bytes() for f in corpus_files())).hexdigest()
     spec = {"id": hub_id, "config": MODEL_CONFIGS[hub_id], "tok": TOKENIZERS[hub_id], "shrink": shrink,
-            "versions": [transformers.__version__, tokenizers.__version__, torch.__version__], "format": 2}
+            "bpe": [BPE_TOKENS, corpus], "versions": [transformers.__version__, tokenizers.__version__,
+                                                      torch.__version__], "format": 3}
     return hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -7,6 +7,7 @@
 #   FIDELITY=1 bash experiments/maps/run.sh   # cheaper rows: fit + held-out fidelity only (more ranks)
 #   HS200=1 bash experiments/maps/run.sh      # the sizes: every family on HellaSwag n = 200, 32 windows
 #   ARC100=1 bash experiments/maps/run.sh     # ... and on ARC-C n = 100
+#   SCORED=1 bash experiments/maps/run.sh     # the goal-2 rows again, with per-item scores (paired SEs)
 #   python experiments/maps/collect.py        # results/maps/{README tables, maps.csv|md, figures}
 # Baselines (target/source/no_context) and the paper's k = 8 map come from the cache the first script
 # filled, so each row below costs one map fit and its `transfer` evaluations only.
@@ -77,6 +78,19 @@ if [[ "${ARC100:-0}" == 1 ]]; then
   mkdir -p "$OUT"
   EVAL=(eval.ppl.enabled=false "eval.modes=[target,source,transfer,no_context]")
   families "eval.tasks=[arc_challenge]"
+  exit 0
+fi
+
+# SCORED=1: the two rows that decide goal 2 (the paper's map and head_local at k = 16, sink 1) rerun at the issue's
+# sizes by a commit that writes scores.json (per-item HellaSwag and per-window NLLs), so their paired difference
+# has an SE (kvtransfer.eval.metrics.gap_closed_difference). Same eval settings as HS200; its own folder, since
+# results are never overwritten. Baselines ~30 min on 2 cores, then ~10 min per map.
+if [[ "${SCORED:-0}" == 1 ]]; then
+  OUT=results/maps/runs_hs200_scored
+  mkdir -p "$OUT"
+  EVAL=(eval.limit=200 eval.ppl.windows=32 "eval.modes=[target,source,transfer,no_context]")
+  run paper_sink1          "eval.tasks=[hellaswag]"
+  run head_local_k16_sink1 "eval.tasks=[hellaswag]" mapper.support=head_local pair.k=16
   exit 0
 fi
 

@@ -58,6 +58,10 @@ run main_coqa stage=[eval] "eval.tasks=[]" eval.coqa.enabled=true "eval.modes=[t
 #     at 768 + 64 tokens, so every mode is recomputed on them)
 run main_long_ppl stage=[eval] "eval.tasks=[]" "eval.ppl.prefixes=[0,256,768]" eval.fidelity.enabled=false \
   "eval.modes=[target,transfer,no_context]"
+# 5e. the main configuration's perplexity again, by a commit that writes scores.json: per-window NLLs give its
+#     gap closed a paired bootstrap SE (the committed `main` run predates them); collect checks it reproduces
+#     main's perplexities before it takes the SE
+run main_ppl stage=[eval] "eval.tasks=[]" "eval.modes=[target,source,transfer,no_context]"
 # 6. the MLP mapper on the same calibration's feature sample (hidden 256, 5 epochs: the paper's 1024 x 20
 #    epochs is ~250 M parameters here, hours of training on 2 cores)
 run wiki_mlp stage=[fit,eval] mapper=mlp mapper.hidden=256 mapper.epochs=5

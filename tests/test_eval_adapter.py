@@ -207,3 +207,26 @@ def test_native_sink(lms):
     for (a, _), (b, _) in zip(sink.score_tokens(pairs), lms["target"].score_tokens(pairs)):
         assert_close(a, b, factor=forward_factor(sink.target_model, 10), magnitude=max(1.0, float(b.abs().max())), reason=FORWARD)
     assert sink.score_tokens([]) == [] and sink.generate_until([]) == []
+
+
+def test_eval_max_gen_toks_reaches_every_generative_task(lms, monkeypatch):
+    """eval.max_gen_toks is what each generation request of a stock lm-eval task asks for (gsm8k_cot's YAML sets
+    no budget, so without it lm-eval falls back to the model's 256; that the adapter stops at the budget is
+    test_gsm8k_generations_match_stock_hf's token-for-token check)."""
+    from pathlib import Path
+
+    from kvtransfer.runner import eval_stage
+
+    lm = lms["target"]
+    seen = []
+    original = type(lm).generate_until
+
+    def spy(self, requests, disable_tqdm=False):
+        seen.extend(r.args[1].get("max_gen_toks") for r in requests)
+        return original(self, requests, disable_tqdm)
+
+    monkeypatch.setattr(type(lm), "generate_until", spy)
+    data = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
+    ecfg = {"tasks": ["gsm8k_cot"], "data_dir": str(data), "limit": 2, "num_fewshot": 0, "max_gen_toks": 3}
+    eval_stage._benchmarks(lm, "target", ecfg, 0)
+    assert seen == [3, 3]

@@ -77,8 +77,15 @@ def _benchmarks(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:
         results = simple_evaluate(model=lm.with_mode(mode), tasks=[name for name, _, _ in spec.values()],
                                   task_manager=manager, limit=ecfg.get("limit"), num_fewshot=ecfg.get("num_fewshot"),
                                   log_samples=True, bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
-                                  torch_random_seed=seed, fewshot_random_seed=seed)
+                                  torch_random_seed=seed, fewshot_random_seed=seed, gen_kwargs=_gen_kwargs(ecfg))
     return {task: per_item_scores(results, name, metric) for task, (name, metric, _) in spec.items()}
+
+
+def _gen_kwargs(ecfg: dict) -> dict | None:
+    """lm-eval gen_kwargs of the run: eval.max_gen_toks caps every generative task (lm-eval merges it into each
+    task's generation_kwargs, as `--gen_kwargs max_gen_toks=N` does; multiple-choice tasks ignore it)."""
+    n = ecfg.get("max_gen_toks")
+    return None if n is None else {"max_gen_toks": int(n)}
 
 
 def _ppl(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:

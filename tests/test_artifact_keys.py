@@ -19,7 +19,7 @@ from kvtransfer.runner.artifacts import (ARTIFACTS, NOT_INPUTS, OPAQUE, classify
                                          lookup)
 from run_configs import ROOT, compose_config
 
-GROUPS = {"calib": ["fineweb_edu", "local", "tiny"], "mapper": ["ridge", "mlp"], "eval": ["default", "tiny"],
+GROUPS = {"calib": ["fineweb_edu", "local", "tiny"], "mapper": ["ridge", "mlp", "trained"], "eval": ["default", "tiny"],
           "ablation": ["full", "no_rerotation", "no_rope", "no_rope_k1", "no_rope_k1_no_ridge"],
           "bench": ["default", "tiny"]}
 PAIRS = sorted(p.stem for p in (ROOT / "conf" / "pair").glob("*.yaml"))
@@ -96,7 +96,8 @@ def _key(name: str, cfg: dict, **change) -> str:
 # configs under which every conditional input is read: the paper's ridge, the attention metric, the MLP
 BASES = {"ridge": compose_config("pair=qwen3_14b_32b"),
          "attention": compose_config("pair=qwen3_14b_32b", "mapper.weighting=attention", "mapper.rank=64"),
-         "mlp": compose_config("pair=qwen3_14b_32b", "mapper=mlp", "calib.mlp_samples=65536")}
+         "mlp": compose_config("pair=qwen3_14b_32b", "mapper=mlp", "calib.mlp_samples=65536"),
+         "trained": compose_config("pair=qwen3_14b_32b", "mapper=trained")}
 
 
 @pytest.mark.parametrize("name", sorted(ARTIFACTS))
@@ -123,6 +124,18 @@ def test_conditional_inputs_enter_only_when_read():
     assert "mapper.metric_sequences" in key_inputs("mapper", attention)
     assert "mapper.hidden" in key_inputs("mapper", mlp) and "calib.mlp_samples" in key_inputs("mapper", mlp)
     assert "calib.mlp_samples" not in key_inputs("mapper", ridge)  # one calibration serves ridge and MLP fits
+
+
+def test_the_trained_maps_knobs_key_only_the_trained_map():
+    trained, ridge, mlp = BASES["trained"], BASES["ridge"], BASES["mlp"]
+    knobs = {"mapper.objective", "mapper.train_sequences", "mapper.stop_sequences", "mapper.query_positions",
+             "mapper.steps", "mapper.batch_sequences", "mapper.eval_every", "mapper.patience", "mapper.lr",
+             "mapper.device", "calib.batch_size"}
+    assert knobs <= set(key_inputs("mapper", trained))
+    assert not knobs & set(key_inputs("mapper", ridge))
+    assert knobs & set(key_inputs("mapper", mlp)) == {"mapper.lr", "mapper.device"}  # shared with the MLP
+    # the trained map is its own artifact: the ridge map it starts from keeps its key
+    assert _key("mapper", trained) != _key("mapper", ridge)
 
 
 def test_the_seed_and_the_model_run_settings_key_the_calibration():

@@ -232,6 +232,53 @@ def test_mlp_mapper_through_the_pipeline(tiny_pair_dirs, tmp_path):
     assert set(summary["r2"]["k"]) == {"train"}
 
 
+def test_trained_mapper_through_the_pipeline(tiny_pair_dirs, tmp_path):
+    """mapper=trained (issue 23 §1): fit + transfer through the runner; the artifact round-trips through
+    load_mapper with the ridge map's shapes and cost; its stop split is disjoint from the fidelity held-out split."""
+    from kvtransfer.mapper import TrainedMapper
+
+    knobs = ("mapper=trained", "pair.k=2", "mapper.train_sequences=6", "mapper.stop_sequences=3",
+             "mapper.query_positions=8", "mapper.steps=4", "mapper.eval_every=2", "mapper.batch_sequences=3",
+             "mapper.native_sink=1")
+    fid = ("stage=[fit,eval]", "eval.tasks=[]", "eval.ppl.enabled=false", "eval.coqa.enabled=false",
+           "eval.fidelity.sequences=2", "eval.fidelity.continuation=8")
+    summary = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, *knobs, *fid), tmp_path / "trained")
+    ridge = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", "mapper.native_sink=1"), tmp_path / "ridge")
+    m = summary["mapper"]
+    assert m["kind"] == "trained" and m["path"] != ridge["mapper"]["path"]
+    assert m["apply_flops_per_token"] == ridge["mapper"]["apply_flops_per_token"]
+    assert m["n_parameters"] == ridge["mapper"]["n_parameters"] and m["fit_seconds"] is not None
+    mapper = load_mapper(m["path"])
+    assert type(mapper) is TrainedMapper and mapper.native_sink == 1
+    training = mapper.training
+    assert training == m["training"] and len(training["layers"]) == 3
+    fit, stop, held = set(training["fit_index"]), set(training["stop_index"]), set(summary["fidelity"]["heldout_index"])
+    assert len(fit) == 6 and len(stop) == 3 and held and not (fit | stop) & set(training["heldout_index"])
+    assert not fit & stop and not (fit | stop) & held  # the stop split is not the split fidelity is reported on
+    for r in training["layers"]:
+        assert r["stop_loss_final"] <= r["stop_loss_ridge"] and r["steps"] <= 4
+        assert r["layer"] in training["layers_worse_than_ridge"] or r["stop_loss_trained"] <= r["stop_loss_ridge"]
+    assert training["collect_bytes"] == training["collect_bytes_formula"]
+    assert set(summary["r2"]["k"]) == {"train", "heldout"}  # recomputed for the trained weights (_refit_r2)
+    assert summary["fidelity"]["native_sink"] == 1 and len(summary["fidelity"]["per_layer"]["attn_cosine"]) == 3
+
+
+def test_a_trained_map_of_zero_steps_is_the_ridge_map(tiny_pair_dirs, tmp_path):
+    trained = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", "mapper=trained", "pair.k=2", "mapper.steps=0",
+                                "mapper.train_sequences=4", "mapper.stop_sequences=2", "mapper.query_positions=4"),
+                      tmp_path / "trained")
+    ridge = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit"), tmp_path / "ridge")
+    t, r = load_mapper(trained["mapper"]["path"]), load_mapper(ridge["mapper"]["path"])
+    assert torch.equal(t.weight, r.weight) and torch.equal(t.bias, r.bias)
+    assert not t.training["layers_worse_than_ridge"] and all(x["steps"] == 0 for x in t.training["layers"])
+    # R² recomputed from the stored float32 weights vs the ridge fit's float64 ones: the weights differ by float32
+    # rounding (eps32 relative), which moves SSE / SST by a few eps32 x the condition of the fit (features p = 32)
+    for kind in ("k", "v"):
+        for split in ("train", "heldout"):
+            assert_close(trained["r2"][kind][split], ridge["r2"][kind][split], dtype=torch.float32, factor=4 * 32,
+                         magnitude=1.0, reason="R² of float32-rounded ridge weights, p = 32 features")
+
+
 def test_the_map_carries_its_native_sink(tiny_pair_dirs, tmp_path):
     # mapper.native_sink is fitted into the artifact; evaluating it with another sink is refused with the fix
     base = ("stage=[fit,eval]", "eval.tasks=[tiny_cloze]", "eval.limit=3", "eval.ppl.enabled=false",

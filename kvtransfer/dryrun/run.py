@@ -135,6 +135,11 @@ def shrink(cfg: dict, out_dir: Path) -> dict:
                  mlp_samples=min(calib.get("mlp_samples") or 0, 2048), store_device="cpu", accumulate="host")
     if small["mapper"].get("kind") == "mlp":
         small["mapper"].update(hidden=min(small["mapper"]["hidden"], 16), epochs=1, device="cpu")
+    if small["mapper"].get("kind") == "trained":  # the calibration keeps >= 10 sequences: 2 stop + up to 4 to train on
+        m = small["mapper"]
+        m.update(train_sequences=min(int(m["train_sequences"]), 4), stop_sequences=min(int(m["stop_sequences"]), 2),
+                 query_positions=min(int(m["query_positions"]), seq_len), steps=min(int(m["steps"]), 4),
+                 eval_every=min(int(m["eval_every"]), 2), device="cpu")
     ev = small["eval"]
     shots = dry.get("num_fewshot")  # few-shot prompts are the longest contexts (MMLU 5, GSM8K 8 shots)
     if shots is not None:

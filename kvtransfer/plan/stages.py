@@ -11,7 +11,8 @@ calibrate  (`collect_moments`) both models on the device (co-resident; `capture=
            moments live on the target's GPU and each batch is merged in place (`Moments.accumulate`).
 fit        train moments + held-out features in host memory, the single-source R² pass and one ridge solve
            per (target layer, kind) in float64 on the host CPU, the float64 weights until `Mapper.from_ridge`
-           stacks them (3x float64 at its peak); no model is loaded (an MLP / attention-mass fit loads both).
+           stacks them (3x float64 at its peak); no model is loaded (an MLP / attention-mass / trained fit loads
+           both; the trained map also holds its layer-local collection, `train_map.layer_local_nbytes`).
 eval       both models + the float32 mapper on the target's device, per batch a source prefill, the mapped
            cache and the scorer's logits (kvtransfer.plan.evalbench).
 bench      both models + mapper, the largest `bench.tokens` source caches, mapped cache and target prefill.
@@ -164,12 +165,38 @@ def _fit_ridge(s: Setup, dev: dict) -> tuple[dict, float]:
     return work, secs
 
 
+def _fit_trained(s: Setup, dev: dict) -> tuple[dict, float]:
+    """(host work, seconds) of mapper=trained: the ridge fit it starts from, the layer-local collection
+    (`train_map.layer_local_nbytes`, every source layer counted as used) over train + stop sequences, and per
+    target layer at most mapper.steps Adam steps (forward + backward ~3x the forward: the map GEMM on all
+    batch_sequences x S tokens, scores and softmax x V at the kept queries, o_proj); adds its device parts to `dev`."""
+    from ..train_map import layer_local_nbytes
+
+    m = s.cfg["mapper"]
+    work, secs = _fit_ridge(s, dev)
+    n_seq = min(int(m["train_sequences"]), max(0, s.n_train - int(m["stop_sequences"]))) + int(m["stop_sequences"])
+    s_q, b, t = int(m["query_positions"]), int(m["batch_sequences"]), s.tgt
+    nbytes = layer_local_nbytes(n_seq, s.seq, s.src.layers, s.src.width, t.layers, t.heads, t.head_dim, s_q,
+                                t.kv_heads, int(m.get("native_sink") or 0))
+    # the collected inputs live on the host; one layer's problem (its p gathered columns) + weights, Adam state
+    layer = nbytes // max(1, t.layers) + 2 * n_seq * s.seq * s.p * 4 + 2 * (s.p * s.q + s.q) * 4 * 4
+    work["layer-local collection (train + stop sequences, float32)"] = nbytes
+    dev["source + target weights (collection), one layer's problem + map + Adam state"] = max(
+        s.weights("src", "tgt") + forward_bytes(t, s.batch, s.seq, s.w, math_attention=s.math_attention()), layer)
+    step = 3 * b * (2 * 2 * s.seq * s.p * s.q + 2 * 2 * t.heads * s_q * s.seq * t.head_dim + 2 * s_q * t.hidden * t.heads * t.head_dim)
+    rate = s.flops_rate("float32") if s.device == "cuda" else s.rates.host_flops["float32"]
+    secs += n_seq * (prefill_flops(s.src, s.seq, s.seq) + prefill_flops(t, s.seq, s.seq)) / s.flops_rate(s.mdtype)
+    secs += t.layers * int(m["steps"]) * step / rate
+    return work, secs
+
+
 def fit(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> Usage:
     """Run._fit: moments on the host, R² matrix, ridge per target layer, pack the float64 weights."""
     u, r = Usage(), s.rates
     dev = {"source + target weights": s.weights("src", "tgt") if s.mapper_kind == "mlp" else 0.0}
-    work, fit_s = _fit_mlp(s, dev) if s.mapper_kind == "mlp" else _fit_ridge(s, dev)
-    models = ("src", "tgt") if s.mapper_kind == "mlp" or s.mass_weighted else ()
+    fit_fn = {"mlp": _fit_mlp, "trained": _fit_trained}.get(s.mapper_kind, _fit_ridge)
+    work, fit_s = fit_fn(s, dev)
+    models = ("src", "tgt") if s.mapper_kind in ("mlp", "trained") or s.mass_weighted else ()
     loads = [s.load_host(x) for x in models if x not in loaded]
     host = {"train moments + held-out features": s.calibration if not held_host else held_host, **work,
             "model loading (after the moments are read)": max(loads) if loads and s.device == "cuda" else 0.0}
@@ -178,7 +205,7 @@ def fit(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> Us
     u.set_seconds({"read moments": 0.0 if held_host else s.calibration / r.disk, "solves (host float64)": fit_s,
                    "load weights": s.load_seconds(*[x for x in models if x not in loaded]),
                    "save mapper": s.mapper_w32 / r.disk})
-    if s.mapper_kind == "ridge":
+    if s.mapper_kind in ("ridge", "trained"):
         ratio = s.p / max(1, s.n_train * s.kept)
         if ratio >= 0.5:
             u.notes.append(f"p/n = {ratio:.2f} >= 0.5: fit_ridge refuses (mapper.force=true to override)")
@@ -222,7 +249,7 @@ def _loaded_before(s: Setup, stage: str) -> frozenset:
     for x in prior:
         if x == "calibrate":
             loaded |= {"tgt"} if s.sequential else {"src", "tgt"}
-        if x in ("eval", "report") or (x == "fit" and s.mapper_kind == "mlp") or (
+        if x in ("eval", "report") or (x == "fit" and s.mapper_kind in ("mlp", "trained")) or (
                 x == "bench" and not (s.cfg.get("bench") or {}).get("shapes_only")):
             loaded |= {"src", "tgt"}
     return frozenset(loaded)

@@ -45,7 +45,10 @@ _PPL = ("eval.ppl.file", "eval.ppl.dataset", "eval.ppl.dataset_name", "eval.ppl.
 _COQA = ("eval.coqa.file", "eval.coqa.dataset", "eval.coqa.dataset_name", "eval.coqa.split",
          "eval.coqa.conversations", "eval.coqa.turns", "eval.coqa.protocols",
          "eval.coqa.max_gen_toks")
-_MLP = ("mapper.hidden", "mapper.lr", "mapper.epochs", "mapper.batch_tokens", "mapper.device")
+_MLP = ("mapper.hidden", "mapper.epochs", "mapper.batch_tokens")
+_TRAINING = ("mapper.lr", "mapper.device")  # read by the MLP and the trained map
+_TRAINED = ("mapper.objective", "mapper.train_sequences", "mapper.stop_sequences", "mapper.query_positions",
+            "mapper.steps", "mapper.batch_sequences", "mapper.eval_every", "mapper.patience")
 
 ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
     Artifact("calibration", doc="train moments + held-out features (+ the R² matrix of them, stored inside)",
@@ -60,14 +63,19 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
              inputs=("mapper.metric_sequences",), upstream=("calibration",)),
     Artifact("attention_mass", doc="target attention mass per train token (families.attention_mass)",
              inputs=(), upstream=("calibration",)),
-    Artifact("mapper", doc="the fitted map (ridge, its families, or the MLP)",
+    Artifact("mapper", doc="the fitted map (ridge, its families, the trained map, or the MLP)",
              inputs=("mapper.kind", "mapper.k", "mapper.lam", "mapper.selection", "mapper.force",
                      "mapper.native_sink", "mapper.support", "mapper.rank", "mapper.weighting",
-                     "mapper.metric_sequences", "calib.mlp_samples", "ablation.k", "ablation.lam", *_MLP),
+                     "mapper.metric_sequences", "calib.mlp_samples", "calib.batch_size", "ablation.k", "ablation.lam",
+                     *_MLP, *_TRAINING, *_TRAINED),
              upstream=("calibration",),
              when={"mapper.metric_sequences": ("mapper.weighting", ("attention",)),
                    "calib.mlp_samples": ("mapper.kind", ("mlp",)),
-                   **{k: ("mapper.kind", ("mlp",)) for k in _MLP}}),
+                   # the trained map's collection batches its forwards by calib.batch_size (kernel rounding)
+                   "calib.batch_size": ("mapper.kind", ("trained",)),
+                   **{k: ("mapper.kind", ("mlp",)) for k in _MLP},
+                   **{k: ("mapper.kind", ("mlp", "trained")) for k in _TRAINING},
+                   **{k: ("mapper.kind", ("trained",)) for k in _TRAINED}}),
     Artifact("fidelity", doc="mapped vs native cache on held-out calibration sequences",
              inputs=("eval.fidelity.sequences", "eval.fidelity.continuation", "ablation.rope_at_inference"),
              upstream=("mapper",)),

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The paper's map trained for the target's attention output, layer-local (issue 23 §1; mapper=trained,
+# kvtransfer/train_map.py) on the real pair, against the paper's map: results/maps_trained/.
+# Same calibration as experiments/qwen25coder and experiments/maps (Wikipedia, 160 x 256 tokens, stride 2, 20 %
+# held out); the trained map collects its inputs on 64 + 16 (stop split) of the 128 train sequences. Every stage
+# is cached under artifacts/qwen25coder, so a rerun resumes and the paper-map rows reuse experiments/maps' results.
+#   bash experiments/qwen25coder/run.sh          # first: calibration, baselines, the paper's map
+#   FIDELITY=1 bash experiments/maps_trained/run.sh   # fit + held-out fidelity only (K/V R², attention cosine, KL,
+#                                                     # top-1 on 4 held-out sequences), one row per learning rate
+#   HS200=1 bash experiments/maps_trained/run.sh      # HellaSwag n = 200 + perplexity on 32 windows (as experiments/maps HS200)
+#   ARC100=1 bash experiments/maps_trained/run.sh     # ARC-C n = 100
+#   MMLU100=1 bash experiments/maps_trained/run.sh    # MMLU, 10 items x 10 subjects (the experiment's eval.limits)
+#   LR=3e-4 HS200=1 bash experiments/maps_trained/run.sh   # the benchmark rows at another learning rate
+# Choose the learning rate on calibration text only: by the stop-split losses each artifact records
+# (summary.json: mapper.training.layers[*].stop_loss_final vs stop_loss_ridge), never by the fidelity numbers
+# (their held-out split is the one reported) or the benchmark rows.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+LR=${LR:-1e-4}
+TRAINED=(mapper=trained mapper.native_sink=1 "mapper.lr=$LR")
+
+run() {  # run OUT NAME OVERRIDES...
+  local out=$1 name=$2; shift 2
+  if [[ -f "$out/$name/summary.json" ]]; then echo "[$name] done"; return; fi
+  rm -rf "${out:?}/$name"; mkdir -p "$out"
+  echo "[$name] $(date -u +%H:%M:%S) start: $*"
+  nice -n 10 python run.py +experiment=qwen25coder_cpu progress=false out_dir="$out/$name" stage=[fit,eval] "$@"
+  echo "[$name] $(date -u +%H:%M:%S) done"
+}
+
+if [[ "${FIDELITY:-0}" == 1 ]]; then
+  OUT=results/maps_trained/fidelity_runs
+  FID=("eval.tasks=[]" eval.ppl.enabled=false)
+  run "$OUT" paper_sink1 "${FID[@]}"
+  for lr in 3e-5 1e-4 3e-4 1e-3; do
+    run "$OUT" "trained_lr${lr}_sink1" "${FID[@]}" mapper=trained mapper.native_sink=1 "mapper.lr=$lr"
+  done
+  exit 0
+fi
+
+# the issue's sizes, as experiments/maps HS200: HellaSwag on 200 items, perplexity at P = 0/64/256 on 32 windows
+# (per-window NLLs: paired bootstrap SEs of the gap closed); same eval key, so its baselines are reused
+if [[ "${HS200:-0}" == 1 ]]; then
+  OUT=results/maps_trained/runs_hs200
+  EVAL=(eval.limit=200 eval.ppl.windows=32 "eval.modes=[target,source,transfer,no_context]" "eval.tasks=[hellaswag]")
+  run "$OUT" paper_sink1 "${EVAL[@]}"
+  run "$OUT" "trained_lr${LR}_sink1" "${EVAL[@]}" "${TRAINED[@]}"
+  exit 0
+fi
+
+if [[ "${ARC100:-0}" == 1 ]]; then
+  OUT=results/maps_trained/runs_arc100
+  EVAL=(eval.ppl.enabled=false "eval.modes=[target,source,transfer,no_context]" "eval.tasks=[arc_challenge]")
+  run "$OUT" paper_sink1 "${EVAL[@]}"
+  run "$OUT" "trained_lr${LR}_sink1" "${EVAL[@]}" "${TRAINED[@]}"
+  exit 0
+fi
+
+if [[ "${MMLU100:-0}" == 1 ]]; then
+  OUT=results/maps_trained/runs_mmlu100
+  EVAL=(eval.ppl.enabled=false "eval.modes=[target,source,transfer,no_context]" "eval.tasks=[mmlu]")
+  run "$OUT" paper_sink1 "${EVAL[@]}"
+  run "$OUT" "trained_lr${LR}_sink1" "${EVAL[@]}" "${TRAINED[@]}"
+  exit 0
+fi
+
+echo "set one of FIDELITY=1, HS200=1, ARC100=1, MMLU100=1 (see the header)" >&2
+exit 2

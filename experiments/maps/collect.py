@@ -172,6 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fidelity-runs", default="results/maps/fidelity_runs")
     ap.add_argument("--hs200-runs", default="results/maps/runs_hs200")
     ap.add_argument("--arc100-runs", default="results/maps/runs_arc100")
+    ap.add_argument("--scored-runs", default="results/maps/runs_hs200_scored")
     ap.add_argument("--out", default="results/maps")
     ap.add_argument("--readme", default="README.md", help="the top-level README (its maps_headline block)")
     ap.add_argument("--no-timing", action="store_true", help="reuse maps.json's measured CPU apply times")
@@ -187,7 +188,7 @@ def load_all(args: argparse.Namespace) -> dict[str, dict]:
     for name, d in PAPER_RUNS.items():
         if (Path(d) / "summary.json").exists():
             out[f"qwen25coder/{Path(d).name}"] = load_run(Path(d))
-    for folder in (args.runs, args.fidelity_runs, args.hs200_runs, args.arc100_runs):
+    for folder in (args.runs, args.fidelity_runs, args.hs200_runs, args.arc100_runs, args.scored_runs):
         for d in sorted(Path(folder).iterdir()) if Path(folder).is_dir() else []:
             if (d / "summary.json").exists():
                 out[f"{Path(folder).name}/{d.name}"] = load_run(d)
@@ -235,7 +236,38 @@ def build(args: argparse.Namespace) -> dict:
                 if (d / "summary.json").exists()]
     hs_rows, speed = hs200_rows(args, summaries, timing)
     return {"rows": rows, "fid_rows": fid_rows, "hs_rows": hs_rows, "speed": speed, "timings": timings,
-            "runs": runs, "cost_rows": cost_rows(summaries)}
+            "runs": runs, "cost_rows": cost_rows(summaries), "goal2": goal2_difference(args)}
+
+
+GOAL2 = ("head_local_k16_sink1", "paper_sink1")  # (the cheaper map, the paper's map) of goal 2
+
+
+def goal2_difference(args: argparse.Namespace) -> dict | None:
+    """Goal 2's comparison from the SCORED=1 reruns (run.sh): head_local k = 16 minus the paper's map (sink 1)
+    on the same 200 HellaSwag items and 32 windows, from their scores.json -- the gap-closed difference with
+    its paired bootstrap SE (kvtransfer.eval.metrics.gap_closed_difference), the accuracy difference with
+    its paired SE, and whether each rerun reproduced the committed HS200 row of its map. None until both ran."""
+    from kvtransfer.eval.metrics import gap_closed_difference, paired_difference
+
+    dirs = [Path(args.scored_runs) / name for name in GOAL2]
+    if not all((d / "scores.json").exists() for d in dirs):
+        return None
+    (a, b) = (json.loads((d / "scores.json").read_text()) for d in dirs)
+    hs_a, hs_b = a["tasks"]["hellaswag"], b["tasks"]["hellaswag"]
+    nll_a, nll_b = a["ppl_window_nll"]["256"], b["ppl_window_nll"]["256"]
+    out = {"maps": list(GOAL2), "hs_n": len(hs_a["target"]), "windows": len(nll_a["target"]),
+           "hs_gap_closed": gap_closed_difference(hs_a, hs_b),
+           "hs_acc": paired_difference(hs_a["transfer"], hs_b["transfer"]),
+           "ppl256_log_gap_closed": gap_closed_difference(nll_a, nll_b), "reproduced": {}}
+    for name, d in zip(GOAL2, dirs):  # the rerun against the committed HS200 row of the same map
+        old = Path(args.hs200_runs) / name / "summary.json"
+        if old.exists():
+            new_s, old_s = load_run(d), load_run(old.parent)
+            pairs = [(new_s["tasks"]["hellaswag"][m], old_s["tasks"]["hellaswag"][m]) for m in ("target", "transfer")]
+            pairs += [({r["prefix"]: r for r in new_s["ppl"]}[256][m], {r["prefix"]: r for r in old_s["ppl"]}[256][m])
+                      for m in ("target", "transfer", "no_context")]
+            out["reproduced"][name] = max(abs(x - y) for x, y in pairs)
+    return out
 
 
 def hs200_rows(args: argparse.Namespace, summaries: dict, timing) -> tuple[list[dict], list[dict] | None]:
@@ -379,17 +411,40 @@ def _by_map(hs_rows: list[dict]) -> dict[str, dict]:
     return {r["map"]: r for r in hs_rows}
 
 
-def block_goal2(hs_rows: list[dict]) -> str:
+def block_goal2(hs_rows: list[dict], diff: dict | None = None) -> str:
     rows = _by_map(hs_rows)
     a, b = rows.get("head_local_k16_sink1"), rows.get("paper_sink1")
     if not (a and b):
         return ""
+    if diff is not None:
+        return goal2_text(a, b, diff)
     return (f"head_local k = 16 (sink 1) against the paper's map (sink 1), same items and windows: HellaSwag (n = 200) "
             f"{a['HS acc_norm']} vs {b['HS acc_norm']}, gap closed {_pc(a['HS gap closed %'])} vs {_pc(b['HS gap closed %'])}; "
             f"log-perplexity gap at P = 256 {_pc(a['ppl@256 gap closed %'])} vs {_pc(b['ppl@256 gap closed %'])}. "
             "**The SE of the paired difference** (`kvtransfer.eval.metrics.paired_difference` / `gap_closed_difference`), "
             "the comparison that decides \"as good within one SE\", **needs rerun**: these runs kept their per-item "
             "and per-window scores only in the artifact cache (a rerun at this commit writes `scores.json`).\n")
+
+
+def goal2_text(a: dict, b: dict, diff: dict) -> str:
+    """The goal-2 paragraph from the paired differences (`goal2_difference`)."""
+    hs, acc, ppl = diff["hs_gap_closed"], diff["hs_acc"], diff["ppl256_log_gap_closed"]
+    # "as good within one SE": head_local may be better by any amount, worse by at most one SE of the difference
+    within = [x["difference"] >= -x["se"] for x in (hs, ppl)]
+    verdict = ("met: on both, head_local is not worse than the paper's map by more than one SE of the paired "
+               "difference" if all(within) else "not met: head_local is worse by more than one SE of the paired "
+               "difference on " + " and ".join(w for w, ok in zip(("HellaSwag", "log-perplexity"), within) if not ok))
+    repro = "; ".join(f"{name} {'reproduced the committed HS200 row exactly' if d == 0 else f'differs from the committed HS200 row by up to {d:.2g}'}"
+                      for name, d in diff["reproduced"].items())
+    return (f"head_local k = 16 (sink 1) against the paper's map (sink 1), same {diff['hs_n']} HellaSwag items and "
+            f"{diff['windows']} windows (SCORED=1 reruns with per-item scores, `runs_hs200_scored/`): HellaSwag "
+            f"{a['HS acc_norm']} vs {b['HS acc_norm']}, gap closed {_pc(a['HS gap closed %'])} vs {_pc(b['HS gap closed %'])}. "
+            f"**Paired differences (head_local − paper):** HellaSwag gap closed "
+            f"{format_with_se(hs['difference'], hs['se'], scale=100)} points (accuracy "
+            f"{format_with_se(acc['difference'], acc['se'])}), log-perplexity gap closed at P = 256 "
+            f"{format_with_se(ppl['difference'], ppl['se'], scale=100)} points (paired bootstrap SEs, "
+            f"`kvtransfer.eval.metrics.gap_closed_difference`). Goal 2 (as good within one SE): **{verdict}**. "
+            f"Reruns: {repro or 'no committed row to compare'}.\n")
 
 
 def readme_blocks(data: dict, summaries: dict[str, dict]) -> dict[str, str]:
@@ -399,7 +454,7 @@ def readme_blocks(data: dict, summaries: dict[str, dict]) -> dict[str, str]:
         blocks["fidelity_only"] = block_fidelity(data["fid_rows"])
     if data["hs_rows"]:
         blocks.update(maps_issue=block_issue(data["hs_rows"]), native_tail=block_tail(data["hs_rows"]),
-                      goal2=block_goal2(data["hs_rows"]))
+                      goal2=block_goal2(data["hs_rows"], data.get("goal2")))
     return blocks
 
 
@@ -413,7 +468,15 @@ def top_readme_blocks(data: dict) -> dict[str, str]:
         f"at HellaSwag n = 200 and 32 perplexity windows the paper's map closes {_pc(p['ppl@256 gap closed %'])} of the "
         f"log-perplexity gap at P = 256 and {_pc(p['HS gap closed %'])} of the HellaSwag gap to the no-context floor; "
         f"head_local at k = 16 (1/4 of its FLOPs at 14B → 32B): {_pc(h['ppl@256 gap closed %'])} and {_pc(h['HS gap closed %'])} "
-        "(the SE of their paired difference needs rerun);\n")}
+        f"({_headline_difference(data.get('goal2'))});\n")}
+
+
+def _headline_difference(diff: dict | None) -> str:
+    if diff is None:
+        return "the SE of their paired difference needs rerun"
+    hs, ppl = diff["hs_gap_closed"], diff["ppl256_log_gap_closed"]
+    return (f"paired difference head_local − paper: {format_with_se(hs['difference'], hs['se'], scale=100)} points on "
+            f"HellaSwag, {format_with_se(ppl['difference'], ppl['se'], scale=100)} on log-perplexity")
 
 
 def maps_figure(data: dict, path: Path, any_summary: dict) -> None:
@@ -475,7 +538,8 @@ def main() -> None:
         _write(issue_table(data["hs_rows"]), out / "tables", "maps_issue")
     _write(pd.DataFrame(data["cost_rows"]), out / "tables", "cost_paper_pairs")
     atomic_write_json(out / "maps.json", {"rows": data["rows"], "hs200_rows": data["hs_rows"],
-                                          "timing_ms_1k": data["timings"], "runs": data["runs"]})
+                                          "timing_ms_1k": data["timings"], "runs": data["runs"],
+                                          "goal2_paired_difference": data.get("goal2")})
     summaries = load_all(args)
     maps_figure(data, out / "figures" / "maps_cost_vs_gap.png", next(iter(summaries.values())))
     readme.rewrite(out / "README.md", readme_blocks(data, summaries))

@@ -32,6 +32,8 @@ MAIN = "main"  # the run whose summary is results/qwen25coder/summary.json (fall
 # runs of the main configuration that add tasks run.sh schedules separately (same map, same eval settings):
 # their tasks, CoQA drift and eval seconds are merged into the main summary, which names them in `merged_runs`
 MAIN_PARTS = ("main_gsm8k", "main_coqa")
+MAIN_PPL = "main_ppl"  # the main configuration's perplexity rerun with per-window NLLs (run.sh step 5e)
+PPL_REPRODUCED = 1e-4  # relative: float32 CPU kernels with another thread count, same windows and map
 
 
 def merge_main(main: dict, parts: dict[str, dict]) -> dict:
@@ -137,7 +139,30 @@ def main_summary(summaries: dict[str, dict]) -> tuple[str, dict] | None:
     if name not in summaries:
         return None
     parts = {n: summaries[n] for n in MAIN_PARTS if n in summaries and name == MAIN}
-    return name, merge_main(summaries[name], parts)
+    merged = merge_main(summaries[name], parts)
+    if name == MAIN and MAIN_PPL in summaries:
+        merged = with_ppl_ses(merged, summaries[MAIN_PPL])
+    return name, merged
+
+
+def with_ppl_ses(main: dict, rerun: dict) -> dict:
+    """`main` with the perplexity SEs of `rerun` (the same protocol rerun by a commit that keeps per-window NLLs),
+    once the rerun has reproduced every perplexity of main within PPL_REPRODUCED (relative); records the largest
+    difference in `ppl_ses_from`. A rerun that does not reproduce main is an error, not a source of SEs."""
+    old, new = _ppl_rows(main), _ppl_rows(rerun)
+    if sorted(old) != sorted(new):
+        raise ValueError(f"{MAIN_PPL} has prefixes {sorted(new)}, main {sorted(old)}: rerun it with main's eval.ppl")
+    worst = max(abs(new[p][m] - old[p][m]) / old[p][m] for p in old for m in ("target", "source", "transfer", "no_context")
+                if old[p].get(m) is not None)
+    if worst > PPL_REPRODUCED:
+        raise ValueError(f"{MAIN_PPL} differs from main's perplexities by up to {worst:.2g} (relative): it did not "
+                         "reproduce the main run, so its SEs are not main's")
+    out = json.loads(json.dumps(main))
+    for row in out["ppl"]:
+        row.update({k: v for k, v in new[row["prefix"]].items() if k.endswith("_se")})
+    out["ppl_ses_from"] = {"run": MAIN_PPL, "max_relative_difference": worst,
+                           "environment": rerun.get("environment")}
+    return out
 
 
 def main_task_rows(s: dict) -> list[dict]:
@@ -389,7 +414,7 @@ def _ppl_figure(summaries: dict[str, dict], path: Path) -> None:
     groups: dict = {}
     for name, s in summaries.items():
         ppl = s.get("ppl") or []
-        if ppl and name not in MAIN_PARTS:
+        if ppl and name not in MAIN_PARTS + (MAIN_PPL,):
             key = tuple((r["prefix"], round(r["target"], 6)) for r in ppl)  # same windows -> same target curve
             groups.setdefault(key, []).append((name, s))
     if not groups:

@@ -11,13 +11,21 @@
 #   ARC100=1 bash experiments/maps_trained/run.sh     # ARC-C n = 100
 #   MMLU100=1 bash experiments/maps_trained/run.sh    # MMLU, 10 items x 10 subjects (the experiment's eval.limits)
 #   LR=3e-4 HS200=1 bash experiments/maps_trained/run.sh   # the benchmark rows at another learning rate
+#   SHORT=1 LR=3e-4 HS200=1 bash ...   # half the sequences and steps (what one 2-core session affords)
 # Choose the learning rate on calibration text only: by the stop-split losses each artifact records
 # (summary.json: mapper.training.layers[*].stop_loss_final vs stop_loss_ridge), never by the fidelity numbers
 # (their held-out split is the one reported) or the benchmark rows.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LR=${LR:-1e-4}
-TRAINED=(mapper=trained mapper.native_sink=1 "mapper.lr=$LR")
+# SHORT=1: the CPU budget of one 2-core session -- half the sequences (32 + 8 stop) and half the steps (150) per layer
+if [[ "${SHORT:-0}" == 1 ]]; then
+  TRAINED=(mapper=trained mapper.native_sink=1 "mapper.lr=$LR" mapper.train_sequences=32 mapper.stop_sequences=8 mapper.steps=150)
+  TAG="lr${LR}_short"
+else
+  TRAINED=(mapper=trained mapper.native_sink=1 "mapper.lr=$LR")
+  TAG="lr${LR}"
+fi
 
 run() {  # run OUT NAME OVERRIDES...
   local out=$1 name=$2; shift 2
@@ -44,7 +52,7 @@ if [[ "${HS200:-0}" == 1 ]]; then
   OUT=results/maps_trained/runs_hs200
   EVAL=(eval.limit=200 eval.ppl.windows=32 "eval.modes=[target,source,transfer,no_context]" "eval.tasks=[hellaswag]")
   run "$OUT" paper_sink1 "${EVAL[@]}"
-  run "$OUT" "trained_lr${LR}_sink1" "${EVAL[@]}" "${TRAINED[@]}"
+  run "$OUT" "trained_${TAG}_sink1" "${EVAL[@]}" "${TRAINED[@]}"
   exit 0
 fi
 
@@ -52,7 +60,7 @@ if [[ "${ARC100:-0}" == 1 ]]; then
   OUT=results/maps_trained/runs_arc100
   EVAL=(eval.ppl.enabled=false "eval.modes=[target,source,transfer,no_context]" "eval.tasks=[arc_challenge]")
   run "$OUT" paper_sink1 "${EVAL[@]}"
-  run "$OUT" "trained_lr${LR}_sink1" "${EVAL[@]}" "${TRAINED[@]}"
+  run "$OUT" "trained_${TAG}_sink1" "${EVAL[@]}" "${TRAINED[@]}"
   exit 0
 fi
 
@@ -60,7 +68,7 @@ if [[ "${MMLU100:-0}" == 1 ]]; then
   OUT=results/maps_trained/runs_mmlu100
   EVAL=(eval.ppl.enabled=false "eval.modes=[target,source,transfer,no_context]" "eval.tasks=[mmlu]")
   run "$OUT" paper_sink1 "${EVAL[@]}"
-  run "$OUT" "trained_lr${LR}_sink1" "${EVAL[@]}" "${TRAINED[@]}"
+  run "$OUT" "trained_${TAG}_sink1" "${EVAL[@]}" "${TRAINED[@]}"
   exit 0
 fi
 

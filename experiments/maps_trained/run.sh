@@ -46,31 +46,18 @@ if [[ "${FIDELITY:-0}" == 1 ]]; then
   exit 0
 fi
 
+rows() {  # rows OUT EVAL...: the paper's map and the trained map under one eval setting
+  local out=$1; shift
+  run "$out" paper_sink1 "$@"
+  run "$out" "trained_${TAG}_sink1" "$@" "${TRAINED[@]}"
+  exit 0
+}
+MODES="eval.modes=[target,source,transfer,no_context]"
 # the sizes, as experiments/maps HS200: HellaSwag on 200 items, perplexity at P = 0/64/256 on 32 windows
 # (per-window NLLs: paired bootstrap SEs of the gap closed); same eval key, so its baselines are reused
-if [[ "${HS200:-0}" == 1 ]]; then
-  OUT=results/maps_trained/runs_hs200
-  EVAL=(eval.limit=200 eval.ppl.windows=32 "eval.modes=[target,source,transfer,no_context]" "eval.tasks=[hellaswag]")
-  run "$OUT" paper_sink1 "${EVAL[@]}"
-  run "$OUT" "trained_${TAG}_sink1" "${EVAL[@]}" "${TRAINED[@]}"
-  exit 0
-fi
-
-if [[ "${ARC100:-0}" == 1 ]]; then
-  OUT=results/maps_trained/runs_arc100
-  EVAL=(eval.ppl.enabled=false "eval.modes=[target,source,transfer,no_context]" "eval.tasks=[arc_challenge]")
-  run "$OUT" paper_sink1 "${EVAL[@]}"
-  run "$OUT" "trained_${TAG}_sink1" "${EVAL[@]}" "${TRAINED[@]}"
-  exit 0
-fi
-
-if [[ "${MMLU100:-0}" == 1 ]]; then
-  OUT=results/maps_trained/runs_mmlu100
-  EVAL=(eval.ppl.enabled=false "eval.modes=[target,source,transfer,no_context]" "eval.tasks=[mmlu]")
-  run "$OUT" paper_sink1 "${EVAL[@]}"
-  run "$OUT" "trained_${TAG}_sink1" "${EVAL[@]}" "${TRAINED[@]}"
-  exit 0
-fi
+[[ "${HS200:-0}" == 1 ]] && rows results/maps_trained/runs_hs200 eval.limit=200 eval.ppl.windows=32 "$MODES" "eval.tasks=[hellaswag]"
+[[ "${ARC100:-0}" == 1 ]] && rows results/maps_trained/runs_arc100 eval.ppl.enabled=false "$MODES" "eval.tasks=[arc_challenge]"
+[[ "${MMLU100:-0}" == 1 ]] && rows results/maps_trained/runs_mmlu100 eval.ppl.enabled=false "$MODES" "eval.tasks=[mmlu]"
 
 echo "set one of FIDELITY=1, HS200=1, ARC100=1, MMLU100=1 (see the header)" >&2
 exit 2

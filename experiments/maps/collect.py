@@ -291,6 +291,9 @@ def hs200_rows(args: argparse.Namespace, summaries: dict, timing) -> tuple[list[
                 raise SystemExit(f"{arc} evaluated another map than {d}: rerun ARC100=1 for {d.name}")
             row.update({k: v for k, v in row_of(d.name, a, None).items() if k.startswith("ARC")})
         p256 = {r["prefix"]: r for r in s.get("ppl", [])}.get(256)
+        rerun = Path(args.scored_runs) / d.name / "summary.json"
+        if p256 and p256.get("transfer_gap_closed_se") is None and rerun.exists():
+            row.update(scored_ppl_cells(p256, load_run(rerun.parent), rerun.parent))
         m = s.get("native_tail", 1)
         if m in truncated and p256:  # share of the (target at P = m) -> target log-ppl gap the mapped rest closes
             row["truncated target ppl (last m only)"] = round(truncated[m], 2)
@@ -314,6 +317,22 @@ def hs200_rows(args: argparse.Namespace, summaries: dict, timing) -> tuple[list[
             if r.get("native tail") and r.get("HS n"):
                 r["re-prefill share HS"] = share[r["native tail"]]
     return hs_rows, speed
+
+
+PPL_REPRODUCED = 1e-4  # relative: float32 CPU kernels at another thread count, same windows and map
+
+
+def scored_ppl_cells(p256: dict, rerun: dict, where: Path) -> dict:
+    """The ppl@256 gap-closed cell of a committed HS200 row with the SE of its SCORED=1 rerun (per-window NLLs),
+    once the rerun reproduced every perplexity of the row at P = 256 within PPL_REPRODUCED (relative); a rerun
+    that did not reproduce it is an error, not a source of SEs."""
+    new = {r["prefix"]: r for r in rerun.get("ppl", [])}.get(256) or {}
+    worst = max(abs(new[m] - p256[m]) / p256[m] for m in ("target", "transfer", "no_context"))
+    if worst > PPL_REPRODUCED:
+        raise SystemExit(f"{where} differs from the committed row's perplexities at P = 256 by up to {worst:.2g} "
+                         "(relative): it did not reproduce that row, so its SE is not the row's")
+    return {"ppl@256 gap closed %": _pm(new.get("transfer_gap_closed"), new.get("transfer_gap_closed_se"), pct=True),
+            "ppl SE from": f"{where.parent.name}/{where.name} (reproduced to {worst:.1g})"}
 
 
 def hellaswag_tail_shares(args: argparse.Namespace, tokenizer_path: str, tails: set[int]) -> dict[int, float]:

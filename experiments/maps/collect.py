@@ -442,7 +442,10 @@ def block_goal2(hs_rows: list[dict], diff: dict | None = None) -> str:
             f"log-perplexity gap at P = 256 {_pc(a['ppl@256 gap closed %'])} vs {_pc(b['ppl@256 gap closed %'])}. "
             "**The SE of the paired difference** (`kvtransfer.eval.metrics.paired_difference` / `gap_closed_difference`), "
             "the comparison that decides \"as good within one SE\", **needs rerun**: these runs kept their per-item "
-            "and per-window scores only in the artifact cache (a rerun at this commit writes `scores.json`).\n")
+            "and per-window scores only in the artifact cache; `SCORED=1 bash experiments/maps/run.sh` reruns both with "
+            "`scores.json` (`runs_hs200_scored/`: " + (", ".join(sorted(d.name for d in Path("results/maps/runs_hs200_scored").iterdir()
+                                                                       if (d / "scores.json").exists())) or "none yet")
+            + " so far).\n")
 
 
 def goal2_text(a: dict, b: dict, diff: dict) -> str:

@@ -467,11 +467,14 @@ def test_plan_matches_measured_host_peak(dtype, accumulate, capture):
     of what the plan adds for calibrate beyond the runtime and the weights. Measured here: 1.01 / 1.03 / 1.06
     x the plan. This caught two plan errors: in-place moments counted twice on a CPU run, and a
     serialisation copy per checkpoint piece that writing host tensors does not make."""
+    import os
     import subprocess
     import sys
 
+    # the probe imports the kvtransfer of this checkout, not whichever one is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "rss_probe.py"), dtype, accumulate, capture],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+                         capture_output=True, text=True, check=True, cwd=ROOT, env=env)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert (r["dx"], r["dy"]) == (40_960 // 8, 65_536 // 8)
     assert r["planned_bytes"] > 0.4 * P.GiB          # the moments dominate, so the comparison means something

@@ -149,10 +149,21 @@ def results_provenance(summaries: dict[str, dict]) -> dict:
     return {"commits": commits, "dirty": dirty, "no_commit": none, "runs": len(summaries)}
 
 
-def provenance_header(summaries: dict[str, dict], collected_by: str) -> str:
+def provenance_header(summaries: dict[str, dict], collected_by: str, *, reproduced: dict[str, str] | None = None,
+                      not_rerun: dict[str, str] | None = None) -> str:
     """A Markdown block for a results README: which commits made its runs, and a warning when any ran from a
-    dirty tree, at several commits, or records no commit. Written by the collect scripts (never typed)."""
+    dirty tree, at several commits, or records no commit. Written by the collect scripts (never typed).
+
+    `reproduced` {run: what reproduced it}: runs whose numbers a rerun at a clean commit reproduced (the collect
+    checked it); `not_rerun` {run: why}: why a dirty or commit-less run was not rerun. Every dirty or
+    commit-less run must be in one of them, so the block never leaves one unexplained (ValueError otherwise).
+    """
+    reproduced, not_rerun = reproduced or {}, not_rerun or {}
     p = results_provenance(summaries)
+    unexplained = sorted(set(p["dirty"] + p["no_commit"]) - set(reproduced) - set(not_rerun))
+    if unexplained:
+        raise ValueError(f"{collected_by}: runs {unexplained} ran from a dirty tree or record no commit; say which "
+                         "clean rerun reproduced each (reproduced=) or why it was not rerun (not_rerun=)")
     lines = [f"**Provenance** (written by `{collected_by}` from the runs' `summary.json` → `environment`): "
              f"{p['runs']} run{'s' if p['runs'] != 1 else ''}."]
     if len(p["commits"]) > 1:
@@ -166,6 +177,11 @@ def provenance_header(summaries: dict[str, dict], collected_by: str) -> str:
     if p["no_commit"]:
         lines.append(f"- **Record no commit** (made before summaries kept one): "
                      f"{', '.join(f'`{n}`' for n in sorted(p['no_commit']))}.")
+    for name in sorted(set(p["dirty"] + p["no_commit"])):
+        if name in reproduced:
+            lines.append(f"  - `{name}`: reproduced by {reproduced[name]}.")
+        else:
+            lines.append(f"  - `{name}`: not rerun: {not_rerun[name]}.")
     if not (p["dirty"] or p["no_commit"]) and len(p["commits"]) == 1:
         lines.append("- Every run is at one clean commit.")
     return "\n".join(lines)

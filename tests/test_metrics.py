@@ -111,7 +111,11 @@ def test_provenance_header_names_dirty_and_mixed_commits():
 
     runs = {"a": {"environment": {"commit": "a" * 40, "dirty": False}},
             "b": {"environment": {"commit": "b" * 40, "dirty": True}}, "c": {"environment": {}}}
-    text = provenance_header(runs, "collect.py")
+    with pytest.raises(ValueError, match="not_rerun"):  # a dirty or commit-less run left unexplained
+        provenance_header(runs, "collect.py", not_rerun={"c": "too slow"})
+    text = provenance_header(runs, "collect.py", reproduced={"b": "`b2` at clean `bbbbbbb`"},
+                             not_rerun={"c": "too slow"})
     assert "2 different commits" in text and "dirty" in text and "`c`" in text
+    assert "`b`: reproduced by `b2` at clean `bbbbbbb`" in text and "`c`: not rerun: too slow" in text
     clean = provenance_header({"a": runs["a"]}, "collect.py")
     assert "one clean commit" in clean

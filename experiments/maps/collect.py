@@ -469,9 +469,38 @@ def goal2_text(a: dict, b: dict, diff: dict) -> str:
             f"Reruns: {repro or 'no committed row to compare'}.\n")
 
 
+# why a run that ran from a dirty tree or records no commit was not rerun (the provenance block prints it);
+# a run rerun at a clean commit that reproduced it goes through `clean_reruns` instead
+NOT_RERUN = {
+    "fidelity_runs/rank64": "an ablation row (held-out fidelity only), not a headline",
+    "fidelity_runs/rank64_attn": "an ablation row (held-out fidelity only), not a headline",
+    "runs_hs200/paper_sink1_tail4": "a native-tail ablation row, not a headline",
+    "runs_hs200/paper_sink1_tail16": "a native-tail ablation row, not a headline",
+    "runs_hs200/paper_sink1_tail64": "a native-tail ablation row, not a headline",
+    "runs_hs200/truncation_floor": "the native-tail rows' reference (the target alone on the last m tokens)",
+    "runs_hs200/speed_tail": "CPU timing of the native tails, which needs an idle machine to be worth redoing",
+    "qwen25coder/wiki_k8_sink0": "the n = 100 paper-map row without the native sink, not a headline",
+}
+
+
+def clean_reruns(goal2: dict | None, summaries: dict[str, dict]) -> dict[str, str]:
+    """{run: sentence} for the committed HS200 rows whose SCORED=1 rerun (runs_hs200_scored/, a clean commit)
+    reproduced every HellaSwag and P = 256 perplexity number exactly (`goal2_difference` compared them)."""
+    out = {}
+    for name, d in ((goal2 or {}).get("reproduced") or {}).items():
+        rerun = summaries.get(f"runs_hs200_scored/{name}") or {}
+        env = rerun.get("environment") or {}
+        if d == 0 and env.get("commit") and not env.get("dirty"):
+            out[f"runs_hs200/{name}"] = (f"`runs_hs200_scored/{name}` at clean `{env['commit'][:7]}` (every HellaSwag "
+                                         "accuracy and P = 256 perplexity equal)")
+    return out
+
+
 def readme_blocks(data: dict, summaries: dict[str, dict]) -> dict[str, str]:
     """{block name: Markdown} of results/maps/README.md, from the rows `build` made (no model, no timing)."""
-    blocks = {"provenance": provenance_header(summaries, COLLECT), "maps_n100": block_n100(data["rows"])}
+    blocks = {"provenance": provenance_header(summaries, COLLECT, reproduced=clean_reruns(data.get("goal2"), summaries),
+                                              not_rerun=NOT_RERUN),
+              "maps_n100": block_n100(data["rows"])}
     if data["fid_rows"]:
         blocks["fidelity_only"] = block_fidelity(data["fid_rows"])
     if data["hs_rows"]:

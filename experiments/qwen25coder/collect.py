@@ -331,9 +331,21 @@ def block_eval_cost(s: dict) -> str:
             "partly contended): " + "; ".join(parts) + ".\n")
 
 
+# why a run that ran from a dirty tree or records no commit was not rerun (the provenance block prints it)
+NOT_RERUN = {
+    "main_coqa": ("10-turn CoQA costs about 36 min of 2-core CPU for target and transfer (eval_seconds), and a rerun "
+                  "must not reuse the cached answers; the main configuration's other numbers come from clean `main`"),
+    "handbook_k8_sink0": "a calibration-data ablation that needs its own handbook calibration, not a headline",
+    "handbook_k8_sink1": "a calibration-data ablation that needs its own handbook calibration, not a headline",
+    "wiki_k8_sink0": "the paper map without the native sink, an ablation row at n = 100",
+    "wiki_no_rerotation": "an ablation row at n = 100 (the RoPE re-rotation switched off)",
+    "speed": "CPU timing of the real pair, which needs the idle machine to be worth redoing",
+}
+
+
 def readme_blocks(summaries: dict[str, dict], out: Path) -> dict[str, str]:
     """{block name: Markdown} of results/qwen25coder/README.md, from the runs alone (no model, no timing)."""
-    blocks = {"provenance": provenance_header(summaries, COLLECT)}
+    blocks = {"provenance": provenance_header(summaries, COLLECT, not_rerun=NOT_RERUN)}
     main = main_summary(summaries)
     if main is not None:
         s = main[1]

@@ -44,6 +44,11 @@ def _tiny() -> dict[Path, dict[str, str]]:
     return {ROOT / "results/tiny/README.md": c.blocks(s), ROOT / "README.md": c.top_blocks(s)}
 
 
+def _bench_cpu() -> dict[Path, dict[str, str]]:
+    c = _module("experiments/bench_cpu/collect.py")
+    return {ROOT / "results/bench_cpu/README.md": c.blocks(c.load(ROOT / "results/bench_cpu"))}
+
+
 def _plan() -> dict[Path, dict[str, str]]:
     c = _module("results/plan/figure.py")
     return {ROOT / "results/plan/README.md": {"key_numbers": c.key_numbers(c.load_plans())}}
@@ -57,7 +62,7 @@ def generated(tmp_path_factory) -> dict[Path, dict[str, str]]:
     os.chdir(ROOT)  # the collect scripts' default paths are relative to the repository root
     try:
         out: dict[Path, dict[str, str]] = {}
-        for make in (_qwen25coder, _maps, _tiny, _plan):
+        for make in (_qwen25coder, _maps, _tiny, _bench_cpu, _plan):
             for path, blocks in make().items():
                 out.setdefault(path, {}).update(blocks)
         return out

@@ -126,8 +126,12 @@ def plot_speedup(rows: list[dict], path: str | Path) -> Path:
     ax.set_xlabel("tokens")
     ax.set_ylabel("re-prefill time / mapper time (median; bars: min–max range)")
     r0 = rows[0]
+    # rows are timed one after another, so the load differs per row: the title gives the range of the 1-min loads
+    ones = sorted(float(w[0]) for w in (str(r.get("load_avg", "")).split() for r in rows)
+                  if w and w[0].replace(".", "", 1).isdigit())
+    load = f"1-min load {ones[0]:.2f}–{ones[-1]:.2f}" if ones else f"load {load_average()}"
     ax.set_title(f"shapes-only (random weights, real configs, {r0.get('layers_run')} layer(s) run), {r0['device']} "
-                 f"{r0['dtype']}\nload {r0.get('load_avg', load_average())}; n = {r0.get('repeats', '?')} repeats; "
+                 f"{r0['dtype']}\n{load} over the rows; n = {r0.get('repeats', '?')} repeats; "
                  "dashed: FLOP ratio", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))

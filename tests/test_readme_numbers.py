@@ -49,6 +49,11 @@ def _bench_cpu() -> dict[Path, dict[str, str]]:
     return {ROOT / "results/bench_cpu/README.md": c.blocks(c.load(ROOT / "results/bench_cpu"))}
 
 
+def _serve() -> dict[Path, dict[str, str]]:
+    c = _module("experiments/serve/collect.py")
+    return {ROOT / "results/serve/README.md": c.blocks(ROOT / "results/serve")}
+
+
 def _plan() -> dict[Path, dict[str, str]]:
     c = _module("results/plan/figure.py")
     return {ROOT / "results/plan/README.md": {"key_numbers": c.key_numbers(c.load_plans())}}
@@ -62,7 +67,7 @@ def generated(tmp_path_factory) -> dict[Path, dict[str, str]]:
     os.chdir(ROOT)  # the collect scripts' default paths are relative to the repository root
     try:
         out: dict[Path, dict[str, str]] = {}
-        for make in (_qwen25coder, _maps, _tiny, _bench_cpu, _plan):
+        for make in (_qwen25coder, _maps, _tiny, _bench_cpu, _serve, _plan):
             for path, blocks in make().items():
                 out.setdefault(path, {}).update(blocks)
         return out

@@ -30,7 +30,8 @@ from ..moments import HeldOut, Moments
 from ..preflight import preflight
 from ..provenance import environment
 from ..ridge import UnderdeterminedFit, fit_ridge
-from ..runconfig import STAGES, needs_feature_sample, parse_stages, resolve, source_features  # noqa: F401 (STAGES: re-exported)
+from ..runconfig import (STAGES, needs_feature_sample, parse_stages, resolve,  # noqa: F401 (STAGES: re-exported)
+                         source_features)
 from ..select import r2_matrix, select_greedy, select_topk
 from .artifacts import ARTIFACTS, KEY_VERSION, compute_key
 

@@ -262,7 +262,7 @@ def test_a_mapper_that_needs_hidden_states_and_gets_none_names_the_fix(repo_pair
 # -- the runner --------------------------------------------------------------------------------------------------------
 def _tiny_cfg(tmp_path, *extra):
     return compose_config("pair=tiny", "mapper=hidden", "calib.n_sequences=24", "calib.seq_len=64",
-                          "calib.batch_size=8", "calib.mlp_samples=0", "report.variance_k=[1]",
+                          "calib.batch_size=8", "report.variance_k=[1]",
                           f"cache_dir={tmp_path / 'artifacts'}", "progress=false", *extra)
 
 
@@ -297,6 +297,9 @@ def test_mapper_hidden_through_the_runner(tmp_path):
     assert len({r.key("calibration") for r in (run, other, ridge)}) == 3
     assert run.key("mapper") != other.key("mapper")
     assert run.features == "hidden" and other.features == "hidden_kv" and ridge.features == "kv"
+    # the tiny calibration asks for an MLP feature sample (calib.mlp_samples); a hidden-state calibration keeps none
+    assert cfg["calib"]["mlp_samples"] > 0 and (run.moments_dir("stripped") / "calibration.json").exists()
+    assert not (run.moments_dir("stripped") / "mlp_sample.safetensors").exists()
 
 
 def test_the_p_over_n_guard_names_the_fix(tmp_path):

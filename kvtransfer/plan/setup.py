@@ -155,8 +155,9 @@ class Setup:
     @property
     def mlp_sample(self) -> int:
         """The calibration's kept feature rows (float32 x and y, K and V): kept whenever calib.mlp_samples > 0,
-        whatever the mapper (one calibration serves ridge, MLP and weighting=attention_mass fits)."""
-        return sample_bytes(self.sample_rows, self.dx, self.dy)
+        whatever the mapper (one calibration serves ridge, MLP and weighting=attention_mass fits) -- except a
+        hidden-state calibration (mapper=hidden), which keeps none (`Run._calibrate_locked`)."""
+        return sample_bytes(self.sample_rows, self.dx, self.dy) if self.src_features == "kv" else 0
 
     @property
     def mass_weighted(self) -> bool:

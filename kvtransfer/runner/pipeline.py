@@ -239,8 +239,9 @@ class Run:
         directory.mkdir(parents=True, exist_ok=True)
         ids = self.token_ids()
         sampler = None
-        # the MLP's feature sample is kept whenever asked for, so one calibration serves ridge and MLP fits
-        if calib.get("mlp_samples", 0) and key_space == self.key_space:
+        # the MLP's feature sample is kept whenever asked for, so one calibration serves ridge and MLP fits; not in a
+        # hidden-state calibration (mapper=hidden), whose rows no MLP or attention-mass fit reads (they calibrate K/V)
+        if calib.get("mlp_samples", 0) and key_space == self.key_space and self.features == "kv":
             from ..mlp import FeatureSampler
 
             n_train = len(split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))[0])

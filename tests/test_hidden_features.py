@@ -361,3 +361,19 @@ def test_stated_costs_at_the_real_pairs():
     assert hidden_map_cost(28, 2, 24, 896, 128, 256, "hidden_kv")["apply_flops_per_token"] == 58_734_592
     assert hidden_map_cost(64, 2, 40, 5120, 1024, 1024, "hidden_kv")["store_values_per_token"] * 2 == 573_440
     assert mapper_class("hidden") is HiddenMapper and "hidden" in FEATURES and issubclass(HiddenMapper, Mapper)
+
+
+def test_the_dry_run_sizes_its_calibration_by_the_feature_width():
+    """dry_run=true keeps p/n <= dry.p_over_n for mapper=hidden too: p = k * (H + n_kv * d) on the stand-ins."""
+    from kvtransfer.dryrun.run import calib_sequences
+
+    def n_seq(*overrides):
+        cfg = compose_config("pair=qwen3_14b_32b", "mapper.k=2", *overrides)
+        return calib_sequences(cfg, cfg["dry"], 256), cfg["dry"]
+
+    (kv, dry), (hkv, _) = n_seq(), n_seq("mapper=hidden", "mapper.features=hidden_kv")
+    calib = compose_config("pair=qwen3_14b_32b")["calib"]
+    per_seq = len(range(0, 256, int(calib["stride"])))
+    width = int(dry["hidden_size"]) + 8 * int(dry["head_dim"])  # stand-in H + Qwen3-14B's 8 KV heads x dry head_dim
+    n_train = math.ceil(2 * width / float(dry["p_over_n"]) / per_seq)
+    assert hkv == max(10, math.ceil(n_train / (1 - float(calib["heldout_fraction"]))) + 1) and hkv > kv

@@ -55,13 +55,15 @@ def hidden_size(model_or_config) -> int:
 
 
 def _norms(model, layers) -> list:
+    """The input_layernorm module of each decoder layer in `layers` (ValueError for an architecture without one)."""
     blocks = decoder(model).layers
     out = []
     for layer in layers:
         norm = getattr(blocks[layer], "input_layernorm", None)
         if norm is None:
             raise ValueError(f"decoder layer {layer} of {type(model).__name__} has no input_layernorm: hidden-state "
-                             "features are defined as its output (kvtransfer.hidden); this architecture is not supported")
+                             "features are defined as its output (kvtransfer.hidden); this architecture is not "
+                             "supported")
         out.append(norm)
     return out
 

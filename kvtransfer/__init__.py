@@ -5,14 +5,16 @@ Public API (the numerical core; no Hydra, lm-eval or W&B imports here):
     collect_moments(source, target, ids, ...) -> CalibrationMoments(train Moments, heldout HeldOut features)
     r2_matrix / select_topk / select_greedy   source-layer selection
     fit_ridge(moments, selected_layers, ...)  -> RidgeFit
-    Mapper.from_ridge / Mapper.save / Mapper.load; load_mapper (any kind: ridge or mlp)
+    Mapper.from_ridge / Mapper.save / Mapper.load; load_mapper (any kind: ridge, trained, hidden, factored, mlp)
+    prefill_with_hidden(model, ids, ...)      -> (cache, {layer: normed input}) for hidden-state maps (HiddenMapper)
     transfer(source_cache, mapper, source_model, target_model, ...) -> DynamicCache
     map_layers / map_layers_reference        the fast mapping path and the plain one it is tested against
 """
 from .cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
 from .calibrate import CalibrationMoments, collect_moments, kv_features
 from .diagnostics import compare_caches
-from .mapper import Mapper, MapperBase, load_mapper
+from .hidden import prefill_with_hidden
+from .mapper import HiddenMapper, Mapper, MapperBase, load_mapper
 from .models import check_same_tokenizer, kv_shape, load_model, model_identity
 from .moments import HeldOut, Moments
 from .ridge import RidgeFit, UnderdeterminedFit, fit_ridge
@@ -25,6 +27,6 @@ __all__ = [
     "load_model", "check_same_tokenizer", "kv_shape", "model_identity", "RopeCodec", "prefill",
     "forward_on_cache", "cache_to_layers", "layers_to_cache", "collect_moments", "kv_features",
     "CalibrationMoments", "Moments", "HeldOut", "r2_matrix", "select_topk", "select_greedy", "fit_ridge", "RidgeFit",
-    "UnderdeterminedFit", "Mapper", "MapperBase", "load_mapper", "transfer", "map_layers", "map_layers_reference",
+    "UnderdeterminedFit", "Mapper", "MapperBase", "HiddenMapper", "load_mapper", "prefill_with_hidden", "transfer", "map_layers", "map_layers_reference",
     "codec_for", "compare_caches",
 ]

@@ -25,7 +25,7 @@ import torch
 
 from .cache import prefill
 from .io import PIECE_BYTES, atomic_save_tensors, load_tensor_dir, load_tensors, read_tensor_manifest, save_tensor_dir
-from .models import KVShape, kv_shape
+from .models import KVShape, decoder, kv_shape
 from .moments import KINDS, HeldOut, Moments
 from .rope import RopeCodec
 
@@ -47,29 +47,46 @@ def subsample_positions(seq_len: int, stride: int) -> torch.Tensor:
 
 @torch.no_grad()
 def kv_features(model, input_ids: torch.Tensor, *, stride: int = 4, key_space: str = "stripped",
-                layers: list[int] | None = None, codec: RopeCodec | None = None) -> dict[str, torch.Tensor]:
+                layers: list[int] | None = None, codec: RopeCodec | None = None,
+                features: str = "kv") -> dict[str, torch.Tensor]:
     """Per-token KV features of `model` on unpadded ids [batch, seq].
 
-    Returns {"k": [batch * kept, len(layers) * n_kv * d], "v": same} in float32, rows ordered
-    (batch, position), columns (layer, head, dim); keys RoPE-stripped when key_space="stripped".
+    Returns {"k": [batch * kept, len(layers) * width], "v": same} in float32, rows ordered
+    (batch, position), columns (layer, feature); keys RoPE-stripped when key_space="stripped".
+    features (kvtransfer.hidden): "kv" (width n_kv * d: the layer's K or V, head by head), "hidden" (width H: the
+    layer's normed input, the same block for "k" and "v") or "hidden_kv" (width H + n_kv * d: [normed input | K]
+    for "k", [normed input | V] for "v"); the normed inputs come from the same prefill (`hidden.capture_hidden`).
     """
+    from .hidden import capture_hidden, check_features
+
     if key_space not in KEY_SPACES:
         raise ValueError(f"key_space must be one of {KEY_SPACES}, got {key_space!r}")
-    cache = prefill(model, input_ids)
-    layers = range(len(cache)) if layers is None else layers
+    check_features(features)
     keep = subsample_positions(input_ids.shape[1], stride).to(input_ids.device)
-    if key_space == "stripped":
+    if features == "kv":
+        cache, hidden = prefill(model, input_ids), {}
+        layers = range(len(cache)) if layers is None else layers
+    else:
+        layers = range(len(decoder(model).layers)) if layers is None else layers
+        with capture_hidden(model, list(layers), keep) as hidden:
+            cache = prefill(model, input_ids)
+    if key_space == "stripped" and features != "hidden":
         codec = codec or RopeCodec(model)
     out = {"k": [], "v": []}
-    for layer in layers:
-        keys, values = cache[layer]
-        idx = keep.to(keys.device)   # a model spread by device_map keeps each layer's cache on its own device
-        k, v = keys[:, :, idx], values[:, :, idx]
-        if key_space == "stripped":
-            k = codec.strip(k, idx)
-        for kind, t in (("k", k), ("v", v)):
-            b, h, s, d = t.shape
-            out[kind].append(t.float().permute(0, 2, 1, 3).reshape(b * s, h * d).to(input_ids.device))
+    for layer in layers:  # per layer: [normed input] (hidden, hidden_kv), then [K or V] (kv, hidden_kv)
+        kv = {}
+        if features != "hidden":
+            keys, values = cache[layer]
+            idx = keep.to(keys.device)   # a model spread by device_map keeps each layer's cache on its own device
+            kv = {"k": codec.strip(keys[:, :, idx], idx) if key_space == "stripped" else keys[:, :, idx],
+                  "v": values[:, :, idx]}
+        for kind in KINDS:
+            if features != "kv":
+                x = hidden[layer]  # [batch, kept, H]
+                out[kind].append(x.float().reshape(-1, x.shape[-1]).to(input_ids.device))
+            if kind in kv:
+                b, h, s, d = kv[kind].shape
+                out[kind].append(kv[kind].float().permute(0, 2, 1, 3).reshape(b * s, h * d).to(input_ids.device))
     return {kind: torch.cat(out[kind], dim=1) for kind in KINDS}
 
 
@@ -103,7 +120,7 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
                     checkpoint_every: int = 64, checkpoint_piece_bytes: int = PIECE_BYTES, dtype: torch.dtype = torch.float64,
                     compute_dtype: torch.dtype | None = None, store_device="cpu", accumulate: str = "host",
                     stop_after_batches: int | None = None, feature_sink: Callable | None = None,
-                    progress: Callable | None = None) -> CalibrationMoments:
+                    progress: Callable | None = None, features: str = "kv") -> CalibrationMoments:
     """Stream calibration sequences through source and target; return train/held-out moments.
 
     token_ids: int64 [n_sequences, seq_len], no padding (equal-length chunks of text).
@@ -128,7 +145,13 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     keep a bounded sample for training an MLP mapper); not replayed for batches restored from a
     checkpoint.
     progress: optional callable wrapping an iterable (e.g. tqdm).
+    features: the source's features (`kv_features`; kvtransfer.hidden): "kv" (the paper's), "hidden" or
+    "hidden_kv" (the source's normed layer inputs, alone or beside its K/V); the moments' source_width is then
+    H or H + n_kv_s * d_s per source layer. The target's features are always its K/V.
     """
+    from .hidden import check_features, feature_width, hidden_size
+
+    check_features(features)
     if accumulate not in ("host", "device"):
         raise ValueError(f"accumulate must be 'host' or 'device', got {accumulate!r}")
     if capture not in ("co-resident", "sequential"):
@@ -150,6 +173,8 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
                 "heldout_observations": heldout_observations, "seed": seed,
                 "key_space": key_space, "target_layers": target_layers, "dtype": str(dtype),
                 "compute_dtype": str(compute_dtype) if accumulate == "host" else str(dtype), "accumulate": accumulate}
+    if features != "kv":  # only then: the paper's calibrations keep their fingerprints (and resume their checkpoints)
+        settings["features"] = features
     fingerprint = _fingerprint(token_ids, settings)
 
     split, done = None, 0
@@ -167,17 +192,21 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
             shape = kv_shape(src_model)
             for i in wrap(pending, desc="source features"):
                 ids = token_ids[batches[i][1]].to(src_model.device)
-                feats = kv_features(src_model, ids, stride=stride, key_space=key_space, codec=src_codec)
+                feats = kv_features(src_model, ids, stride=stride, key_space=key_space, codec=src_codec,
+                                    features=features)
                 atomic_save_tensors(feature_dir / f"batch_{i:06d}.safetensors", feats,
                                     {"fingerprint": fingerprint, "batch": i,
-                                     "source_shape": [shape.n_layers, shape.n_kv, shape.head_dim]})
+                                     "source_shape": [shape.n_layers, shape.n_kv, shape.head_dim],
+                                     "source_hidden": hidden_size(src_model)})
             del src_model, src_codec
             _free_accelerator()
-        src_shape = KVShape(*load_tensors(feature_dir / f"batch_{len(batches) - 1:06d}.safetensors")[1]["source_shape"])
+        meta = load_tensors(feature_dir / f"batch_{len(batches) - 1:06d}.safetensors")[1]
+        src_shape, src_hidden = KVShape(*meta["source_shape"]), meta.get("source_hidden", 0)
         tgt_model = _resolve(target)
     else:
         src_codec = RopeCodec(src_model) if key_space == "stripped" else None
-        src_shape = kv_shape(src_model)
+        src_shape, src_hidden = kv_shape(src_model), hidden_size(src_model)
+    src_width = feature_width(features, src_hidden, src_shape.width)
     tgt_codec = RopeCodec(tgt_model) if key_space == "stripped" else None
     tgt_shape = kv_shape(tgt_model)
     tgt_layers = list(range(tgt_shape.n_layers)) if target_layers is None else list(target_layers)
@@ -187,9 +216,9 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
         src_layers = list(range(src_shape.n_layers))
         held_total = len(held_idx) * len(subsample_positions(token_ids.shape[1], stride))
         train_device = tgt_model.device if accumulate == "device" else store_device
-        split = {"train": Moments(src_layers, tgt_layers, src_shape.width, tgt_shape.width, dtype, train_device,
+        split = {"train": Moments(src_layers, tgt_layers, src_width, tgt_shape.width, dtype, train_device,
                                   info=dict(info), wide=accumulate == "device"),
-                 "heldout": HeldOut.sampled(src_layers, tgt_layers, src_shape.width, tgt_shape.width,
+                 "heldout": HeldOut.sampled(src_layers, tgt_layers, src_width, tgt_shape.width,
                                             total=held_total, capacity=heldout_observations, seed=seed,
                                             device=store_device, info=dict(info))}
 
@@ -207,7 +236,7 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
                 raise ValueError(f"{feature_dir} holds features of a different calibration; use an empty feature_dir")
         else:
             x = kv_features(src_model, token_ids[idx].to(src_model.device), stride=stride, key_space=key_space,
-                            codec=src_codec)
+                            codec=src_codec, features=features)
         x = {k: t.to(y["k"].device) for k, t in x.items()}
         if name == "train" and accumulate == "device":
             split[name].accumulate(x, y)
@@ -229,11 +258,11 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
 @torch.no_grad()
 def sample_features(source, target, token_ids: torch.Tensor, train_batches: list[list[int]], sink, *, stride: int,
                     key_space: str = "stripped", target_layers: list[int] | None = None, checkpoint_every: int = 8,
-                    progress=None) -> None:
+                    progress=None, features: str = "kv") -> None:
     """Feed `sink(split, batch_index, x, y)` (a `mlp.FeatureSampler`) the train batches' features exactly as
     `collect_moments` would, without the moments: for a calibration whose moments exist but whose feature
     sample does not. Batches the sink already holds are skipped, and `sink.checkpoint()` runs every
-    `checkpoint_every` batches, so an interrupted pass resumes."""
+    `checkpoint_every` batches, so an interrupted pass resumes. `features`: the source's, as in `collect_moments`."""
     wrap = progress or (lambda it, **_: it)
     src_codec = RopeCodec(source) if key_space == "stripped" else None
     tgt_codec = RopeCodec(target) if key_space == "stripped" else None
@@ -243,7 +272,8 @@ def sample_features(source, target, token_ids: torch.Tensor, train_batches: list
         idx = train_batches[i]
         y = kv_features(target, token_ids[idx].to(target.device), stride=stride, key_space=key_space,
                         layers=target_layers, codec=tgt_codec)
-        x = kv_features(source, token_ids[idx].to(source.device), stride=stride, key_space=key_space, codec=src_codec)
+        x = kv_features(source, token_ids[idx].to(source.device), stride=stride, key_space=key_space, codec=src_codec,
+                        features=features)
         sink("train", i, x, y)
         if (n + 1) % checkpoint_every == 0 and hasattr(sink, "checkpoint"):
             sink.checkpoint()

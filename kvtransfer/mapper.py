@@ -15,7 +15,9 @@ The ridge kind (the paper's) stores
 with L_t * 2 * p * q (+ biases) parameters, as counted in the paper. The MLP kind (the paper's
 fallback) stores per (target layer, K/V, head) a 3-layer MLP with standardised inputs and outputs.
 The trained kind (kvtransfer.train_map) is the ridge kind with weights trained for the target's attention
-output: same tensors, same apply path. The factored kind holds the map families of kvtransfer.families (head-local support, reduced rank,
+output: same tensors, same apply path. The hidden kind (kvtransfer.hidden) is the ridge kind fitted on the
+source's normed layer inputs (alone, or beside its K/V): same tensors, wider p, and applying it needs the
+source's hidden states. The factored kind holds the map families of kvtransfer.families (head-local support, reduced rank,
 attention-weighted fits). Every artifact carries `native_sink`, the number of leading context
 positions the target computes itself when the map is applied, so the map and its sink travel together.
 """
@@ -54,12 +56,18 @@ class MapperBase:
     r2: dict = field(default_factory=dict)
     native_sink: int = 0  # first N context positions the target computes itself when this map is applied
     kind = "base"
+    features = "kv"  # what the map reads of the source per selected layer (kvtransfer.hidden.FEATURES)
     _FLOAT_TENSORS: ClassVar[tuple[str, ...]] = ()  # per kind: its floating-point tensor attributes
 
     @property
     def k(self) -> int:
         """Source layers per target layer."""
         return self.selected_layers.shape[1]
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether applying the map needs the source's hidden states (`transfer(..., source_hidden=...)`)."""
+        return self.features != "kv"
 
     @property
     def n_parameters(self) -> int:
@@ -265,6 +273,60 @@ class TrainedMapper(Mapper):
 
 
 @dataclass(kw_only=True)
+class HiddenMapper(Mapper):
+    """A closed-form ridge map from the source's hidden states (issue 23 §2, kvtransfer.hidden): per target layer
+    y = x @ weight[t] + bias[t] as the ridge kind, where x concatenates, over the k selected source layers, the
+    normed layer input [H] ("hidden") or [normed input | K or V] [H + n_kv_s * d_s] ("hidden_kv").
+    Applying it needs those hidden states: `transfer` / `map_layers` take them as `source_hidden`."""
+
+    features: str = "hidden"   # an instance field here (the other kinds read the class default "kv")
+    hidden_size: int = 0       # H of the source
+    kind = "hidden"
+
+    @property
+    def feature_width(self) -> int:
+        """Columns per selected source layer: H or H + n_kv_s * d_s."""
+        from .hidden import feature_width
+
+        return feature_width(self.features, self.hidden_size, int(self.source["n_kv"]) * int(self.source["head_dim"]))
+
+    @property
+    def store_values_per_token(self) -> int:
+        """Values per token a serving engine must keep to apply this map: the hidden states of every used source
+        layer (+ their K and V for hidden_kv). Times the dtype's size for bytes."""
+        from .hidden import used_layers
+
+        kv = 2 * int(self.source["n_kv"]) * int(self.source["head_dim"]) if self.features == "hidden_kv" else 0
+        return len(used_layers(self.selected_layers)) * (self.hidden_size + kv)
+
+    def extra_manifest(self) -> dict:
+        return {"features": self.features, "hidden_size": self.hidden_size, "feature_width": self.feature_width,
+                "store_values_per_token": self.store_values_per_token}
+
+    @classmethod
+    def from_ridge(cls, fit: RidgeFit, source_model, target_model, *, features: str, hidden_size: int,
+                   key_space: str = "stripped", calibration: dict | None = None) -> "HiddenMapper":
+        """Pack a `RidgeFit` on hidden-state moments (source_width = the feature width) into a HiddenMapper."""
+        from .hidden import check_features
+
+        if check_features(features) == "kv":
+            raise ValueError("features='kv' is the ridge kind (Mapper.from_ridge)")
+        ridge = Mapper.from_ridge(fit, source_model, target_model, key_space=key_space, calibration=calibration)
+        mapper = cls(weight=ridge.weight, bias=ridge.bias, selected_layers=ridge.selected_layers, source=ridge.source,
+                     target=ridge.target, key_space=key_space, lam=ridge.lam, calibration=ridge.calibration,
+                     r2=ridge.r2, features=features, hidden_size=int(hidden_size))
+        if mapper.weight.shape[2] != mapper.k * mapper.feature_width:
+            raise ValueError(f"the fit has {mapper.weight.shape[2]} features per target layer, not k * feature width "
+                             f"= {mapper.k} * {mapper.feature_width} ({features}, H = {hidden_size})")
+        return mapper
+
+    @classmethod
+    def from_tensors(cls, tensors, common, manifest) -> "HiddenMapper":
+        return cls(weight=tensors["weight"], bias=tensors["bias"], features=manifest["features"],
+                   hidden_size=int(manifest["hidden_size"]), **common)
+
+
+@dataclass(kw_only=True)
 class MLPMapper(MapperBase):
     """Per-head MLPs; tensors stacked [L_t, 2, n_kv_t, ...] (K heads at [:, 0], V heads at [:, 1])."""
 
@@ -410,8 +472,8 @@ def _cat(blocks: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
 
 
 def mapper_class(kind: str) -> type:
-    """The class of mapper kind `kind` ("ridge", "trained", "mlp", "factored"); ValueError for an unknown kind."""
-    kinds = {cls.kind: cls for cls in (Mapper, TrainedMapper, MLPMapper, FactoredMapper)}  # kind name, as written in manifests -> class
+    """The class of mapper kind `kind` ("ridge", "trained", "hidden", "mlp", "factored"); ValueError for an unknown kind."""
+    kinds = {cls.kind: cls for cls in (Mapper, TrainedMapper, HiddenMapper, MLPMapper, FactoredMapper)}  # kind name, as written in manifests -> class
     if kind not in kinds:
         raise ValueError(f"unknown mapper kind {kind!r} (known: {sorted(kinds)})")
     return kinds[kind]

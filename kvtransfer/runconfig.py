@@ -7,6 +7,8 @@ and the resource plan (`kvtransfer.plan`), so the two can never read a key diffe
     side_spec(cfg, side)      -> pair.<side> of the model playing `side` under pair.direction
     calib_split(cfg)          -> (train, held-out) sequence indices (calibrate.split_heldout)
     kept_positions(calib)     -> calibration positions kept per sequence (calibrate.subsample_positions)
+    source_features(mapper)   -> what the calibration and the map read of the source: "kv", or its hidden states
+                                 (mapper=hidden, kvtransfer.hidden)
 
 Part of the core: imports only the core (no Hydra, no runner, no plan).
 """
@@ -40,7 +42,7 @@ class Resolved:
     lam: float
     key_space: str           # "stripped" | "rotated"
     rope_at_inference: bool
-    mapper_kind: str         # "ridge" | "trained" | "mlp"
+    mapper_kind: str         # "ridge" | "trained" | "hidden" | "mlp"
     direction: str           # "forward" | "reverse"
 
     def k_layers(self, n_source_layers: int) -> int:
@@ -93,6 +95,18 @@ def kept_positions(calib: dict) -> int:
     from .calibrate import subsample_positions
 
     return int(subsample_positions(int(calib["seq_len"]), int(calib["stride"])).numel())
+
+
+def source_features(mapper: dict) -> str:
+    """What the calibration and the map read of the source per layer (kvtransfer.hidden.FEATURES): mapper.features
+    for mapper=hidden ("hidden" | "hidden_kv"), else the paper's K/V ("kv")."""
+    if mapper.get("kind", "ridge") != "hidden":
+        return "kv"
+    features = mapper.get("features", "hidden")
+    if features not in ("hidden", "hidden_kv"):
+        raise ValueError(f"mapper=hidden reads mapper.features=hidden or hidden_kv, got {features!r} (the K/V-only map "
+                         "is mapper=ridge)")
+    return features
 
 
 def needs_feature_sample(mapper: dict) -> bool:

@@ -33,7 +33,8 @@ def codec_for(model) -> RopeCodec:
 @torch.no_grad()
 def map_layers_reference(source_layers: KVLayers, mapper: MapperBase, positions: torch.Tensor, *,
                          source_codec: RopeCodec | None, target_codec: RopeCodec | None, target_n_kv: int,
-                         out_dtype: torch.dtype | None = None, rope_at_inference: bool = True) -> KVLayers:
+                         out_dtype: torch.dtype | None = None, rope_at_inference: bool = True,
+                         source_hidden: dict[int, torch.Tensor] | None = None) -> KVLayers:
     """What `map_layers` computes, written plainly (its tests compare against this); same arguments.
 
     Per target layer t: gather its selected source layers in feature order, strip the source RoPE
@@ -45,14 +46,21 @@ def map_layers_reference(source_layers: KVLayers, mapper: MapperBase, positions:
     rotate = mapper.key_space == "stripped" and rope_at_inference
     out_dtype = out_dtype or source_layers[0][0].dtype
     out = []
+    if mapper.needs_hidden:
+        _check_hidden(source_hidden, sorted({s for row in mapper.selected_layers.tolist() for s in row}), batch, seq,
+                      mapper)
     for t, row in enumerate(mapper.selected_layers.tolist()):
         keys, values = [], []
-        for s in row:  # gather (and strip)
+        for s in row:  # gather (and strip): per layer [batch * seq, width] blocks
             k, v = source_layers[s]
-            keys.append(source_codec.strip(k, positions) if rotate else k)
+            k = source_codec.strip(k, positions) if rotate else k
+            k, v = (z.transpose(1, 2).reshape(batch * seq, -1) for z in (k, v))  # (head, dim) columns
+            if mapper.needs_hidden:  # [normed input] or [normed input | K or V] (kvtransfer.hidden)
+                h = source_hidden[s].reshape(batch * seq, -1).to(k.dtype)
+                k, v = (h, h) if mapper.features == "hidden" else (torch.cat([h, k], 1), torch.cat([h, v], 1))
+            keys.append(k)
             values.append(v)
-        # [batch, n_kv_s, seq, d_s] per layer -> features [batch * seq, (layer, head, dim)]
-        x = torch.stack([torch.cat(part, dim=1).transpose(1, 2).reshape(batch * seq, -1) for part in (keys, values)])
+        x = torch.stack([torch.cat(part, dim=1) for part in (keys, values)])  # [2, batch * seq, (layer, feature)]
         y = mapper.map_features(t, x.to(mapper.device, mapper.dtype))  # GEMM: [2, batch * seq, n_kv_t * d_t]
         k_t, v_t = y.view(2, batch, seq, target_n_kv, -1).transpose(2, 3)  # [batch, n_kv_t, seq, d_t] each
         if rotate:
@@ -65,7 +73,8 @@ def map_layers_reference(source_layers: KVLayers, mapper: MapperBase, positions:
 def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Tensor, *,
                source_codec: RopeCodec | None, target_codec: RopeCodec | None, target_n_kv: int,
                out_dtype: torch.dtype | None = None, rope_at_inference: bool = True,
-               chunk_tokens: int = 8192, check_finite: bool = True) -> KVLayers:
+               chunk_tokens: int = 8192, check_finite: bool = True,
+               source_hidden: dict[int, torch.Tensor] | None = None) -> KVLayers:
     """Map per-layer source (keys, values) [batch, n_kv_s, seq, d_s] to target layers.
 
     positions: int64 [batch, seq] (or [seq]) true token positions used to strip and re-apply RoPE.
@@ -80,6 +89,10 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
     blocks of that buffer (runs of consecutive used layers), so a kind can map straight from the
     views (`MapperBase.map_blocks`); results go into one preallocated [L_t, 2, batch, n_kv_t, seq,
     d_t] output, keys re-rotated on the way.
+
+    source_hidden: {source layer: [batch, seq, H]} normed layer inputs (`hidden.prefill_with_hidden`), needed
+    (for every used source layer) by a mapper whose `needs_hidden` (the hidden kind); ignored otherwise. Each
+    used layer's feature block is then [hidden] or [hidden | K stripped] / [hidden | V] (kvtransfer.hidden).
     """
     batch, _, seq, _ = source_layers[0][0].shape
     if positions.dim() == 1:
@@ -93,6 +106,10 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
     used = sorted({s for row in sel for s in row})
     slot = {s: i for i, s in enumerate(used)}
     width = source_layers[used[0]][0].shape[1] * source_layers[used[0]][0].shape[3]  # n_kv_s * d_s
+    features = mapper.features
+    if mapper.needs_hidden:
+        _check_hidden(source_hidden, used, batch, seq, mapper)
+        width = mapper.feature_width  # H (+ n_kv_s * d_s) per used layer
     runs = [_runs([slot[s] for s in row]) for row in sel]  # per target: [(first slot, first feature, n layers)]
     out = None  # [L_t, 2, batch, n_kv_t, seq, d_t], allocated once d_t is known
     chunk = max(1, chunk_tokens // batch)
@@ -100,7 +117,11 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
         sl = slice(start, min(seq, start + chunk))
         pos, rows = positions[:, sl], batch * (sl.stop - sl.start)
         with _serial_elementwise(device):  # memory-bound: copy the used source layers, strip keys
-            flat = _gather_stripped(source_layers, used, sl, pos, source_codec if rotate else None, device, dtype)
+            if features == "kv":
+                flat = _gather_stripped(source_layers, used, sl, pos, source_codec if rotate else None, device, dtype)
+            else:
+                flat = _gather_hidden(source_layers, source_hidden, used, sl, pos, source_codec if rotate else None,
+                                      device, dtype, with_kv=features == "hidden_kv")
         gather = _Gather(2, rows, len(sel[0]) * width, device=device, dtype=dtype)  # one buffer per chunk
         if rotate:
             cos, sin = (x.to(device) for x in target_codec.cos_sin(pos))  # [batch|1, 1, chunk, d_t]
@@ -155,6 +176,42 @@ class _Gather:
         return self.buffer
 
 
+def _check_hidden(source_hidden, used: list[int], batch: int, seq: int, mapper) -> None:
+    """Raise a ValueError naming the fix when a hidden-feature mapper is not given the hidden states it reads."""
+    fix = ("prefill the source with kvtransfer.hidden.prefill_with_hidden(source, input_ids, attention_mask, "
+           "layers=kvtransfer.hidden.used_layers(mapper.selected_layers)) and pass its hidden states as "
+           "source_hidden=")
+    if source_hidden is None:
+        raise ValueError(f"this mapper (kind {mapper.kind!r}, features {mapper.features!r}) maps from the source's "
+                         f"hidden states, and none were given: {fix}")
+    missing = [s for s in used if s not in source_hidden]
+    if missing:
+        raise ValueError(f"source_hidden lacks source layers {missing} that this mapper reads: {fix}")
+    for s in used:
+        shape = tuple(source_hidden[s].shape)
+        if shape != (batch, seq, mapper.hidden_size):
+            raise ValueError(f"source_hidden[{s}] is {shape}, expected (batch, seq, H) = "
+                             f"{(batch, seq, mapper.hidden_size)} (the cache's batch and length, the mapper's H)")
+
+
+def _gather_hidden(source_layers: KVLayers, source_hidden: dict, used: list[int], sl: slice, pos: torch.Tensor,
+                   codec: RopeCodec | None, device, dtype, *, with_kv: bool) -> torch.Tensor:
+    """Tokens `sl` of source layers `used` as hidden-state features [2, batch * chunk, len(used) * width] in
+    `dtype`: per layer the normed input [H] (the same for K and V targets) and, `with_kv`, then its stripped
+    keys (K targets) / values (V targets) as `_gather_stripped` makes them."""
+    h0 = source_hidden[used[0]]
+    batch, _, hid = h0.shape
+    n = sl.stop - sl.start
+    kv = _gather_stripped(source_layers, used, sl, pos, codec, device, dtype) if with_kv else None
+    width = hid + (kv.shape[-1] // len(used) if with_kv else 0)
+    feats = torch.empty(2, batch * n, len(used), width, device=device, dtype=dtype)
+    for i, s in enumerate(used):
+        feats[:, :, i, :hid].copy_(source_hidden[s][:, sl].reshape(1, batch * n, hid).expand(2, -1, -1))
+    if with_kv:
+        feats[:, :, :, hid:].copy_(kv.view(2, batch * n, len(used), -1))
+    return feats.view(2, batch * n, len(used) * width)
+
+
 def _gather_stripped(source_layers: KVLayers, used: list[int], sl: slice, pos: torch.Tensor,
                      codec: RopeCodec | None, device, dtype) -> torch.Tensor:
     """Tokens `sl` of source layers `used` as features [2, batch * chunk, len(used) * n_kv * d] in
@@ -200,7 +257,7 @@ class _serial_elementwise:
 def transfer(source_cache, mapper: MapperBase, source_model, target_model, *, attention_mask=None,
              positions: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
              native_sink: int | None = None, rope_at_inference: bool = True, chunk_tokens: int = 8192,
-             as_layers: bool = False, check_pair: bool = True):
+             as_layers: bool = False, check_pair: bool = True, source_hidden: dict[int, torch.Tensor] | None = None):
     """Map a source model's prefilled cache into a fresh target `DynamicCache`.
 
     source_cache: a `DynamicCache` or per-layer (keys, values) [batch, n_kv_s, seq, d_s].
@@ -212,6 +269,8 @@ def transfer(source_cache, mapper: MapperBase, source_model, target_model, *, at
     DynamicCache (or layers with `as_layers=True`) in the target model's dtype, each layer's keys
     and values on the device that target layer runs on (`place_on_layers`: the mapper's device
     unless the target is spread by a `device_map`).
+    source_hidden: {source layer: [batch, seq, H]} the source's normed layer inputs from the same prefill
+    (`hidden.prefill_with_hidden`); required by a mapper that `needs_hidden` (ValueError naming the fix).
     """
     if check_pair:
         mapper.check_pair(source_model, target_model)
@@ -223,7 +282,8 @@ def transfer(source_cache, mapper: MapperBase, source_model, target_model, *, at
     tgt = kv_shape(target_model)
     mapped = map_layers(layers, mapper, positions, source_codec=codec_for(source_model),
                         target_codec=codec_for(target_model), target_n_kv=tgt.n_kv,
-                        out_dtype=target_model.dtype, rope_at_inference=rope_at_inference, chunk_tokens=chunk_tokens)
+                        out_dtype=target_model.dtype, rope_at_inference=rope_at_inference, chunk_tokens=chunk_tokens,
+                        source_hidden=source_hidden)
     native_sink = mapper.native_sink if native_sink is None else native_sink
     if native_sink > 0:
         if input_ids is None:

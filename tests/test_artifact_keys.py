@@ -19,7 +19,7 @@ from kvtransfer.runner.artifacts import (ARTIFACTS, NOT_INPUTS, OPAQUE, classify
                                          lookup)
 from run_configs import ROOT, compose_config
 
-GROUPS = {"calib": ["fineweb_edu", "local", "tiny"], "mapper": ["ridge", "mlp", "trained"], "eval": ["default", "tiny"],
+GROUPS = {"calib": ["fineweb_edu", "local", "tiny"], "mapper": ["ridge", "mlp", "trained", "hidden"], "eval": ["default", "tiny"],
           "ablation": ["full", "no_rerotation", "no_rope", "no_rope_k1", "no_rope_k1_no_ridge"],
           "bench": ["default", "tiny"]}
 PAIRS = sorted(p.stem for p in (ROOT / "conf" / "pair").glob("*.yaml"))
@@ -97,7 +97,8 @@ def _key(name: str, cfg: dict, **change) -> str:
 BASES = {"ridge": compose_config("pair=qwen3_14b_32b"),
          "attention": compose_config("pair=qwen3_14b_32b", "mapper.weighting=attention", "mapper.rank=64"),
          "mlp": compose_config("pair=qwen3_14b_32b", "mapper=mlp", "calib.mlp_samples=65536"),
-         "trained": compose_config("pair=qwen3_14b_32b", "mapper=trained")}
+         "trained": compose_config("pair=qwen3_14b_32b", "mapper=trained"),
+         "hidden": compose_config("pair=qwen3_14b_32b", "mapper=hidden")}
 
 
 @pytest.mark.parametrize("name", sorted(ARTIFACTS))
@@ -136,6 +137,25 @@ def test_the_trained_maps_knobs_key_only_the_trained_map():
     assert knobs & set(key_inputs("mapper", mlp)) == {"mapper.lr", "mapper.device"}  # shared with the MLP
     # the trained map is its own artifact: the ridge map it starts from keeps its key
     assert _key("mapper", trained) != _key("mapper", ridge)
+
+
+def test_the_source_features_key_the_calibration_and_the_map_only_for_the_hidden_kind():
+    """mapper.features (issue 23 §2) decides what the calibration reads of the source: a hidden-state map's
+    calibration and map are keyed by it, and every other kind keeps the paper's calibration key."""
+    hidden, ridge = BASES["hidden"], BASES["ridge"]
+    assert key_inputs("calibration", hidden)["mapper.features"] == "hidden"
+    assert "mapper.features" not in key_inputs("calibration", ridge)
+    other = _set(hidden, "mapper.features", "hidden_kv")
+    for name in ("calibration", "mapper"):
+        assert _key(name, other) != _key(name, hidden), f"{name}: mapper.features not keyed"
+    # the hidden-state calibration is its own artifact; a ridge run's calibration key is the one it always had
+    assert _key("calibration", hidden) != _key("calibration", ridge)
+    assert _key("calibration", ridge) == _key("calibration", _set(ridge, "mapper.features", "hidden"))
+    # through the runner's key chain: the mapper's key follows its calibration's
+    from kvtransfer.runconfig import source_features
+
+    assert source_features(hidden["mapper"]) == "hidden" and source_features(other["mapper"]) == "hidden_kv"
+    assert source_features(ridge["mapper"]) == "kv"
 
 
 def test_the_seed_and_the_model_run_settings_key_the_calibration():

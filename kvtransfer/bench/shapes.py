@@ -147,19 +147,26 @@ def dtype_size(dtype: torch.dtype) -> int:
 
 
 def mapper_cost(source_config, target_config, k: int, tokens: int, *, n_target_layers: int,
-                n_source_used: int, weight_bytes: int = 4, cache_bytes: int = 4, out_bytes: int = 4) -> dict:
+                n_source_used: int, weight_bytes: int = 4, cache_bytes: int = 4, out_bytes: int = 4,
+                features: str = "kv") -> dict:
     """FLOPs and minimal bytes of mapping `tokens` tokens into `n_target_layers` layers.
 
     gemm_flops = L_t * 2 (K,V) * 2*tokens*p*q; flops adds bias (L_t*2*tokens*q) and RoPE
-    (strip: 4/elem on n_source_used layers' keys, apply: 3/elem on target keys). bytes = mapper
-    weights+biases + source K,V of the used layers read + target K,V written.
+    (strip: 4/elem on n_source_used layers' keys when the map reads them, apply: 3/elem on target keys).
+    bytes = mapper weights+biases + the source features of the used layers read (K,V; or hidden states,
+    `features` as in kvtransfer.hidden) + target K,V written. p = k * the feature width per source layer.
     """
+    from ..hidden import feature_width
+
     s, t = kv_shape(source_config), kv_shape(target_config)
-    p, q = k * s.width, t.width
+    hidden = int(getattr(source_config, "hidden_size", 0) or 0)
+    p, q = k * feature_width(features, hidden, s.width), t.width
+    read = (0 if features == "hidden" else 2 * s.width) + (0 if features == "kv" else hidden)  # values per token, layer
     gemm = n_target_layers * 2 * 2 * tokens * p * q
-    rope = n_source_used * tokens * s.width * ROPE_STRIP_FLOPS + n_target_layers * tokens * q * ROPE_APPLY_FLOPS
+    strip = n_source_used * tokens * s.width * ROPE_STRIP_FLOPS if features != "hidden" else 0
+    rope = strip + n_target_layers * tokens * q * ROPE_APPLY_FLOPS
     flops = gemm + n_target_layers * 2 * tokens * q + rope
-    nbytes = (n_target_layers * 2 * (p * q + q) * weight_bytes + n_source_used * 2 * tokens * s.width * cache_bytes
+    nbytes = (n_target_layers * 2 * (p * q + q) * weight_bytes + n_source_used * tokens * read * cache_bytes
               + n_target_layers * 2 * tokens * q * out_bytes)
     return {"gemm_flops": gemm, "flops": flops, "bytes": nbytes}
 

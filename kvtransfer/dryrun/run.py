@@ -88,20 +88,23 @@ def check_placement(cfg: dict) -> None:
         max_memory_for(cfg, side)
 
 
-def _side_kv(cfg: dict, side: str, dry: dict) -> tuple[int, int]:
-    """(layers, KV width) of the model playing `side` in the dry run: the stand-in's, or a local model's own."""
+def _side_kv(cfg: dict, side: str, dry: dict) -> tuple[int, int, int]:
+    """(layers, KV width, hidden size) of the model playing `side` in the dry run: the stand-in's, or a local
+    model's own."""
     from transformers import AutoConfig
 
+    from ..hidden import hidden_size
     from ..models import kv_shape
     from ..resources.model_configs import MODEL_CONFIGS
 
     spec = cfg["pair"][_config_side(cfg, side)]
     if spec.get("path"):
-        shape = kv_shape(AutoConfig.from_pretrained(spec["path"], trust_remote_code=cfg.get("trust_remote_code", False)))
-        return shape.n_layers, shape.n_kv * shape.head_dim
+        config = AutoConfig.from_pretrained(spec["path"], trust_remote_code=cfg.get("trust_remote_code", False))
+        shape = kv_shape(config)
+        return shape.n_layers, shape.n_kv * shape.head_dim, hidden_size(config)
     row = MODEL_CONFIGS[spec["id"]]
     n_kv = row.get("num_key_value_heads") or row["num_attention_heads"]
-    return row["num_hidden_layers"], n_kv * dry["head_dim"]
+    return row["num_hidden_layers"], n_kv * dry["head_dim"], int(dry["hidden_size"])
 
 
 def _config_side(cfg: dict, side: str) -> str:
@@ -112,7 +115,11 @@ def calib_sequences(cfg: dict, dry: dict, seq_len: int) -> int:
     """Calibration sequences for the dry run: enough that the fit's features / observations <= dry.p_over_n
     (the ridge refuses >= 0.5), at least 10 (one held out)."""
     calib, mapper, ablation = cfg["calib"], cfg["mapper"], cfg.get("ablation") or {}
-    layers, width = _side_kv(cfg, "source", dry)
+    from ..hidden import feature_width
+    from ..runconfig import source_features
+
+    layers, width, hidden = _side_kv(cfg, "source", dry)
+    width = feature_width(source_features(mapper), hidden, width)  # mapper=hidden reads H (+ K/V) per layer
     k = ablation.get("k") if ablation.get("k") is not None else mapper["k"]
     p = (layers if k == "all" else int(k)) * width
     per_seq = len(range(0, seq_len, int(calib["stride"])))

@@ -42,6 +42,7 @@ from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normali
                                   postprocess_generated_text, resolve_max_length)
 
 from ..context import check_mapper, check_policy, start_ids
+from ..hidden import prefill_with_hidden, used_layers
 from ..cache import cache_to_layers, continuation_logprobs, forward_on_cache, layers_to_cache, prefill
 from ..mapper import MapperBase, load_mapper
 from ..models import check_same_tokenizer, kv_shape, load_model
@@ -295,13 +296,19 @@ class KVTransferLM(TemplateLM):
             layers = prefill(self.target_model, ids, mask)
             return cache_to_layers(layers_to_cache(layers, self.target_model.config)), mask
         src_ids, src_mask = ids.to(self.source_model.device), mask.to(self.source_model.device)
-        src = prefill(self.source_model, src_ids, src_mask)
+        hidden = None
+        if self.mode == "transfer" and getattr(self.mapper, "needs_hidden", False):
+            # a hidden-state map (kvtransfer.hidden) also reads the source's normed layer inputs: the same prefill
+            src, hidden = prefill_with_hidden(self.source_model, src_ids, src_mask,
+                                              layers=used_layers(self.mapper.selected_layers))
+        else:
+            src = prefill(self.source_model, src_ids, src_mask)
         if self.mode == "identity":
             dev, dt = self.target_model.device, self.target_model.dtype
             return [(k.to(dev, dt), v.to(dev, dt)) for k, v in src], mask
         layers = transfer(src, self.mapper, self.source_model, self.target_model, attention_mask=src_mask,
                           input_ids=src_ids, native_sink=self.native_sink, as_layers=True,
-                          rope_at_inference=self.rope_at_inference)
+                          rope_at_inference=self.rope_at_inference, source_hidden=hidden)
         return layers, mask.to(self.target_model.device)
 
     def cut(self, context: list[int]) -> tuple[list[int], list[int]]:

@@ -88,7 +88,8 @@ def _protocol(s: Setup) -> dict:
             "heldout_observations": s.held_rows, "heldout_gib": round(s.heldout / GiB, 2),
             "source_weights_gib": round(weight_bytes(s.src, s.w) / GiB, 2),
             "target_weights_gib": round(weight_bytes(s.tgt, s.w) / GiB, 2),
-            "mapper_params": mapper_params(s.src.width, s.tgt, s.k)}
+            "mapper_params": mapper_params(s.fw, s.tgt, s.k), "source_features": s.src_features,
+            "feature_width": s.fw}
 
 
 def make_plan(cfg: dict, node: Node, *, shapes: tuple[ModelShape, ModelShape] | None = None,

@@ -126,10 +126,12 @@ def _longest(s: Setup) -> tuple[int, int]:
 
 
 def map_buffers(s: Setup, rows: int) -> float:
-    """map_layers per chunk (float32 mapper): used source layers [2, rows, used*W_s] (+ stripped keys
-    when not in place), gather buffer [2, rows, p]."""
-    used = min(s.src.layers, s.k * s.tgt.layers)
-    return 2 * rows * used * s.src.width * 4 + rows * used * s.src.width * 4 + 2 * rows * s.p * 4
+    """map_layers per chunk (float32 mapper): used source layers [2, rows, used*W] (+ stripped keys
+    when not in place), gather buffer [2, rows, p]; W = the feature width per source layer (n_kv_s * d_s,
+    or H (+ n_kv_s * d_s) for a hidden-state map, whose K/V part is gathered once more before the copy)."""
+    used = s.used_layers
+    return 2 * rows * used * s.fw * 4 + rows * used * s.src.width * 4 * (3 if s.src_features == "hidden_kv" else 1) \
+        + 2 * rows * s.p * 4
 
 
 def _eval_device(s: Setup, e: dict) -> dict:
@@ -140,7 +142,8 @@ def _eval_device(s: Setup, e: dict) -> dict:
     # the last context token + continuation reach the head
     logit_rows = min(n, cont + 1) if str(e.get("share_prefix")).lower() in ("true", "1", "yes") else n
     target_pass = forward_bytes(s.tgt, b, n, s.w, math_attention=math_attn)
-    transfer_pass = (forward_bytes(s.src, b, n, s.w, math_attention=math_attn)
+    # (+ a hidden-state map's normed layer inputs of the used source layers, captured in the source prefill)
+    transfer_pass = (forward_bytes(s.src, b, n, s.w, math_attention=math_attn) + b * n * s.hidden_per_token * s.w
                      + s.tgt.layers * 2 * b * n * s.tgt.width * s.w + map_buffers(s, min(b * n, 8192)))
     return {"source + target weights": s.weights("src", "tgt"), "mapper (float32)": s.mapper_w32,
             f"largest batch ({b} x {n} tokens: caches, activations)": max(target_pass, transfer_pass),
@@ -182,7 +185,7 @@ def bench(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> 
     n_max = max(tokens)
     n_inputs, reps = 3, int(bc.get("warmup", 3)) + int(bc.get("repeats", 10))
     mapped = s.tgt.layers * 2 * n_max * s.tgt.width * s.w
-    work = (n_inputs * s.src.layers * 2 * n_max * s.src.width * s.w + mapped
+    work = (n_inputs * (s.src.layers * 2 * s.src.width + s.hidden_per_token) * n_max * s.w + mapped
             + max(forward_bytes(s.tgt, 1, n_max, s.w, math_attention=s.math_attention()),
                   map_buffers(s, min(n_max, 8192))))
     shapes_only = bool(bc.get("shapes_only"))

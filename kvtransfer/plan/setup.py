@@ -2,7 +2,7 @@
 `kvtransfer.runconfig`) + the two model shapes + the node + the rates."""
 from __future__ import annotations
 
-from ..runconfig import calib_split, kept_positions, resolve
+from ..runconfig import calib_split, kept_positions, resolve, source_features
 from .node import GiB, Node
 from .rates import Rates
 from .shapes import (ModelShape, dtype_bytes, heldout_bytes, moments_bytes, offloaded_bytes, sample_bytes,
@@ -36,7 +36,7 @@ class Setup:
         self._models()
         self._calibration()
         self.k = self.resolved.k_layers(src.layers)
-        self.p, self.q = self.k * src.width, tgt.width
+        self.p, self.q = self.k * self.fw, tgt.width
         self.mapper_kind = self.resolved.mapper_kind
         self.key_space = self.resolved.key_space
 
@@ -83,7 +83,13 @@ class Setup:
         if c.get("accumulate", "host") not in ("host", "device"):
             raise ValueError(f"calib.accumulate must be host or device, got {c.get('accumulate')!r}")
         self.in_place = c.get("accumulate", "host") == "device"   # Moments.accumulate (on the target's device)
-        self.dx, self.dy = self.src.layers * self.src.width, self.tgt.layers * self.tgt.width
+        # the source's features per layer: its K or V (the paper's), or its hidden states (mapper=hidden,
+        # kvtransfer.hidden: H or H + n_kv_s * d_s columns per layer and kind) -- every size below follows
+        from ..hidden import feature_width
+
+        self.src_features = source_features(self.cfg["mapper"])
+        self.fw = feature_width(self.src_features, self.src.hidden, self.src.width)
+        self.dx, self.dy = self.src.layers * self.fw, self.tgt.layers * self.tgt.width
 
     # device-side bytes: on the GPU (per GPU, weights spread by device_map) or on the host (cpu runs);
     # an offloaded model holds its resident part + the one offloaded layer being run
@@ -149,8 +155,9 @@ class Setup:
     @property
     def mlp_sample(self) -> int:
         """The calibration's kept feature rows (float32 x and y, K and V): kept whenever calib.mlp_samples > 0,
-        whatever the mapper (one calibration serves ridge, MLP and weighting=attention_mass fits)."""
-        return sample_bytes(self.sample_rows, self.dx, self.dy)
+        whatever the mapper (one calibration serves ridge, MLP and weighting=attention_mass fits) -- except a
+        hidden-state calibration (mapper=hidden), which keeps none (`Run._calibrate_locked`)."""
+        return sample_bytes(self.sample_rows, self.dx, self.dy) if self.src_features == "kv" else 0
 
     @property
     def mass_weighted(self) -> bool:
@@ -174,6 +181,17 @@ class Setup:
         from ..mapper import Mapper
 
         return Mapper.params_at(t.layers, self.p, self.q)
+
+    @property
+    def used_layers(self) -> int:
+        """Source layers a map reads at most (the union of the selections is not known before the fit)."""
+        return min(self.src.layers, self.k * self.tgt.layers)
+
+    @property
+    def hidden_per_token(self) -> int:
+        """Hidden-state values per token a hidden-state map reads beside the cache (0 for K/V maps): H per used
+        source layer (`hidden.hidden_map_cost`'s store minus the K/V a cache holds anyway)."""
+        return self.used_layers * self.src.hidden if self.src_features != "kv" else 0
 
     @property
     def mapper_w32(self) -> int:

@@ -129,7 +129,7 @@ def ridge_flops(s: Setup, p: int) -> float:
 def r2_flops(s: Setup) -> float:
     """r2_matrix: per (kind, source layer) Cholesky of [W_s, W_s], solve against all Dy columns, a
     per-target-layer train R², and the held-out residuals of all Dy columns on the raw features."""
-    ws = s.src.width
+    ws = s.fw
     return 2 * s.src.layers * (ws ** 3 / 3 + 2 * ws * ws * s.dy + s.tgt.layers * 2 * ws * ws * s.q
                                + 2 * s.held_rows * ws * s.dy)
 
@@ -147,9 +147,9 @@ def _fit_mlp(s: Setup, dev: dict) -> tuple[dict, float]:
 def _fit_ridge(s: Setup, dev: dict) -> tuple[dict, float]:
     """(host work, seconds) of the ridge fit (+ the attention-mass pass); adds its device parts to `dev`."""
     r = s.rates
-    w64 = mapper_params(s.src.width, s.tgt, s.k) * 8
+    w64 = mapper_params(s.fw, s.tgt, s.k) * 8
     # + the held-out residuals of one row chunk (ridge.FEATURE_CHUNK rows x Dy, fp64, x3)
-    r2_work = s.src.width * s.dy * (s.a + 16) + 2048 * s.dy * 8 * 3
+    r2_work = s.fw * s.dy * (s.a + 16) + 2048 * s.dy * 8 * 3
     work = {"R² pass / one ridge solve / packing (3 x float64 weights)":
             max(r2_work, w64 + fit_transient(s, s.p), 3 * w64)}
     secs = (r2_flops(s) + ridge_flops(s, s.p)) / r.host_flops["float64"]
@@ -205,7 +205,7 @@ def fit(s: Setup, held_host: float, loaded: frozenset, disk_before: float) -> Us
     u.set_seconds({"read moments": 0.0 if held_host else s.calibration / r.disk, "solves (host float64)": fit_s,
                    "load weights": s.load_seconds(*[x for x in models if x not in loaded]),
                    "save mapper": s.mapper_w32 / r.disk})
-    if s.mapper_kind in ("ridge", "trained"):
+    if s.mapper_kind in ("ridge", "trained", "hidden"):
         ratio = s.p / max(1, s.n_train * s.kept)
         if ratio >= 0.5:
             u.notes.append(f"p/n = {ratio:.2f} >= 0.5: fit_ridge refuses (mapper.force=true to override)")
@@ -220,9 +220,9 @@ def report(s: Setup, held_host: float, loaded: frozenset, disk_before: float) ->
     rep = s.cfg.get("report") or {}
     n_obs = s.n_train * s.kept
     ks = [s.src.layers if k == "all" else int(k) for k in rep.get("variance_k", [])]
-    ks = [k for k in ks if k <= s.src.layers and k * s.src.width / max(1, n_obs) < 0.5]
-    fits_host = max([fit_transient(s, k * s.src.width) + mapper_params(s.src.width, s.tgt, k) * 8 for k in ks] or [0])
-    secs = {"Table-7 fits (host float64)": sum(ridge_flops(s, k * s.src.width) for k in ks) / r.host_flops["float64"],
+    ks = [k for k in ks if k <= s.src.layers and k * s.fw / max(1, n_obs) < 0.5]
+    fits_host = max([fit_transient(s, k * s.fw) + mapper_params(s.fw, s.tgt, k) * 8 for k in ks] or [0])
+    secs = {"Table-7 fits (host float64)": sum(ridge_flops(s, k * s.fw) for k in ks) / r.host_flops["float64"],
             "read moments": s.calibration / r.disk}
     dev = {"source + target weights": s.weights("src", "tgt")}
     host = {"held from earlier stages": held_host, "stripped moments (read back)": s.calibration,

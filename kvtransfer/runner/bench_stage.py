@@ -20,6 +20,7 @@ import torch
 from ..bench import shapes, timing
 from ..bench.measure import bench_pair
 from ..cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
+from ..hidden import prefill_with_hidden, used_layers
 from ..io import atomic_write_json
 from ..models import kv_shape
 from ..transfer import codec_for, map_layers
@@ -66,13 +67,17 @@ def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | 
             continue
         g = torch.Generator().manual_seed(n_tok)
         ids = [torch.randint(1, source.config.vocab_size, (1, n_tok), generator=g).to(device) for _ in range(n_inputs)]
-        caches = [prefill(source, i) for i in ids]
+        # (cache, hidden states or None): a hidden-state map (kvtransfer.hidden) also reads the source's normed
+        # layer inputs, captured from the same prefill
+        caches = [prefill_with_hidden(source, i, layers=used_layers(mapper.selected_layers)) if mapper.needs_hidden
+                  else (prefill(source, i), None) for i in ids]
         pos = torch.arange(n_tok, device=device)
         s_codec, t_codec = codec_for(source), codec_for(target)
 
-        def run_mapper(layers, positions=pos):
+        def run_mapper(item, positions=pos):
+            layers, hidden = item
             mapped = map_layers(layers, mapper, positions, source_codec=s_codec, target_codec=t_codec,
-                                target_n_kv=t_shape.n_kv, out_dtype=dtype)
+                                target_n_kv=t_shape.n_kv, out_dtype=dtype, source_hidden=hidden)
             return layers_to_cache(mapped, target.config)
 
         m = timing.time_fn(run_mapper, caches, warmup=warmup, repeats=repeats, device=device)
@@ -80,11 +85,12 @@ def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | 
         es = shapes.dtype_size(dtype)
         mc = shapes.mapper_cost(source.config, target.config, mapper.k, n_tok, n_target_layers=t_shape.n_layers,
                                n_source_used=used, weight_bytes=shapes.dtype_size(mapper.dtype),
-                               cache_bytes=es, out_bytes=es)
+                               cache_bytes=es, out_bytes=es, features=mapper.features)
         for tail in (t for t in native_tails if 0 < t < n_tok):
             head = n_tok - tail
-            heads = [cache_to_layers(run_mapper([(k[:, :, :head], v[:, :, :head]) for k, v in c], pos[:head]))
-                     for c in caches]
+            heads = [cache_to_layers(run_mapper(([(k[:, :, :head], v[:, :, :head]) for k, v in c],
+                                                 None if h is None else {s: x[:, :head] for s, x in h.items()}), pos[:head]))
+                     for c, h in caches]
             tf = timing.time_fn(lambda pair: forward_on_cache(target, pair[0], None, pair[1][:, head:]),
                                 list(zip(heads, ids)), warmup=warmup, repeats=repeats, device=device)
             row[f"tail{tail}_ms"] = tf["median_ms"]

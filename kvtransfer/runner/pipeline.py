@@ -24,13 +24,14 @@ from ..context import describe as describe_context
 from ..data import read_documents, stream_hf_documents, token_sequences
 from ..io import atomic_save_tensors, atomic_write_json, exclusive_lock, load_tensors
 from ..eval.metrics import SCHEMA_VERSION
-from ..mapper import FactoredMapper, Mapper, load_mapper
+from ..mapper import FactoredMapper, HiddenMapper, Mapper, load_mapper
 from ..models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model, max_memory_for
 from ..moments import HeldOut, Moments
 from ..preflight import preflight
 from ..provenance import environment
 from ..ridge import UnderdeterminedFit, fit_ridge
-from ..runconfig import STAGES, needs_feature_sample, parse_stages, resolve  # noqa: F401 (STAGES: re-exported)
+from ..runconfig import (STAGES, needs_feature_sample, parse_stages, resolve,  # noqa: F401 (STAGES: re-exported)
+                         source_features)
 from ..select import r2_matrix, select_greedy, select_topk
 from .artifacts import ARTIFACTS, KEY_VERSION, compute_key
 
@@ -238,8 +239,9 @@ class Run:
         directory.mkdir(parents=True, exist_ok=True)
         ids = self.token_ids()
         sampler = None
-        # the MLP's feature sample is kept whenever asked for, so one calibration serves ridge and MLP fits
-        if calib.get("mlp_samples", 0) and key_space == self.key_space:
+        # the MLP's feature sample is kept whenever asked for, so one calibration serves ridge and MLP fits; not in a
+        # hidden-state calibration (mapper=hidden), whose rows no MLP or attention-mass fit reads (they calibrate K/V)
+        if calib.get("mlp_samples", 0) and key_space == self.key_space and self.features == "kv":
             from ..mlp import FeatureSampler
 
             n_train = len(split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))[0])
@@ -261,7 +263,7 @@ class Run:
             checkpoint_path=directory / "calibration", checkpoint_every=calib.get("checkpoint_every", 64),
             dtype=dtype, compute_dtype=compute, store_device=calib.get("store_device", "cpu"),
             accumulate=calib.get("accumulate", "host"),
-            feature_sink=sampler, progress=self.progress)
+            feature_sink=sampler, progress=self.progress, features=self.features)
         seconds = time.perf_counter() - started
         if not result.train.info.get("complete"):
             raise RuntimeError(f"calibration in {directory} did not finish")
@@ -278,7 +280,7 @@ class Run:
                 "heldout_index": split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))[1],
                 "tokens_per_seq": calib["seq_len"], "stride": calib["stride"], "observations": result.train.n,
                 "heldout_observations": result.heldout.n, "heldout_observations_total": result.heldout.seen,
-                "features": result.train.source_width,
+                "features": result.train.source_width, "source_features": self.features,
                 "source_layers": len(result.train.source_layers), "key_space": key_space,
                 "data": calib.get("files") or f"{calib.get('dataset')}/{calib.get('dataset_name')}",
                 "domain": calib.get("domain") or _domain_name(calib),
@@ -286,6 +288,23 @@ class Run:
                 "seconds": round(seconds, 2)}
         atomic_write_json(directory / "calibration.json", info)  # the calibration/ checkpoint is now the artifact
         shutil.rmtree(directory / "features", ignore_errors=True)
+
+    @property
+    def features(self) -> str:
+        """What the calibration and the map read of the source per layer: "kv", or its hidden states under
+        mapper=hidden (runconfig.source_features, kvtransfer.hidden)."""
+        return source_features(self.cfg["mapper"])
+
+    def source_prefill(self, ids: torch.Tensor, mapper, attention_mask: torch.Tensor | None = None):
+        """(source cache layers, source_hidden or None) of ids on the source: the normed layer inputs of the
+        source layers `mapper` reads are captured from the same forward only when the mapper needs them."""
+        from ..cache import prefill
+        from ..hidden import prefill_with_hidden, used_layers
+
+        source = self.model("source")[0]
+        if getattr(mapper, "needs_hidden", False):
+            return prefill_with_hidden(source, ids, attention_mask, layers=used_layers(mapper.selected_layers))
+        return prefill(source, ids, attention_mask), None
 
     def _release(self, side: str) -> None:
         self._models.pop(side, None)
@@ -367,6 +386,8 @@ class Run:
                                       calibration=info)
             ridge.native_sink = int(mcfg.get("native_sink") or 0)
             mapper = self._train_map(ridge, train, heldout)
+        elif mcfg["kind"] == "hidden":  # ridge on the source's hidden states (kvtransfer.hidden; issue 23 §2)
+            mapper = self._fit_hidden(train, heldout, selected, info)
         elif mcfg["kind"] == "mlp":
             from ..mlp import FeatureSampler, fit_mlp
 
@@ -381,10 +402,32 @@ class Run:
                              seed=self.cfg.get("seed", 0), key_space=self.key_space, calibration=info,
                              progress=self.progress)
         else:
-            raise ValueError(f"mapper.kind must be ridge, trained or mlp, got {mcfg['kind']!r}")
+            raise ValueError(f"mapper.kind must be ridge, trained, hidden or mlp, got {mcfg['kind']!r}")
         mapper.calibration["fit_seconds"] = round(time.perf_counter() - started, 2)
         mapper.native_sink = int(mcfg.get("native_sink") or 0)  # the sink travels with the map
         mapper.save(directory)
+
+    def _fit_hidden(self, train: Moments, heldout: HeldOut, selected: list[list[int]], info: dict) -> HiddenMapper:
+        """mapper=hidden: the paper's closed-form ridge fit and top-k selection, on moments whose source block per
+        layer is the normed layer input [H] (features=hidden) or [normed input | K or V] (hidden_kv), i.e. the
+        calibration this config keys (`source_features`). The selection is the paper's procedure run on these
+        features (single-source R² of each target layer from each source layer's block, top k). A refused p/n
+        names the config fix."""
+        from ..hidden import hidden_size
+
+        mcfg = self.cfg["mapper"]
+        try:
+            fit = fit_ridge(train, selected, lam=self.lam, heldout=heldout, head_dim=self.target_head_dim(),
+                            force=mcfg.get("force", False), stride=info["stride"], progress=self.progress)
+        except UnderdeterminedFit as err:
+            raise UnderdeterminedFit(
+                f"mapper=hidden (features={self.features}) reads {train.source_width:,} features from each of its "
+                f"k = {max(len(s) for s in selected)} source layers, too many for the {train.n:,} calibration "
+                "observations: use fewer layers (mapper.k), more calibration text (calib.n_sequences, calib.seq_len, "
+                f"or a smaller calib.stride), or set mapper.force=true to fit anyway ({err})") from err
+        return HiddenMapper.from_ridge(fit, self.identity("source"), self.identity("target"), features=self.features,
+                                       hidden_size=hidden_size(self.identity("source")), key_space=self.key_space,
+                                       calibration=info)
 
     def _train_map(self, ridge: Mapper, train: Moments, heldout: HeldOut):
         """mapper=trained (kvtransfer.train_map): `ridge` trained layer by layer for the target's attention output
@@ -483,7 +526,7 @@ class Run:
             sampler = FeatureSampler(n, len(batches), seed, state_path=partial)
             source, target = self.model("source")[0], self.model("target")[0]
             sample_features(source, target, self.token_ids(), batches, sampler, stride=calib["stride"],
-                            key_space=self.key_space,
+                            key_space=self.key_space, features=self.features,
                             checkpoint_every=max(1, calib.get("checkpoint_every", 64) // calib["batch_size"]),
                             progress=self.progress)
             sampler.save(path)
@@ -566,9 +609,9 @@ class Run:
         source, target = self.model("source")[0], self.model("target")[0]
         prefix, continuation = rows[:, :-cont], rows[:, -cont:]
         mapper = mapper.to(target.device)
-        src = prefill(source, prefix.to(source.device))
+        src, hidden = self.source_prefill(prefix.to(source.device), mapper)  # + hidden states for mapper=hidden
         mapped = transfer(src, mapper, source, target, input_ids=prefix.to(source.device), native_sink=sink,
-                          rope_at_inference=self.rope_at_inference, as_layers=True)
+                          rope_at_inference=self.rope_at_inference, as_layers=True, source_hidden=hidden)
         native = prefill(target, prefix.to(target.device))
         continuation = continuation.to(target.device)
         result = {"sequences": int(rows.shape[0]), "heldout_index": held[:n_seq], "on_train_sequences": not held,

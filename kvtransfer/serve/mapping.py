@@ -77,6 +77,10 @@ class ServeMap:
     def __init__(self, mapper_dir: str | Path, source_config, target_config, *, target_path: str | None = None,
                  dtype: torch.dtype = torch.float32, sink_cache: str | Path | None = None):
         self.mapper: MapperBase = load_mapper(mapper_dir)
+        if self.mapper.needs_hidden:  # issue 23 §2: documented (conf/mapper/hidden.yaml), not served
+            raise ValueError(f"mapper {mapper_dir} is a {self.mapper.kind!r} map from the source's hidden states "
+                             f"(features {self.mapper.features!r}); the vLLM connector stores only the source's K/V, "
+                             "so it cannot serve it: serve a K/V map (mapper=ridge, trained, factored or mlp)")
         have = config_hash(text_config(target_config))
         if self.mapper.target["config_hash"] != have:
             raise ValueError(f"mapper {mapper_dir} was fitted for target {self.mapper.target.get('model_id')} "

@@ -37,7 +37,7 @@ from .cache import prefill
 from .models import decoder, kv_shape, text_config
 from .transfer import codec_for
 
-OBJECTIVES = ("layer_local",)
+OBJECTIVES = ("layer_local", "end_to_end")  # end_to_end: kvtransfer.train_e2e (all layers jointly)
 
 
 @dataclass(frozen=True)

@@ -278,3 +278,32 @@ def test_the_step_memory_formula_is_what_autograd_saves():
         slack = 4 * batch * (continuation * (c.hidden_size + qd + c.num_key_value_heads * c.head_dim)
                              + (context + continuation) * qd)
         assert bound - slack <= saved <= bound, (saved, bound, slack)
+
+
+def test_the_plan_counts_the_collection_the_map_state_and_a_step():
+    from run_configs import FIXED_RATES, compose_config
+    from tolerance import assert_rounded
+
+    from kvtransfer import plan as P
+
+    h200 = P.Node(**P.NODES["h200"])
+    fits = {name: P.make_plan(compose_config("pair=qwen3_14b_32b", *extra), h200, rates=FIXED_RATES,
+                              knobs=False)["stages"]["fit"]
+            for name, extra in (("ridge", ()), ("layer_local", ("mapper=trained",)),
+                                ("e2e", ("mapper=trained", "mapper.objective=end_to_end")))}
+    # Qwen3-14B -> 32B, the paper's calibration (1,024 tokens) and the defaults: 64 + 16 sequences, C = 1024 - 64,
+    # T = 64; all 40 source layers (K and V, 8 x 128 each); 64 target layers of 8 KV heads x 128, hidden 5120
+    per_seq = 4 * (2 * 960 * 40 * 1024 + 64 * 5120) + 8 * 64
+    assert e2e_nbytes(80, 960, 64, 40, 1024, 64, 8, 128, 5120, 0) == 80 * per_seq
+    host = fits["e2e"]["parts"]["host"]
+    assert_rounded(host["end-to-end collection (train + stop sequences, float32)"], 80 * per_seq / P.GiB, decimals=6,
+                   reason="the plan reports parts in GiB rounded to 6 decimals")
+    assert not any(k.startswith("layer-local") for k in host)
+    gpu = fits["e2e"]["parts"]["gpu"]
+    (name, value), = [(k, v) for k, v in gpu.items() if k.startswith("source + target weights (collection, training)")]
+    # bf16 weights of both models + 4 float32 copies of the map (1,074 M parameters) + a 4-sequence step's activations
+    step = e2e_step_nbytes(4, 960, 64, layers=64, hidden=5120, intermediate=25600, heads=64, kv_heads=8, head_dim=128,
+                           vocab=151936, p=8 * 1024, act_bytes=2)
+    map_values = 64 * 2 * (8 * 1024 * 1024 + 1024)
+    assert value * P.GiB > 4 * 4 * map_values + step
+    assert fits["e2e"]["seconds"] > fits["ridge"]["seconds"]

@@ -307,3 +307,17 @@ def test_the_plan_counts_the_collection_the_map_state_and_a_step():
     map_values = 64 * 2 * (8 * 1024 * 1024 + 1024)
     assert value * P.GiB > 4 * 4 * map_values + step
     assert fits["e2e"]["seconds"] > fits["ridge"]["seconds"]
+
+
+def test_the_dry_run_shrinks_the_context_and_continuation_into_its_sequences(tmp_path):
+    from run_configs import compose_config
+
+    from kvtransfer.dryrun.run import shrink
+
+    cfg = compose_config("pair=qwen3_14b_32b", "mapper=trained", "mapper.objective=end_to_end",
+                         "mapper.context_tokens=900")
+    small = shrink(cfg, tmp_path)
+    m, seq = small["mapper"], small["calib"]["seq_len"]
+    assert seq < 900 + 64 and m["continuation_tokens"] <= seq // 2 and m["context_tokens"] + m["continuation_tokens"] <= seq
+    assert shrink(compose_config("pair=qwen3_14b_32b", "mapper=trained", "mapper.objective=end_to_end"),
+                  tmp_path)["mapper"]["context_tokens"] is None  # the default: seq_len - continuation

@@ -10,8 +10,10 @@ Each calibration sequence is split into a context (its first C tokens) and a con
 context's cache is what `transfer.transfer` builds: the source's K/V of the context (keys RoPE-stripped when
 key_space="stripped"), mapped per target layer (`train_map.affine_kv`), keys re-rotated with the target's RoPE
 at positions 0..C-1, positions < native_sink the target's own. The frozen target then reads the continuation
-on that cache (positions C..C+T-1), exactly as the fidelity diagnostics and the perplexity evaluation read a
-transferred prefix; p_native is the target reading its own cache of the same context.
+on that cache (positions C..C+T-1), as the fidelity diagnostics read a transferred prefix (their KL is this
+loss on held-out sequences); p_native is the target reading its own cache of the same context. The start is
+the ridge map, never a layer-local-trained one: a two-stage start would make that artifact an input of this
+one, which is not built.
 
 Gradient path: the mapped K/V go into an HF `DynamicCache` (its `update` concatenates with torch.cat, which
 autograd differentiates), the target's forward runs with its parameters' requires_grad off (no weight
@@ -25,9 +27,10 @@ context, the native sink K/V and the target's final hidden states on the continu
 V / hidden ~ 100x smaller on Qwen; the native log-probs are recomputed per step through the LM head, +1/3 of
 the LM head's share of a step) -- bytes `e2e_nbytes`. One step's activations: `e2e_step_nbytes`; its FLOPs:
 `e2e_step_flops`. `train_e2e` runs Adam on (weight, bias) of all layers, evaluates the stop split's KL every
-`eval_every` steps, keeps the best evaluated weights (early stopping with `patience`), and keeps the starting
-weights -- bit for bit -- when no trained evaluation beats the start (`worse_than_start`; the start is the
-ridge map, so also `worse_than_ridge`). The numerical core: no Hydra, no lm-eval, no W&B.
+`eval_every` steps and keeps the best evaluated weights (early stopping with `patience`); unless that best is
+strictly below the start's stop KL it returns the starting weights bit for bit (`kept_start`), and when it is
+above the start or no evaluation was finite it says so (`worse_than_start`; the start is the ridge map, so
+also `worse_than_ridge`). The numerical core: no Hydra, no lm-eval, no W&B.
 """
 from __future__ import annotations
 
@@ -304,9 +307,10 @@ def train_e2e(target, data: E2EData, weight: torch.Tensor, bias: torch.Tensor, s
     on sequences `fit_rows` of `data`, early stopping on `stop_rows` (disjoint). Returns (weight, bias, record),
     float32 on the CPU (float64 when the start is float64): the best evaluated trained weights, or the starting
     ones, unchanged, when no step ran or no trained evaluation is below the start's stop KL.
-    record (KL in nats per continuation token): stop_kl_start, stop_kl_trained (best evaluated; None when no
-    step ran or none was finite), stop_kl_final (of the weights returned), worse_than_start (= worse_than_ridge:
-    the start is the ridge map), steps, best_step, train_kl_first / train_kl_last (mean minibatch KL of the
+    record (KL in nats per continuation token): objective, start ("ridge"), stop_kl_start, stop_kl_trained (best
+    evaluated; None when no step ran or none was finite), stop_kl_final (of the weights returned),
+    worse_than_start (= worse_than_ridge: the best trained evaluation above the start, or none finite after
+    steps ran), kept_start (the starting weights returned), steps, best_step, train_kl_first / train_kl_last (mean minibatch KL of the
     first / last evaluation window), train_kl (per step; None where not finite), evaluations [{step, train_kl
     (window mean), stop_kl}], seconds."""
     overlap = set(fit_rows) & set(stop_rows)

@@ -243,10 +243,11 @@ class Mapper(MapperBase):
 
 @dataclass(kw_only=True)
 class TrainedMapper(Mapper):
-    """The paper's map with weights trained for the target's attention output (kvtransfer.train_map): the
-    ridge kind's tensors, shapes and apply path (so the same apply FLOPs), plus the record of its training
-    (`training`: objective, the sequences it trained and stopped on, per-layer stop-split losses at the
-    ridge start and at the end, which layers kept their ridge weights because training made them worse)."""
+    """The paper's map with weights trained for the target's attention output (kvtransfer.train_map, layer by
+    layer) or its next-token KL (kvtransfer.train_e2e, all layers jointly): the ridge kind's tensors, shapes and
+    apply path (so the same apply FLOPs), plus the record of its training (`training`: objective, the sequences
+    it trained and stopped on, stop-split losses at the ridge start and at the end, which layers kept their
+    ridge weights because training made them worse)."""
 
     training: dict = field(default_factory=dict)
     kind = "trained"

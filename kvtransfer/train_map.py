@@ -37,7 +37,7 @@ from .cache import prefill
 from .models import decoder, kv_shape, text_config
 from .transfer import codec_for
 
-OBJECTIVES = ("layer_local",)
+OBJECTIVES = ("layer_local", "end_to_end")  # end_to_end: kvtransfer.train_e2e (all layers jointly)
 
 
 @dataclass(frozen=True)
@@ -150,17 +150,28 @@ def mapped_kv(problem: LayerProblem, rows, weight: torch.Tensor, bias: torch.Ten
     """(keys, values) [b, n_kv, S, d] of sequences `rows` through the map weight [2, p, q], bias [2, q]:
     keys re-rotated at positions 0..S-1 (unless problem.cos is None), the first n_sink positions native.
     What `transfer.map_layers` stores for these tokens, to rounding; differentiable in weight and bias."""
-    x = torch.stack([problem.x_k[rows], problem.x_v[rows]])  # [2, b, S, p]
+    return affine_kv(problem.x_k[rows], problem.x_v[rows], weight, bias, problem.n_kv, problem.cos, problem.sin,
+                     problem.sink_k[rows], problem.sink_v[rows])
+
+
+def affine_kv(x_k: torch.Tensor, x_v: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_kv: int,
+              cos: torch.Tensor | None, sin: torch.Tensor | None, sink_k: torch.Tensor,
+              sink_v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(keys, values) [b, n_kv, S, d] of features x_k, x_v [b, S, p] through weight [2, p, q], bias [2, q]: keys
+    re-rotated with cos, sin [S, d] (None: not rotated), the first n_sink positions replaced by sink_k, sink_v
+    [b, n_kv, n_sink, d]. What `transfer.map_layers` stores, to rounding; differentiable in weight and bias
+    (the layer-local and the end-to-end objectives both map through this)."""
+    x = torch.stack([x_k, x_v])  # [2, b, S, p]
     _, b, seq, p = x.shape
     y = torch.baddbmm(bias[:, None, :], x.reshape(2, b * seq, p), weight)  # [2, b * S, q]
-    y = y.view(2, b, seq, problem.n_kv, -1).transpose(2, 3)  # [2, b, n_kv, S, d]
+    y = y.view(2, b, seq, n_kv, -1).transpose(2, 3)  # [2, b, n_kv, S, d]
     k, v = y[0], y[1]
-    if problem.cos is not None:  # rope.rotate's formula, written with autograd-friendly ops
-        k = k * problem.cos + rope.rotate_half(k) * problem.sin
-    n_sink = problem.sink_k.shape[2]
+    if cos is not None:  # rope.rotate's formula, written with autograd-friendly ops
+        k = k * cos + rope.rotate_half(k) * sin
+    n_sink = sink_k.shape[2]
     if n_sink:
-        k = torch.cat([problem.sink_k[rows], k[:, :, n_sink:]], dim=2)
-        v = torch.cat([problem.sink_v[rows], v[:, :, n_sink:]], dim=2)
+        k = torch.cat([sink_k.to(k.dtype), k[:, :, n_sink:]], dim=2)
+        v = torch.cat([sink_v.to(v.dtype), v[:, :, n_sink:]], dim=2)
     return k, v
 
 

@@ -98,7 +98,8 @@ BASES = {"ridge": compose_config("pair=qwen3_14b_32b"),
          "attention": compose_config("pair=qwen3_14b_32b", "mapper.weighting=attention", "mapper.rank=64"),
          "mlp": compose_config("pair=qwen3_14b_32b", "mapper=mlp", "calib.mlp_samples=65536"),
          "trained": compose_config("pair=qwen3_14b_32b", "mapper=trained"),
-         "hidden": compose_config("pair=qwen3_14b_32b", "mapper=hidden")}
+         "hidden": compose_config("pair=qwen3_14b_32b", "mapper=hidden"),
+         "trained_e2e": compose_config("pair=qwen3_14b_32b", "mapper=trained", "mapper.objective=end_to_end")}
 
 
 @pytest.mark.parametrize("name", sorted(ARTIFACTS))
@@ -156,6 +157,26 @@ def test_the_source_features_key_the_calibration_and_the_map_only_for_the_hidden
 
     assert source_features(hidden["mapper"]) == "hidden" and source_features(other["mapper"]) == "hidden_kv"
     assert source_features(ridge["mapper"]) == "kv"
+
+
+def test_each_objective_keys_its_own_knobs_only():
+    layer_local, e2e = BASES["trained"], BASES["trained_e2e"]
+    ends = {"mapper.context_tokens", "mapper.continuation_tokens"}
+    assert ends <= set(key_inputs("mapper", e2e)) and not ends & set(key_inputs("mapper", layer_local))
+    assert "mapper.query_positions" in key_inputs("mapper", layer_local)
+    assert "mapper.query_positions" not in key_inputs("mapper", e2e)
+    shared = {"mapper.train_sequences", "mapper.stop_sequences", "mapper.steps", "mapper.batch_sequences",
+              "mapper.eval_every", "mapper.patience", "mapper.lr", "mapper.device", "calib.batch_size"}
+    assert shared <= set(key_inputs("mapper", e2e))
+    # the two objectives are two artifacts; an e2e knob moves the e2e key only
+    assert _key("mapper", e2e) != _key("mapper", layer_local)
+    assert _key("mapper", _set(e2e, "mapper.continuation_tokens", 32)) != _key("mapper", e2e)
+    assert _key("mapper", _set(layer_local, "mapper.continuation_tokens", 32)) == _key("mapper", layer_local)
+    assert _key("mapper", _set(e2e, "mapper.query_positions", 8)) == _key("mapper", e2e)
+    # the existing layer-local artifacts keep their keys: the inputs it reads are the ones it read before
+    before = {"mapper.objective", "mapper.train_sequences", "mapper.stop_sequences", "mapper.query_positions",
+              "mapper.steps", "mapper.batch_sequences", "mapper.eval_every", "mapper.patience"}
+    assert before <= set(key_inputs("mapper", layer_local)) and not ends & set(key_inputs("mapper", layer_local))
 
 
 def test_the_seed_and_the_model_run_settings_key_the_calibration():

@@ -26,7 +26,7 @@ PKG = ROOT / "kvtransfer"
 # selection, ridge, map families, the mapper kinds, transfer, diagnostics, data, io) plus the package's data tables.
 CORE = {"kvtransfer", "kvtransfer.models", "kvtransfer.rope", "kvtransfer.cache", "kvtransfer.context",
         "kvtransfer.moments", "kvtransfer.calibrate", "kvtransfer.select", "kvtransfer.ridge", "kvtransfer.families",
-        "kvtransfer.mapper", "kvtransfer.train_map", "kvtransfer.hidden",
+        "kvtransfer.mapper", "kvtransfer.train_map", "kvtransfer.hidden", "kvtransfer.train_e2e",
         "kvtransfer.mlp", "kvtransfer.transfer", "kvtransfer.diagnostics", "kvtransfer.data", "kvtransfer.io",
         "kvtransfer.resources", "kvtransfer.resources.model_configs", "kvtransfer.identity", "kvtransfer.provenance",
         "kvtransfer.hub",

@@ -279,6 +279,49 @@ def test_a_trained_map_of_zero_steps_is_the_ridge_map(tiny_pair_dirs, tmp_path):
                          magnitude=1.0, reason="R² of float32-rounded ridge weights, p = 32 features")
 
 
+def test_an_end_to_end_trained_map_through_the_pipeline(tiny_pair_dirs, tmp_path):
+    """mapper=trained mapper.objective=end_to_end (issue 23 §1) on two different models: fit through the runner,
+    saved, read back by load_mapper, applied by transfer (fidelity, and directly); its stop split is disjoint from
+    the held-out split fidelity reports on; the record holds every step's and evaluation's KL."""
+    from transformers import AutoModelForCausalLM
+
+    from kvtransfer.cache import prefill
+    from kvtransfer.mapper import TrainedMapper
+    from kvtransfer.transfer import transfer
+
+    knobs = ("mapper=trained", "mapper.objective=end_to_end", "pair.k=2", "mapper.train_sequences=6",
+             "mapper.stop_sequences=3", "mapper.continuation_tokens=8", "mapper.steps=4", "mapper.eval_every=2",
+             "mapper.batch_sequences=3", "mapper.lr=1e-3", "mapper.native_sink=1")
+    fid = ("stage=[fit,eval]", "eval.tasks=[]", "eval.ppl.enabled=false", "eval.coqa.enabled=false",
+           "eval.fidelity.sequences=2", "eval.fidelity.continuation=8")
+    summary = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, *knobs, *fid), tmp_path / "e2e")
+    ridge = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", "mapper.native_sink=1"), tmp_path / "ridge")
+    m = summary["mapper"]
+    assert m["kind"] == "trained" and m["path"] != ridge["mapper"]["path"]
+    assert m["apply_flops_per_token"] == ridge["mapper"]["apply_flops_per_token"]
+    mapper, start = load_mapper(m["path"]), load_mapper(ridge["mapper"]["path"])
+    assert type(mapper) is TrainedMapper and mapper.native_sink == 1
+    t = mapper.training
+    assert t == m["training"] and t["objective"] == "end_to_end"
+    assert (t["context_tokens"], t["continuation_tokens"]) == (32 - 8, 8)  # calib.seq_len = 32
+    fit, stop, held = set(t["fit_index"]), set(t["stop_index"]), set(summary["fidelity"]["heldout_index"])
+    assert len(fit) == 6 and len(stop) == 3 and held and not fit & stop and not (fit | stop) & held
+    assert t["collect_bytes"] == t["collect_bytes_formula"] and t["step_flops_formula"] > 0
+    assert len(t["train_kl"]) == t["steps"] <= 4 and [e["step"] for e in t["evaluations"]] == [2, 4][:len(t["evaluations"])]
+    assert t["stop_kl_final"] <= t["stop_kl_start"]
+    assert t["worse_than_ridge"] == (t["stop_kl_trained"] is None or t["stop_kl_trained"] > t["stop_kl_start"])
+    if t["kept_start"]:  # the ridge start, bit for bit
+        assert torch.equal(mapper.weight, start.weight) and torch.equal(mapper.bias, start.bias)
+    else:
+        assert not torch.equal(mapper.weight, start.weight)
+    assert math.isfinite(summary["fidelity"]["per_layer"]["kl"])
+    source = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs["small"], dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs["large"], dtype=torch.float32).eval()
+    ids = torch.randint(1, source.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    cache = transfer(prefill(source, ids), load_mapper(m["path"], source, target), source, target, input_ids=ids)
+    assert cache.get_seq_length() == 12
+
+
 def test_the_map_carries_its_native_sink(tiny_pair_dirs, tmp_path):
     # mapper.native_sink is fitted into the artifact; evaluating it with another sink is refused with the fix
     base = ("stage=[fit,eval]", "eval.tasks=[tiny_cloze]", "eval.limit=3", "eval.ppl.enabled=false",

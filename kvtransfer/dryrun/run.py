@@ -147,6 +147,10 @@ def shrink(cfg: dict, out_dir: Path) -> dict:
         m.update(train_sequences=min(int(m["train_sequences"]), 4), stop_sequences=min(int(m["stop_sequences"]), 2),
                  query_positions=min(int(m["query_positions"]), seq_len), steps=min(int(m["steps"]), 4),
                  eval_every=min(int(m["eval_every"]), 2), device="cpu")
+        if m.get("continuation_tokens") is not None:  # end_to_end: context + continuation within the short sequences
+            cont = min(int(m["continuation_tokens"]), seq_len // 2)
+            ctx = m.get("context_tokens")
+            m.update(continuation_tokens=cont, context_tokens=None if ctx is None else min(int(ctx), seq_len - cont))
     ev = small["eval"]
     shots = dry.get("num_fewshot")  # few-shot prompts are the longest contexts (MMLU 5, GSM8K 8 shots)
     if shots is not None:

@@ -12,7 +12,9 @@ calibrate  (`collect_moments`) both models on the device (co-resident; `capture=
 fit        train moments + held-out features in host memory, the single-source R² pass and one ridge solve
            per (target layer, kind) in float64 on the host CPU, the float64 weights until `Mapper.from_ridge`
            stacks them (3x float64 at its peak); no model is loaded (an MLP / attention-mass / trained fit loads
-           both; the trained map also holds its layer-local collection, `train_map.layer_local_nbytes`).
+           both; the trained map also holds its layer-local collection, `train_map.layer_local_nbytes`, or its
+           end-to-end collection, `train_e2e.e2e_nbytes`, with the map's Adam state and one step's activations,
+           `train_e2e.e2e_step_nbytes`, on the device).
 eval       both models + the float32 mapper on the target's device, per batch a source prefill, the mapped
            cache and the scorer's logits (kvtransfer.plan.evalbench).
 bench      both models + mapper, the largest `bench.tokens` source caches, mapped cache and target prefill.
@@ -173,6 +175,8 @@ def _fit_trained(s: Setup, dev: dict) -> tuple[dict, float]:
     from ..train_map import layer_local_nbytes
 
     m = s.cfg["mapper"]
+    if m.get("objective") == "end_to_end":
+        return _fit_trained_e2e(s, dev)
     work, secs = _fit_ridge(s, dev)
     n_seq = min(int(m["train_sequences"]), max(0, s.n_train - int(m["stop_sequences"]))) + int(m["stop_sequences"])
     s_q, b, t = int(m["query_positions"]), int(m["batch_sequences"]), s.tgt
@@ -187,6 +191,37 @@ def _fit_trained(s: Setup, dev: dict) -> tuple[dict, float]:
     rate = s.flops_rate("float32") if s.device == "cuda" else s.rates.host_flops["float32"]
     secs += n_seq * (prefill_flops(s.src, s.seq, s.seq) + prefill_flops(t, s.seq, s.seq)) / s.flops_rate(s.mdtype)
     secs += t.layers * int(m["steps"]) * step / rate
+    return work, secs
+
+
+def _fit_trained_e2e(s: Setup, dev: dict) -> tuple[dict, float]:
+    """(host work, seconds) of mapper=trained mapper.objective=end_to_end: the ridge fit it starts from, the
+    collection (`train_e2e.e2e_nbytes`, every source layer counted as used) over train + stop sequences, at most
+    mapper.steps steps (`train_e2e.e2e_step_flops`) and a stop-split evaluation every mapper.eval_every steps (a
+    forward: half a step's FLOPs per sequence); on the device both models, the map with its gradient and Adam state
+    (float32, 4 copies) and one step's saved activations (`train_e2e.e2e_step_nbytes`); adds them to `dev`."""
+    from ..train_e2e import e2e_nbytes, e2e_step_flops, e2e_step_nbytes
+
+    m = s.cfg["mapper"]
+    work, secs = _fit_ridge(s, dev)
+    n_stop = int(m["stop_sequences"])
+    n_seq = min(int(m["train_sequences"]), max(0, s.n_train - n_stop)) + n_stop
+    cont = int(m["continuation_tokens"])
+    ctx = s.seq - cont if m.get("context_tokens") is None else int(m["context_tokens"])
+    b, t, steps = int(m["batch_sequences"]), s.tgt, int(m["steps"])
+    work["end-to-end collection (train + stop sequences, float32)"] = e2e_nbytes(
+        n_seq, ctx, cont, s.src.layers, s.src.width, t.layers, t.kv_heads, t.head_dim, t.hidden,
+        int(m.get("native_sink") or 0))
+    shape = dict(layers=t.layers, hidden=t.hidden, heads=t.heads, head_dim=t.head_dim, vocab=t.vocab, p=s.p)
+    step_bytes = e2e_step_nbytes(b, ctx, cont, intermediate=t.intermediate, kv_heads=t.kv_heads, act_bytes=s.w, **shape)
+    dev["source + target weights (collection, training), map + gradient + Adam state, one step's activations"] = (
+        s.weights("src", "tgt") + 4 * s.mapper_w32 + step_bytes)
+    step = e2e_step_flops(b, ctx, cont, layer_params=t.layer_params, q=s.q, **shape)
+    evals = -(-steps // int(m["eval_every"])) if steps else 0
+    per_seq = e2e_step_flops(1, ctx, cont, layer_params=t.layer_params, q=s.q, **shape)
+    rate = s.flops_rate(s.mdtype) if s.device == "cuda" else s.rates.host_flops["float32"]
+    secs += n_seq * (prefill_flops(s.src, ctx, ctx) + prefill_flops(t, ctx + cont, ctx + cont)) / s.flops_rate(s.mdtype)
+    secs += (steps * step + evals * n_stop * per_seq / 2) / rate
     return work, secs
 
 

@@ -49,6 +49,8 @@ _MLP = ("mapper.hidden", "mapper.epochs", "mapper.batch_tokens")
 _TRAINING = ("mapper.lr", "mapper.device")  # read by the MLP and the trained map
 _TRAINED = ("mapper.objective", "mapper.train_sequences", "mapper.stop_sequences", "mapper.query_positions",
             "mapper.steps", "mapper.batch_sequences", "mapper.eval_every", "mapper.patience")
+_LAYER_LOCAL = ("mapper.query_positions",)  # read by the trained map's layer-local objective only
+_END_TO_END = ("mapper.context_tokens", "mapper.continuation_tokens")  # read by its end-to-end objective only
 
 ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
     Artifact("calibration", doc="train moments + held-out features (+ the R² matrix of them, stored inside)",
@@ -70,7 +72,7 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
              inputs=("mapper.kind", "mapper.k", "mapper.lam", "mapper.selection", "mapper.force",
                      "mapper.native_sink", "mapper.support", "mapper.rank", "mapper.weighting",
                      "mapper.metric_sequences", "calib.mlp_samples", "calib.batch_size", "ablation.k", "ablation.lam",
-                     "mapper.features", *_MLP, *_TRAINING, *_TRAINED),
+                     "mapper.features", *_MLP, *_TRAINING, *_TRAINED, *_END_TO_END),
              upstream=("calibration",),
              when={"mapper.metric_sequences": ("mapper.weighting", ("attention",)),
                    "calib.mlp_samples": ("mapper.kind", ("mlp",)),
@@ -79,7 +81,10 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
                    "calib.batch_size": ("mapper.kind", ("trained",)),
                    **{k: ("mapper.kind", ("mlp",)) for k in _MLP},
                    **{k: ("mapper.kind", ("mlp", "trained")) for k in _TRAINING},
-                   **{k: ("mapper.kind", ("trained",)) for k in _TRAINED}}),
+                   **{k: ("mapper.kind", ("trained",)) for k in _TRAINED},
+                   # the objective decides which of its knobs are read (mapper.objective exists under kind=trained only)
+                   **{k: ("mapper.objective", ("layer_local",)) for k in _LAYER_LOCAL},
+                   **{k: ("mapper.objective", ("end_to_end",)) for k in _END_TO_END}}),
     Artifact("fidelity", doc="mapped vs native cache on held-out calibration sequences",
              inputs=("eval.fidelity.sequences", "eval.fidelity.continuation", "ablation.rope_at_inference"),
              upstream=("mapper",)),

@@ -440,6 +440,8 @@ class Run:
         mcfg, seed = self.cfg["mapper"], self.cfg.get("seed", 0)
         if mcfg.get("objective", "layer_local") not in OBJECTIVES:
             raise ValueError(f"mapper.objective must be one of {OBJECTIVES}, got {mcfg.get('objective')!r}")
+        if mcfg.get("objective") == "end_to_end":
+            return self._train_e2e(ridge, train, heldout)
         train_idx, held = self.split()
         fit_idx, stop_idx = split_stop(train_idx, int(mcfg["train_sequences"]), int(mcfg["stop_sequences"]), seed)
         device = self.device if mcfg.get("device", "auto") == "auto" else mcfg["device"]
@@ -466,6 +468,66 @@ class Run:
                     "collect_seconds": round(collected - started, 2),
                     "train_seconds": round(time.perf_counter() - collected, 2),
                     "layers_worse_than_ridge": [r["layer"] for r in layers if r["worse_than_ridge"]], "layers": layers}
+        del data
+        return TrainedMapper.from_ridge_mapper(ridge, weight, bias, training=training,
+                                               r2=_refit_r2(weight, bias, selected, train, heldout, self.target_head_dim()))
+
+    def _train_e2e(self, ridge: Mapper, train: Moments, heldout: HeldOut):
+        """mapper=trained mapper.objective=end_to_end (kvtransfer.train_e2e): `ridge`, all layers jointly, trained
+        for the frozen target's next-token KL on continuations of mapper.train_sequences train-split sequences
+        (context: their first mapper.context_tokens tokens, default seq_len - continuation; continuation: the next
+        mapper.continuation_tokens), early stopping on mapper.stop_sequences others (disjoint from the fidelity
+        held-out split); held-out R² recomputed for the trained weights. The artifact records the splits, the
+        per-step and per-evaluation KL, the collection's bytes and the per-step memory and FLOP formulas."""
+        from ..mapper import TrainedMapper
+        from ..models import decoder, text_config
+        from ..train_e2e import OBJECTIVE, collect_e2e, e2e_nbytes, e2e_step_flops, e2e_step_nbytes, train_e2e
+        from ..train_map import TrainSettings, split_stop
+
+        mcfg, seed = self.cfg["mapper"], self.cfg.get("seed", 0)
+        ids = self.token_ids()
+        cont = int(mcfg["continuation_tokens"])
+        ctx = ids.shape[1] - cont if mcfg.get("context_tokens") is None else int(mcfg["context_tokens"])
+        if cont < 1 or ctx < 1 or ctx + cont > ids.shape[1]:
+            raise ValueError(f"mapper.context_tokens={ctx} + mapper.continuation_tokens={cont} must be >= 1 each and "
+                             f"fit the calibration's {ids.shape[1]}-token sequences (calib.seq_len)")
+        train_idx, held = self.split()
+        fit_idx, stop_idx = split_stop(train_idx, int(mcfg["train_sequences"]), int(mcfg["stop_sequences"]), seed)
+        device = self.device if mcfg.get("device", "auto") == "auto" else mcfg["device"]
+        settings = TrainSettings(lr=float(mcfg["lr"]), steps=int(mcfg["steps"]), batch_sequences=int(mcfg["batch_sequences"]),
+                                 eval_every=int(mcfg["eval_every"]), patience=int(mcfg["patience"]), seed=seed, device=device)
+        source, target = self.model("source")[0], self.model("target")[0]
+        selected = ridge.selected_layers.tolist()
+        used = sorted({s for row in selected for s in row})
+        started = time.perf_counter()
+        data = collect_e2e(source, target, ids[fit_idx + stop_idx][:, :ctx + cont], used, context=ctx,
+                           native_sink=ridge.native_sink, key_space=self.key_space,
+                           batch_size=self.cfg["calib"]["batch_size"], progress=self.progress)
+        collected = time.perf_counter()
+        rows = list(range(len(fit_idx))), list(range(len(fit_idx), len(fit_idx) + len(stop_idx)))
+        weight, bias, record = train_e2e(target, data, ridge.weight, ridge.bias, selected, *rows, settings,
+                                         progress=self.progress)
+        tc, kv = text_config(target.config), kv_shape(target)
+        shape = dict(layers=kv.n_layers, hidden=tc.hidden_size, heads=tc.num_attention_heads, head_dim=kv.head_dim,
+                     vocab=tc.vocab_size)
+        b, p = settings.batch_sequences, ridge.weight.shape[2]
+        act = torch.finfo(target.dtype).bits // 8
+        layer_params = sum(x.numel() for x in decoder(target).layers[0].parameters())
+        training = {"objective": OBJECTIVE, "fit_index": fit_idx, "stop_index": stop_idx, "heldout_index": held,
+                    "context_tokens": ctx, "continuation_tokens": cont, "settings": vars(settings),
+                    "collect_bytes": data.nbytes,
+                    "collect_bytes_formula": e2e_nbytes(len(fit_idx) + len(stop_idx), ctx, cont, len(used),
+                                                        train.source_width, kv.n_layers, kv.n_kv, kv.head_dim,
+                                                        tc.hidden_size, ridge.native_sink),
+                    "step_activation_bytes_formula": e2e_step_nbytes(
+                        b, ctx, cont, intermediate=tc.intermediate_size, kv_heads=kv.n_kv, p=p, act_bytes=act, **shape),
+                    "step_flops_formula": e2e_step_flops(b, ctx, cont, layer_params=layer_params, q=kv.n_kv * kv.head_dim,
+                                                         p=p, **shape),
+                    "collect_seconds": round(collected - started, 2),
+                    "train_seconds": round(time.perf_counter() - collected, 2),
+                    "worse_than_ridge": record["worse_than_ridge"],
+                    "layers_worse_than_ridge": list(range(kv.n_layers)) if record["worse_than_ridge"] else [],
+                    **{k: v for k, v in record.items() if k not in ("objective", "worse_than_ridge")}}
         del data
         return TrainedMapper.from_ridge_mapper(ridge, weight, bias, training=training,
                                                r2=_refit_r2(weight, bias, selected, train, heldout, self.target_head_dim()))

@@ -54,6 +54,12 @@ def _serve() -> dict[Path, dict[str, str]]:
     return {ROOT / "results/serve/README.md": c.blocks(ROOT / "results/serve")}
 
 
+def _maps_trained() -> dict[Path, dict[str, str]]:
+    c = _module("experiments/maps_trained/collect.py")
+    data, blocks = c.collect(ROOT / "results/maps_trained")
+    return {ROOT / "results/maps_trained/README.md": blocks, ROOT / "README.md": {"maps_trained_headline": data["top"]}}
+
+
 def _plan() -> dict[Path, dict[str, str]]:
     c = _module("results/plan/figure.py")
     return {ROOT / "results/plan/README.md": {"key_numbers": c.key_numbers(c.load_plans())}}
@@ -67,7 +73,7 @@ def generated(tmp_path_factory) -> dict[Path, dict[str, str]]:
     os.chdir(ROOT)  # the collect scripts' default paths are relative to the repository root
     try:
         out: dict[Path, dict[str, str]] = {}
-        for make in (_qwen25coder, _maps, _tiny, _bench_cpu, _serve, _plan):
+        for make in (_qwen25coder, _maps, _tiny, _bench_cpu, _serve, _maps_trained, _plan):
             for path, blocks in make().items():
                 out.setdefault(path, {}).update(blocks)
         return out

@@ -34,7 +34,6 @@ also `worse_than_ridge`). The numerical core: no Hydra, no lm-eval, no W&B.
 """
 from __future__ import annotations
 
-import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ import torch
 from . import rope
 from .cache import _check_extended, layers_to_cache, prefill
 from .models import decoder, kv_shape, text_config
-from .train_map import TrainSettings, _finite, affine_kv
+from .train_map import EarlyStop, TrainSettings, _finite, affine_kv
 from .transfer import codec_for, place_on_layers
 
 OBJECTIVE = "end_to_end"
@@ -331,13 +330,13 @@ def train_e2e(target, data: E2EData, weight: torch.Tensor, bias: torch.Tensor, s
         w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
         opt = torch.optim.Adam([w, b], lr=settings.lr)
         gen = torch.Generator().manual_seed(settings.seed)
-        best = (math.inf, None, 0)  # (stop KL, (weight, bias), step)
+        stopper = EarlyStop(settings.patience)
         order: list[int] = []
         window: list[float] = []
         per_step: list[float | None] = []
         evaluations: list[dict] = []
         first = last = None
-        bad = step = 0
+        step = 0
         steps = range(1, settings.steps + 1)
         for step in (progress(steps, desc="end-to-end training") if progress else steps):
             if len(order) < settings.batch_sequences:  # a new epoch over the fit sequences
@@ -357,12 +356,9 @@ def train_e2e(target, data: E2EData, weight: torch.Tensor, bias: torch.Tensor, s
             last, window = mean, []
             stop = mean_kl(target, data, stop_rows, w.detach(), b.detach(), selected, chunk)
             evaluations.append({"step": step, "train_kl": mean, "stop_kl": _finite(stop)})
-            if stop < best[0]:  # NaN never improves: a diverged run keeps its last finite best (or none)
-                best, bad = (stop, (w.detach().clone(), b.detach().clone()), step), 0
-            else:
-                bad += 1
-                if bad >= settings.patience:
-                    break
+            if stopper.update(stop, w, b, step):
+                break
+    best = stopper.best
     trained = best[0] if best[1] is not None else None
     diverged = settings.steps > 0 and trained is None  # steps ran, no finite stop KL: as bad as it gets
     # strictly better or keep the start: a tie gains nothing and the start is the documented map

@@ -211,6 +211,23 @@ def relative_loss(problem: LayerProblem, rows: list[int], weight: torch.Tensor, 
     return sse / max(sst, torch.finfo(torch.float64).tiny)
 
 
+class EarlyStop:
+    """Early stopping on stop-split evaluations: `best` = (loss, (weight, bias) copies, step) of the lowest finite
+    loss seen ((inf, None, 0) before any); `update` returns True once `patience` evaluations in a row found none lower."""
+
+    def __init__(self, patience: int):
+        self.patience, self.bad = patience, 0
+        self.best: tuple = (math.inf, None, 0)
+
+    def update(self, loss: float, weight: torch.Tensor, bias: torch.Tensor, step: int) -> bool:
+        """Record one evaluation of the current weights; True when training should stop."""
+        if loss < self.best[0]:  # NaN never improves: a diverged run keeps its last finite best (or none)
+            self.best, self.bad = (loss, (weight.detach().clone(), bias.detach().clone()), step), 0
+            return False
+        self.bad += 1
+        return self.bad >= self.patience
+
+
 def train_layer(problem: LayerProblem, weight: torch.Tensor, bias: torch.Tensor, fit_rows: list[int],
                 stop_rows: list[int], settings: TrainSettings) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Train one layer's map from (weight [2, p, q], bias [2, q]) on sequences `fit_rows` of `problem`, early
@@ -229,11 +246,11 @@ def train_layer(problem: LayerProblem, weight: torch.Tensor, bias: torch.Tensor,
     w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
     opt = torch.optim.Adam([w, b], lr=settings.lr)
     gen = torch.Generator().manual_seed(settings.seed)
-    best = (math.inf, None, 0)  # (stop loss, (weight, bias), step)
+    stopper = EarlyStop(settings.patience)
     order: list[int] = []
     window: list[float] = []
     first = last = None
-    bad = step = 0
+    step = 0
     for step in range(1, settings.steps + 1):
         if len(order) < settings.batch_sequences:  # a new epoch over the fit sequences
             order += [fit_rows[i] for i in torch.randperm(len(fit_rows), generator=gen).tolist()]
@@ -249,12 +266,9 @@ def train_layer(problem: LayerProblem, weight: torch.Tensor, bias: torch.Tensor,
         first = first if first is not None else _finite(sum(window) / len(window))
         last, window = _finite(sum(window) / len(window)), []
         stop = relative_loss(problem, stop_rows, w.detach(), b.detach(), settings.batch_sequences)
-        if stop < best[0]:  # NaN never improves: a diverged run keeps its last finite best (or none)
-            best, bad = (stop, (w.detach().clone(), b.detach().clone()), step), 0
-        else:
-            bad += 1
-            if bad >= settings.patience:
-                break
+        if stopper.update(stop, w, b, step):
+            break
+    best = stopper.best
     trained = best[0] if best[1] is not None else None
     worse = trained is not None and trained > ridge_loss
     diverged = settings.steps > 0 and trained is None  # steps ran, no finite stop loss: as bad as it gets

@@ -435,21 +435,15 @@ class Run:
         mapper.stop_sequences others (disjoint from the held-out split the fidelity numbers use); held-out R²
         recomputed for the trained weights. The artifact records both splits and every layer's losses."""
         from ..mapper import TrainedMapper
-        from ..train_map import OBJECTIVES, TrainSettings, collect_layer_local, layer_local_nbytes, split_stop, train_map
+        from ..train_map import OBJECTIVES, collect_layer_local, layer_local_nbytes, train_map
 
-        mcfg, seed = self.cfg["mapper"], self.cfg.get("seed", 0)
+        mcfg = self.cfg["mapper"]
         if mcfg.get("objective", "layer_local") not in OBJECTIVES:
             raise ValueError(f"mapper.objective must be one of {OBJECTIVES}, got {mcfg.get('objective')!r}")
         if mcfg.get("objective") == "end_to_end":
             return self._train_e2e(ridge, train, heldout)
-        train_idx, held = self.split()
-        fit_idx, stop_idx = split_stop(train_idx, int(mcfg["train_sequences"]), int(mcfg["stop_sequences"]), seed)
-        device = self.device if mcfg.get("device", "auto") == "auto" else mcfg["device"]
-        settings = TrainSettings(lr=float(mcfg["lr"]), steps=int(mcfg["steps"]), batch_sequences=int(mcfg["batch_sequences"]),
-                                 eval_every=int(mcfg["eval_every"]), patience=int(mcfg["patience"]), seed=seed, device=device)
+        fit_idx, stop_idx, held, settings, selected, used = self._train_setup(ridge)
         source, target = self.model("source")[0], self.model("target")[0]
-        selected = ridge.selected_layers.tolist()
-        used = sorted({s for row in selected for s in row})
         started = time.perf_counter()
         data = collect_layer_local(source, target, self.token_ids()[fit_idx + stop_idx], used,
                                    n_queries=int(mcfg["query_positions"]), native_sink=ridge.native_sink,
@@ -472,6 +466,20 @@ class Run:
         return TrainedMapper.from_ridge_mapper(ridge, weight, bias, training=training,
                                                r2=_refit_r2(weight, bias, selected, train, heldout, self.target_head_dim()))
 
+    def _train_setup(self, ridge: Mapper):
+        """What both objectives of mapper=trained share: (fit_idx, stop_idx, held-out idx, TrainSettings, the
+        ridge map's selected layers [L_t][k], the sorted source layers any target layer reads)."""
+        from ..train_map import TrainSettings, split_stop
+
+        mcfg, seed = self.cfg["mapper"], self.cfg.get("seed", 0)
+        train_idx, held = self.split()
+        fit_idx, stop_idx = split_stop(train_idx, int(mcfg["train_sequences"]), int(mcfg["stop_sequences"]), seed)
+        device = self.device if mcfg.get("device", "auto") == "auto" else mcfg["device"]
+        settings = TrainSettings(lr=float(mcfg["lr"]), steps=int(mcfg["steps"]), batch_sequences=int(mcfg["batch_sequences"]),
+                                 eval_every=int(mcfg["eval_every"]), patience=int(mcfg["patience"]), seed=seed, device=device)
+        selected = ridge.selected_layers.tolist()
+        return fit_idx, stop_idx, held, settings, selected, sorted({s for row in selected for s in row})
+
     def _train_e2e(self, ridge: Mapper, train: Moments, heldout: HeldOut):
         """mapper=trained mapper.objective=end_to_end (kvtransfer.train_e2e): `ridge`, all layers jointly, trained
         for the frozen target's next-token KL on continuations of mapper.train_sequences train-split sequences
@@ -482,23 +490,16 @@ class Run:
         from ..mapper import TrainedMapper
         from ..models import decoder, text_config
         from ..train_e2e import OBJECTIVE, collect_e2e, e2e_nbytes, e2e_step_flops, e2e_step_nbytes, train_e2e
-        from ..train_map import TrainSettings, split_stop
 
-        mcfg, seed = self.cfg["mapper"], self.cfg.get("seed", 0)
+        mcfg = self.cfg["mapper"]
         ids = self.token_ids()
         cont = int(mcfg["continuation_tokens"])
         ctx = ids.shape[1] - cont if mcfg.get("context_tokens") is None else int(mcfg["context_tokens"])
         if cont < 1 or ctx < 1 or ctx + cont > ids.shape[1]:
             raise ValueError(f"mapper.context_tokens={ctx} + mapper.continuation_tokens={cont} must be >= 1 each and "
                              f"fit the calibration's {ids.shape[1]}-token sequences (calib.seq_len)")
-        train_idx, held = self.split()
-        fit_idx, stop_idx = split_stop(train_idx, int(mcfg["train_sequences"]), int(mcfg["stop_sequences"]), seed)
-        device = self.device if mcfg.get("device", "auto") == "auto" else mcfg["device"]
-        settings = TrainSettings(lr=float(mcfg["lr"]), steps=int(mcfg["steps"]), batch_sequences=int(mcfg["batch_sequences"]),
-                                 eval_every=int(mcfg["eval_every"]), patience=int(mcfg["patience"]), seed=seed, device=device)
+        fit_idx, stop_idx, held, settings, selected, used = self._train_setup(ridge)
         source, target = self.model("source")[0], self.model("target")[0]
-        selected = ridge.selected_layers.tolist()
-        used = sorted({s for row in selected for s in row})
         started = time.perf_counter()
         data = collect_e2e(source, target, ids[fit_idx + stop_idx][:, :ctx + cont], used, context=ctx,
                            native_sink=ridge.native_sink, key_space=self.key_space,

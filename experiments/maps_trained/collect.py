@@ -33,6 +33,7 @@ OUT = Path("results/maps_trained")
 PAPER = "paper_sink1"
 SETS = {"hs200": ("hellaswag", "HellaSwag n = 200"), "arc100": ("arc_challenge", "ARC-C n = 100"),
         "mmlu100": ("mmlu", "MMLU n = 100")}
+FOLDERS = (*SETS, "ppl32")  # ppl32: fidelity and perplexity only (32 windows), for maps without a HellaSwag run
 
 
 def flops_14b_32b(k: int) -> float:
@@ -42,10 +43,23 @@ def flops_14b_32b(k: int) -> float:
     return map_cost(t.n_layers, k, s.n_kv, s.head_dim, t.n_kv, t.head_dim, support="full", rank=None)["apply_flops_per_token"]
 
 
+def hidden_flops_14b_32b(features: str, k: int) -> float:
+    """Apply GFLOP/token of a hidden-state map (kvtransfer.hidden.hidden_map_cost) at Qwen3-14B -> 32B."""
+    from kvtransfer.hidden import hidden_map_cost
+
+    from kvtransfer.hidden import hidden_size
+
+    src, tgt, _ = PAIRS["qwen3_14b_32b"]
+    s, t = kv_shape(real_config(src)), kv_shape(real_config(tgt))
+    cost = hidden_map_cost(t.n_layers, k, s.n_layers, hidden_size(real_config(src)), s.n_kv * s.head_dim,
+                           t.n_kv * t.head_dim, features)
+    return round(cost["apply_flops_per_token"] / 1e9, 2)
+
+
 def load_runs(out: Path = OUT) -> dict[str, dict[str, dict]]:
     """{set: {map: summary (current schema) + "_scores" (scores.json or None)}} of every finished run."""
     runs: dict[str, dict[str, dict]] = {}
-    for name in SETS:
+    for name in FOLDERS:
         folder = out / f"runs_{name}"
         for d in sorted(folder.iterdir()) if folder.is_dir() else []:
             if (d / "summary.json").exists():
@@ -53,6 +67,11 @@ def load_runs(out: Path = OUT) -> dict[str, dict[str, dict]]:
                 s["_scores"] = json.loads((d / "scores.json").read_text()) if (d / "scores.json").exists() else None
                 runs.setdefault(name, {})[d.name] = s
     return runs
+
+
+def primary(runs: dict, name: str) -> dict:
+    """The run a map's fidelity and perplexity come from: its HellaSwag run, else its perplexity-only run."""
+    return runs.get("hs200", {}).get(name) or runs["ppl32"][name]
 
 
 def _task_cell(r: dict | None) -> str:
@@ -64,12 +83,13 @@ def _task_cell(r: dict | None) -> str:
 
 def map_row(name: str, runs: dict) -> dict:
     """One map's row: fidelity and perplexity from its HS200 run, each benchmark from its own run."""
-    s = runs["hs200"][name]
+    s = primary(runs, name)
     m, fid = s["mapper"], (s.get("fidelity") or {}).get("per_layer", {})
     cos = fid.get("attn_cosine") or []
     p256 = {r["prefix"]: r for r in s.get("ppl", [])}.get(256, {})
     tr = m.get("training") or {}
-    row = {"map": name, "kind": m["kind"], "K R² held-out": round(s["r2"]["k"]["heldout"], 4),
+    row = {"map": name, "kind": m["kind"] + (f" ({m['features']})" if m.get("features") else ""), "k": m["k"],
+           "K R² held-out": round(s["r2"]["k"]["heldout"], 4),
            "V R² held-out": round(s["r2"]["v"]["heldout"], 4),
            "attn cos": round(sum(cos) / len(cos), 4) if cos else None,
            "next-token KL": round(fid["kl"], 4) if "kl" in fid else None,
@@ -78,8 +98,9 @@ def map_row(name: str, runs: dict) -> dict:
            "log-ppl gap closed @256": format_with_se(p256.get("transfer_gap_closed"), p256.get("transfer_gap_closed_se"),
                                                      scale=100, unit=" %") if p256 else "–",
            "apply MFLOP/token": round(m["apply_flops_per_token"] / 1e6, 2),
-           # the trained map keeps the paper map's support and k, so its apply FLOPs at any pair
-           "apply GFLOP/token @14B->32B": round(flops_14b_32b(m["k"]) / 1e9, 2),
+           # full support: the paper's and the trained map's count at any pair; a hidden-state map's is its own
+           "apply GFLOP/token @14B->32B": (round(flops_14b_32b(m["k"]) / 1e9, 2) if not m.get("features")
+                                           else hidden_flops_14b_32b(m["features"], m["k"])),
            "fit s": m.get("fit_seconds"),
            "collect s / train s": (f"{tr['collect_seconds']:.0f} / {tr['train_seconds']:.0f}" if tr else None)}
     for key, (task, label) in SETS.items():
@@ -98,7 +119,8 @@ def differences(name: str, runs: dict) -> dict:
             continue
         sa, sb = a["_scores"]["tasks"][task], b["_scores"]["tasks"][task]
         out[label] = {"gap_closed": gap_closed_difference(sa, sb), "accuracy": paired_difference(sa["transfer"], sb["transfer"])}
-    a, b = runs.get("hs200", {}).get(name), runs.get("hs200", {}).get(PAPER)
+    both = [k for k in ("hs200", "ppl32") if name in runs.get(k, {}) and PAPER in runs.get(k, {})]
+    a, b = (runs[both[0]][name], runs[both[0]][PAPER]) if both else (None, None)
     if a and b and a["_scores"] and b["_scores"]:
         out["log-ppl @256"] = {"gap_closed": gap_closed_difference(a["_scores"]["ppl_window_nll"]["256"],
                                                                    b["_scores"]["ppl_window_nll"]["256"])}
@@ -114,19 +136,22 @@ def block_goal(runs: dict, diffs: dict[str, dict]) -> str:
     paper = runs["hs200"][PAPER]
     lines = []
     for name, d in diffs.items():
-        s = runs["hs200"][name]
+        s = primary(runs, name)
         p256 = {r["prefix"]: r for r in s["ppl"]}[256]
-        hs = s["tasks"]["hellaswag"]
-        reached = {"log-ppl @256": p256["transfer_gap_closed"], "HellaSwag n = 200": hs["gap_closed"]}
-        ok = [reached[m] >= GOAL[m] and m in d and d[m]["gap_closed"]["difference"] > 2 * d[m]["gap_closed"]["se"]
+        hs = (s.get("tasks") or {}).get("hellaswag") or {}
+        reached = {"log-ppl @256": p256["transfer_gap_closed"], "HellaSwag n = 200": hs.get("gap_closed")}
+        ok = [reached[m] is not None and reached[m] >= GOAL[m] and m in d and d[m]["gap_closed"]["difference"] > 2 * d[m]["gap_closed"]["se"]
               for m in GOAL]
         flops_ok = s["mapper"]["apply_flops_per_token"] <= paper["mapper"]["apply_flops_per_token"]
         parts = [f"{m}: {format_with_se(reached[m], None, scale=100, places=1)} % (goal {100 * GOAL[m]:.0f} %), "
                  f"paired difference {format_with_se(d[m]['gap_closed']['difference'], d[m]['gap_closed']['se'], scale=100)}"
                  f" points ({d[m]['gap_closed']['difference'] / d[m]['gap_closed']['se']:+.1f} SE)"
                  for m in GOAL if m in d]
-        lines.append(f"- `{name}`: " + "; ".join(parts) + f"; apply FLOPs {'≤' if flops_ok else '>'} the paper map's. "
-                     f"Goal **{'met' if all(ok) and flops_ok else 'not met'}**.")
+        missing = [m for m in GOAL if m not in d]
+        lines.append(f"- `{name}`: " + "; ".join(parts) + (f"; not measured: {', '.join(missing)}" if missing else "")
+                     + f"; apply FLOPs {'≤' if flops_ok else '>'} the paper map's. "
+                     + (f"Goal **{'met' if all(ok) and flops_ok else 'not met'}**." if not missing else
+                        "Goal **not decided** (not every measure ran)."))
     return "\n".join(lines) + "\n"
 
 
@@ -136,11 +161,12 @@ def top_block(runs: dict, diffs: dict[str, dict]) -> str:
     pp = {r["prefix"]: r for r in paper["ppl"]}[256]
     parts = []
     for name, d in diffs.items():
-        s = runs["hs200"][name]
+        s = primary(runs, name)
         p256 = {r["prefix"]: r for r in s["ppl"]}[256]
         g = d["log-ppl @256"]["gap_closed"]
         h = d.get("HellaSwag n = 200", {}).get("gap_closed")
-        parts.append(f"`{name}` closes {format_with_se(p256['transfer_gap_closed'], p256['transfer_gap_closed_se'], scale=100, unit=' %')} "
+        label = "the hidden-state map" if s["mapper"].get("features") else f"`{name}`"
+        parts.append(f"{label} closes {format_with_se(p256['transfer_gap_closed'], p256['transfer_gap_closed_se'], scale=100, unit=' %')} "
                      f"of the log-perplexity gap at P = 256 against the paper map's "
                      f"{format_with_se(pp['transfer_gap_closed'], pp['transfer_gap_closed_se'], scale=100, unit=' %')} "
                      f"(paired difference {format_with_se(g['difference'], g['se'], scale=100)} points, 32 windows)"
@@ -171,8 +197,8 @@ def block_training(runs: dict) -> str:
     """Per trained map: the stop-split loss (relative attention-output error) at the ridge start and at the end,
     summed over what each layer kept; layers kept at ridge; steps run; still improving at the step cap."""
     rows = []
-    for name, s in runs.get("hs200", {}).items():
-        tr = s["mapper"].get("training")
+    for name in sorted(set(runs.get("hs200", {})) | set(runs.get("ppl32", {}))):
+        tr = primary(runs, name)["mapper"].get("training")
         if not tr:
             continue
         layers = tr["layers"]
@@ -191,7 +217,7 @@ def collect(out: Path = OUT) -> tuple[dict, dict[str, str]]:
     runs = load_runs(out)
     if PAPER not in runs.get("hs200", {}):
         raise SystemExit(f"{out}/runs_hs200/{PAPER} is missing: run HS200=1 bash experiments/maps_trained/run.sh")
-    names = [PAPER] + sorted(n for n in runs["hs200"] if n != PAPER)
+    names = [PAPER] + sorted((set(runs["hs200"]) | set(runs.get("ppl32", {}))) - {PAPER})
     rows = [map_row(n, runs) for n in names]
     diffs = {n: differences(n, runs) for n in names if n != PAPER}
     summaries = {f"runs_{k}/{n}": s for k, v in runs.items() for n, s in v.items()}

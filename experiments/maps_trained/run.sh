@@ -10,6 +10,7 @@
 #   HS200=1 bash experiments/maps_trained/run.sh      # HellaSwag n = 200 + perplexity on 32 windows (as experiments/maps HS200)
 #   ARC100=1 bash experiments/maps_trained/run.sh     # ARC-C n = 100
 #   MMLU100=1 bash experiments/maps_trained/run.sh    # MMLU, 10 items x 10 subjects (the experiment's eval.limits)
+#   HIDDEN=1 bash experiments/maps_trained/run.sh     # the hidden-state map (issue 23 §2): calibration, fidelity, perplexity
 #   LR=3e-4 HS200=1 bash experiments/maps_trained/run.sh   # the benchmark rows at another learning rate
 #   SHORT=1 LR=3e-4 HS200=1 bash ...   # half the sequences and steps (what one 2-core session affords)
 # Choose the learning rate on calibration text only: by the stop-split losses each artifact records
@@ -32,7 +33,7 @@ run() {  # run OUT NAME OVERRIDES...
   if [[ -f "$out/$name/summary.json" ]]; then echo "[$name] done"; return; fi
   rm -rf "${out:?}/$name"; mkdir -p "$out"
   echo "[$name] $(date -u +%H:%M:%S) start: $*"
-  nice -n 10 python run.py +experiment=qwen25coder_cpu progress=false out_dir="$out/$name" stage=[fit,eval] "$@"
+  nice -n 10 python run.py +experiment=qwen25coder_cpu progress=false out_dir="$out/$name" "stage=${STAGE:-[fit,eval]}" "$@"
   echo "[$name] $(date -u +%H:%M:%S) done"
 }
 
@@ -55,6 +56,14 @@ rows() {  # rows OUT EVAL...: the paper's map and the trained map under one eval
 MODES="eval.modes=[target,source,transfer,no_context]"
 # the issue's sizes, as experiments/maps HS200: HellaSwag on 200 items, perplexity at P = 0/64/256 on 32 windows
 # (per-window NLLs: paired bootstrap SEs of the gap closed); same eval key, so its baselines are reused
+# issue 23 §2: the hidden-state map (mapper=hidden, k = 2) needs its own calibration (the source's normed layer inputs,
+# ~21 GiB of host memory by the plan at float32 moments: run it alone on a 24 GiB machine); fidelity + perplexity
+if [[ "${HIDDEN:-0}" == 1 ]]; then
+  PPL=("eval.tasks=[]" eval.ppl.windows=32 "$MODES")
+  run results/maps_trained/runs_ppl32 paper_sink1 "${PPL[@]}"
+  STAGE="[calibrate,fit,eval]" run results/maps_trained/runs_ppl32 hidden_k2_sink1 "${PPL[@]}" mapper=hidden mapper.native_sink=1
+  exit 0
+fi
 [[ "${HS200:-0}" == 1 ]] && rows results/maps_trained/runs_hs200 eval.limit=200 eval.ppl.windows=32 "$MODES" "eval.tasks=[hellaswag]"
 [[ "${ARC100:-0}" == 1 ]] && rows results/maps_trained/runs_arc100 eval.ppl.enabled=false "$MODES" "eval.tasks=[arc_challenge]"
 [[ "${MMLU100:-0}" == 1 ]] && rows results/maps_trained/runs_mmlu100 eval.ppl.enabled=false "$MODES" "eval.tasks=[mmlu]"

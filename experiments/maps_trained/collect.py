@@ -155,6 +155,10 @@ def block_goal(runs: dict, diffs: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _flops_phrase(ratio: float) -> str:
+    return ", at the same apply FLOPs" if abs(ratio - 1) < 1e-9 else f", at {ratio:.2f}x the paper map's apply FLOPs"
+
+
 def top_block(runs: dict, diffs: dict[str, dict]) -> str:
     """The top-level README's line: each trained map against the paper's, floor-based gaps with paired SEs."""
     paper = runs["hs200"][PAPER]
@@ -172,7 +176,7 @@ def top_block(runs: dict, diffs: dict[str, dict]) -> str:
                      f"(paired difference {format_with_se(g['difference'], g['se'], scale=100)} points, 32 windows)"
                      + (f" and {format_with_se(s['tasks']['hellaswag']['gap_closed'], s['tasks']['hellaswag']['stderr_gap_closed'], scale=100, unit=' %')} "
                         f"of the HellaSwag gap (paired difference {format_with_se(h['difference'], h['se'], scale=100)} points, n = 200)"
-                        if h else "") + ", at the same apply FLOPs")
+                        if h else "") + _flops_phrase(s["mapper"]["apply_flops_per_token"] / paper["mapper"]["apply_flops_per_token"]))
     return "; ".join(parts) + ".\n"
 
 

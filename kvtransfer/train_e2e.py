@@ -43,7 +43,7 @@ import torch
 from . import rope
 from .cache import _check_extended, layers_to_cache, prefill
 from .models import decoder, kv_shape, text_config
-from .train_map import EarlyStop, TrainSettings, _finite, affine_kv
+from .train_map import EarlyStop, TrainSettings, _finite, affine_kv, minibatches
 from .transfer import codec_for, place_on_layers
 
 OBJECTIVE = "end_to_end"
@@ -329,9 +329,8 @@ def train_e2e(target, data: E2EData, weight: torch.Tensor, bias: torch.Tensor, s
         start_kl = mean_kl(target, data, stop_rows, w0, b0, selected, chunk)
         w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
         opt = torch.optim.Adam([w, b], lr=settings.lr)
-        gen = torch.Generator().manual_seed(settings.seed)
+        batches = minibatches(fit_rows, settings.batch_sequences, settings.seed)
         stopper = EarlyStop(settings.patience)
-        order: list[int] = []
         window: list[float] = []
         per_step: list[float | None] = []
         evaluations: list[dict] = []
@@ -339,9 +338,7 @@ def train_e2e(target, data: E2EData, weight: torch.Tensor, bias: torch.Tensor, s
         step = 0
         steps = range(1, settings.steps + 1)
         for step in (progress(steps, desc="end-to-end training") if progress else steps):
-            if len(order) < settings.batch_sequences:  # a new epoch over the fit sequences
-                order += [fit_rows[i] for i in torch.randperm(len(fit_rows), generator=gen).tolist()]
-            rows, order = order[:settings.batch_sequences], order[settings.batch_sequences:]
+            rows = next(batches)
             s, count = kl_sum(target, data, rows, w, b, selected)
             loss = s / count
             opt.zero_grad(set_to_none=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -211,6 +212,18 @@ def relative_loss(problem: LayerProblem, rows: list[int], weight: torch.Tensor, 
     return sse / max(sst, torch.finfo(torch.float64).tiny)
 
 
+def minibatches(fit_rows: list[int], batch: int, seed: int) -> Iterator[list[int]]:
+    """Endless minibatches of `batch` rows of `fit_rows`: seeded shuffled epochs, an epoch's remainder carried into
+    the next batch (so every row is seen once per epoch)."""
+    gen = torch.Generator().manual_seed(seed)
+    order: list[int] = []
+    while True:
+        if len(order) < batch:  # a new epoch over the fit sequences
+            order += [fit_rows[i] for i in torch.randperm(len(fit_rows), generator=gen).tolist()]
+        rows, order = order[:batch], order[batch:]
+        yield rows
+
+
 class EarlyStop:
     """Early stopping on stop-split evaluations: `best` = (loss, (weight, bias) copies, step) of the lowest finite
     loss seen ((inf, None, 0) before any); `update` returns True once `patience` evaluations in a row found none lower."""
@@ -245,16 +258,13 @@ def train_layer(problem: LayerProblem, weight: torch.Tensor, bias: torch.Tensor,
     energy = native_energy(problem, settings.batch_sequences)
     w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
     opt = torch.optim.Adam([w, b], lr=settings.lr)
-    gen = torch.Generator().manual_seed(settings.seed)
+    batches = minibatches(fit_rows, settings.batch_sequences, settings.seed)
     stopper = EarlyStop(settings.patience)
-    order: list[int] = []
     window: list[float] = []
     first = last = None
     step = 0
     for step in range(1, settings.steps + 1):
-        if len(order) < settings.batch_sequences:  # a new epoch over the fit sequences
-            order += [fit_rows[i] for i in torch.randperm(len(fit_rows), generator=gen).tolist()]
-        rows, order = order[:settings.batch_sequences], order[settings.batch_sequences:]
+        rows = next(batches)
         sse, sst = output_error(problem, rows, w, b, energy)
         loss = sse / sst.clamp_min(torch.finfo(torch.float32).tiny)
         opt.zero_grad(set_to_none=True)

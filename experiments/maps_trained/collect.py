@@ -88,7 +88,8 @@ def map_row(name: str, runs: dict) -> dict:
     cos = fid.get("attn_cosine") or []
     p256 = {r["prefix"]: r for r in s.get("ppl", [])}.get(256, {})
     tr = m.get("training") or {}
-    row = {"map": name, "kind": m["kind"] + (f" ({m['features']})" if m.get("features") else ""), "k": m["k"],
+    detail = m.get("features") or (tr.get("objective") if tr else None)
+    row = {"map": name, "kind": m["kind"] + (f" ({detail})" if detail else ""), "k": m["k"],
            "K R² held-out": round(s["r2"]["k"]["heldout"], 4),
            "V R² held-out": round(s["r2"]["v"]["heldout"], 4),
            "attn cos": round(sum(cos) / len(cos), 4) if cos else None,
@@ -203,7 +204,7 @@ def block_training(runs: dict) -> str:
     rows = []
     for name in sorted(set(runs.get("hs200", {})) | set(runs.get("ppl32", {}))):
         tr = primary(runs, name)["mapper"].get("training")
-        if not tr:
+        if not tr or tr["objective"] != "layer_local":
             continue
         layers = tr["layers"]
         ratio = [x["stop_loss_final"] / x["stop_loss_ridge"] for x in layers if x["stop_loss_ridge"]]
@@ -216,6 +217,27 @@ def block_training(runs: dict) -> str:
                             "layers kept at ridge", "layers still improving at the cap", "mean steps"], rows)
 
 
+def block_training_e2e(runs: dict) -> str:
+    """Per end-to-end map (all layers jointly): the stop-split next-token KL (nats/token) at the ridge start, at
+    the best evaluation and of the weights kept; the train KL of the first and last evaluation windows; steps."""
+    rows = []
+    for name in sorted(set(runs.get("hs200", {})) | set(runs.get("ppl32", {}))):
+        tr = primary(runs, name)["mapper"].get("training")
+        if not tr or tr["objective"] != "end_to_end":
+            continue
+        kl = [f"{e['step']}: {e['stop_kl']:.4f}" if e["stop_kl"] is not None else f"{e['step']}: –" for e in tr["evaluations"]]
+        rows.append([name, tr["settings"]["lr"], f"{len(tr['fit_index'])} + {len(tr['stop_index'])}",
+                     tr["settings"]["batch_sequences"], f"{tr['steps']} of {tr['settings']['steps']}", tr["best_step"],
+                     f"{tr['stop_kl_start']:.4f}", "; ".join(kl), f"{tr['stop_kl_final']:.4f}",
+                     "ridge (start kept)" if tr["kept_start"] else "trained",
+                     f"{tr['train_kl_first']:.4f} → {tr['train_kl_last']:.4f}" if tr["train_kl_first"] is not None else "–"])
+    if not rows:
+        return "No end-to-end map has run yet (`E2E=1 PPL32=1 bash experiments/maps_trained/run.sh`).\n"
+    return readme.md_table(["map", "lr", "fit + stop sequences", "sequences per step", "steps run", "best step",
+                            "stop KL at the ridge start", "stop KL per evaluation (step: KL)", "stop KL kept",
+                            "weights kept", "train KL, first → last window"], rows)
+
+
 def collect(out: Path = OUT) -> tuple[dict, dict[str, str]]:
     """(maps_trained.json content, README blocks) from the runs alone (no model, no timing)."""
     runs = load_runs(out)
@@ -226,7 +248,7 @@ def collect(out: Path = OUT) -> tuple[dict, dict[str, str]]:
     diffs = {n: differences(n, runs) for n in names if n != PAPER}
     summaries = {f"runs_{k}/{n}": s for k, v in runs.items() for n, s in v.items()}
     blocks = {"provenance": provenance_header(summaries, COLLECT), "table": block_table(rows), "goal": block_goal(runs, diffs),
-              "differences": block_differences(diffs), "training": block_training(runs)}
+              "differences": block_differences(diffs), "training": block_training(runs), "training_e2e": block_training_e2e(runs)}
     return {"rows": rows, "differences": diffs, "top": top_block(runs, diffs)}, blocks
 
 

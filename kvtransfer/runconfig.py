@@ -9,6 +9,7 @@ and the resource plan (`kvtransfer.plan`), so the two can never read a key diffe
     kept_positions(calib)     -> calibration positions kept per sequence (calibrate.subsample_positions)
     source_features(mapper)   -> what the calibration and the map read of the source: "kv", or its hidden states
                                  (mapper=hidden, kvtransfer.hidden)
+    learning_rates(mapper)    -> mapper.lr as a list: several only for mapper=trained (chosen on the stop split)
 
 Part of the core: imports only the core (no Hydra, no runner, no plan).
 """
@@ -107,6 +108,24 @@ def source_features(mapper: dict) -> str:
         raise ValueError(f"mapper=hidden reads mapper.features=hidden or hidden_kv, got {features!r} (the K/V-only map "
                          "is mapper=ridge)")
     return features
+
+
+def learning_rates(mapper: dict) -> list[float]:
+    """mapper.lr as a list of positive floats. A list of several is for mapper=trained only, which trains once per
+    rate from the same ridge start and keeps, per target layer (end_to_end: for the joint map), the run of the
+    lowest stop-split loss (`train_map.lowest_stop_loss`); the MLP reads one rate."""
+    lr = mapper.get("lr", 1e-4)
+    lrs = [lr] if isinstance(lr, (int, float, str)) else list(lr)
+    try:
+        lrs = [float(x) for x in lrs]
+    except (TypeError, ValueError):
+        raise ValueError(f"mapper.lr must be a number or a list of numbers, got {lr!r}") from None
+    if not lrs or not all(x > 0 for x in lrs):
+        raise ValueError(f"mapper.lr must be > 0 (one rate, or a non-empty list of rates), got {lr!r}")
+    if len(lrs) > 1 and mapper.get("kind", "ridge") != "trained":
+        raise ValueError(f"mapper.lr={lrs}: only mapper=trained chooses among several learning rates (on its stop "
+                         f"split); mapper={mapper.get('kind', 'ridge')} takes one, e.g. mapper.lr={lrs[0]}")
+    return lrs
 
 
 def needs_feature_sample(mapper: dict) -> bool:

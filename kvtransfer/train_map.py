@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -292,6 +292,27 @@ def train_layer(problem: LayerProblem, weight: torch.Tensor, bias: torch.Tensor,
     return w_out.detach().float().cpu(), b_out.detach().float().cpu(), record
 
 
+def lowest_stop_loss(lrs: Sequence[float], train_at: Callable[[float], tuple[torch.Tensor, torch.Tensor, dict]],
+                     key: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Learning-rate choice on the stop split only: `train_at(lr)` -> (weight, bias, record) once per rate in `lrs`
+    (each from the same start, same minibatch order); returns the run whose record[key] (its stop-split loss of
+    the weights it returns, e.g. "stop_loss_final") is lowest -- the first listed on a tie -- with "lr" added to
+    its record and, for several rates, "by_lr": [{lr, key, stop loss trained, steps, best_step, worse_than_ridge}]
+    of every run. Only the kept run's weights are held while the next trains."""
+    if not lrs:
+        raise ValueError("mapper.lr: give at least one learning rate")
+    best, runs = None, []
+    for lr in lrs:
+        weight, bias, record = train_at(float(lr))
+        runs.append({"lr": float(lr), **{k: record.get(k) for k in (key, key.replace("_final", "_trained"), "steps",
+                                                                    "best_step", "worse_than_ridge")}})
+        if best is None or record[key] < best[2][key]:
+            best = (weight, bias, {**record, "lr": float(lr)})
+    if len(runs) > 1:
+        best[2]["by_lr"] = runs
+    return best
+
+
 def _finite(x: float) -> float | None:
     """x, or None when it is NaN/inf (a diverged window; the record is JSON)."""
     return x if math.isfinite(x) else None
@@ -436,10 +457,12 @@ def collect_layer_local(source, target, token_ids: torch.Tensor, used_layers: li
 
 def train_map(weight: torch.Tensor, bias: torch.Tensor, selected_layers: list[list[int]], data: LayerLocalData,
               fit_rows: list[int], stop_rows: list[int], settings: TrainSettings,
-              progress=None) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
+              progress=None, lrs: Sequence[float] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
     """Train every target layer's map independently (`train_layer`) from weight [L_t, 2, p, q] and bias
-    [L_t, 2, q] (the ridge map), on rows `fit_rows` of `data`, early stopping on rows `stop_rows`.
-    Returns (weight, bias, per-layer records) in the input's shapes, float32."""
+    [L_t, 2, q] (the ridge map), on rows `fit_rows` of `data`, early stopping on rows `stop_rows`. With `lrs`
+    (default: settings.lr alone) each layer trains once per learning rate and keeps the run of the lowest
+    stop-split loss (`lowest_stop_loss`). Returns (weight, bias, per-layer records with the kept "lr") in the
+    input's shapes, float32."""
     overlap = set(fit_rows) & set(stop_rows)
     if overlap:
         raise ValueError(f"rows {sorted(overlap)} are in both the fit and the stop split")
@@ -450,7 +473,12 @@ def train_map(weight: torch.Tensor, bias: torch.Tensor, selected_layers: list[li
     wrap = progress or (lambda it, **_: it)
     for t in wrap(range(weight.shape[0]), desc="layer-local training"):
         problem = data.layer(t, list(selected_layers[t]))
-        layer_settings = TrainSettings(**{**vars(settings), "seed": settings.seed * 1_000_003 + t})
-        out_w[t], out_b[t], record = train_layer(problem, weight[t], bias[t], fit_rows, stop_rows, layer_settings)
+        layer_seed = settings.seed * 1_000_003 + t
+
+        def at(lr: float, t=t, problem=problem, layer_seed=layer_seed):
+            layer_settings = TrainSettings(**{**vars(settings), "lr": lr, "seed": layer_seed})
+            return train_layer(problem, weight[t], bias[t], fit_rows, stop_rows, layer_settings)
+
+        out_w[t], out_b[t], record = lowest_stop_loss(lrs or [settings.lr], at, "stop_loss_final")
         records.append({"layer": t, **record})
     return out_w, out_b, records

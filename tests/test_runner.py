@@ -279,6 +279,25 @@ def test_a_trained_map_of_zero_steps_is_the_ridge_map(tiny_pair_dirs, tmp_path):
                          magnitude=1.0, reason="R² of float32-rounded ridge weights, p = 32 features")
 
 
+@pytest.mark.parametrize("objective", ["layer_local", "end_to_end"])
+def test_a_list_of_learning_rates_is_chosen_on_the_stop_split(tiny_pair_dirs, tmp_path, objective):
+    """mapper.lr=[a,b] through the runner: each layer (end_to_end: the joint map) keeps the rate of the lowest
+    stop-split loss, the artifact records every rate's loss, and a list is refused for a map that takes one."""
+    knobs = ("mapper=trained", f"mapper.objective={objective}", "pair.k=2", "mapper.train_sequences=6",
+             "mapper.stop_sequences=3", "mapper.query_positions=8", "mapper.continuation_tokens=8", "mapper.steps=4",
+             "mapper.eval_every=2", "mapper.batch_sequences=3", "stage=fit")
+    summary = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, *knobs, "mapper.lr=[1e-6,3e-3]"), tmp_path / "lrs")
+    t = load_mapper(summary["mapper"]["path"]).training
+    assert t["settings"]["lr"] == [1e-6, 3e-3]
+    key = "stop_loss_final" if objective == "layer_local" else "stop_kl_final"
+    for r in t["layers"] if objective == "layer_local" else [t]:
+        assert [x["lr"] for x in r["by_lr"]] == [1e-6, 3e-3]
+        best = min(r["by_lr"], key=lambda x: x[key])  # the first listed on a tie, as min() picks
+        assert r["lr"] == best["lr"] and r[key] == best[key]
+    with pytest.raises(ValueError, match="only mapper=trained"):
+        execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "mapper=mlp", "mapper.lr=[1e-3,1e-2]", "stage=fit"), tmp_path / "mlp")
+
+
 def test_an_end_to_end_trained_map_through_the_pipeline(tiny_pair_dirs, tmp_path):
     """mapper=trained mapper.objective=end_to_end (issue 23 §1) on two different models: fit through the runner,
     saved, read back by load_mapper, applied by transfer (fidelity, and directly); its stop split is disjoint from

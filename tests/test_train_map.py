@@ -23,6 +23,7 @@ from kvtransfer.train_map import (
     causal_attention,
     collect_layer_local,
     layer_local_nbytes,
+    lowest_stop_loss,
     mapped_kv,
     query_positions,
     relative_loss,
@@ -157,6 +158,55 @@ def test_no_layer_ends_above_its_ridge_start_unannounced(lr):
         assert torch.equal(w, start_w) and torch.equal(b, start_b)
 
 
+def test_the_learning_rate_is_chosen_on_the_stop_split_alone():
+    """mapper.lr=[...]: one run per rate from the same start, the run of the lowest stop-split loss kept (its
+    weights bit for bit those of that rate trained alone), every run's stop loss recorded; a rate that only hurts
+    is never chosen over one that helps, and when all hurt the ridge start is kept and the record says so."""
+    problem, weight, bias = planted_problem()
+    start_w, start_b = _perturbed(weight, bias)
+
+    def at(lr):
+        return train_layer(problem, start_w, start_b, FIT, STOP,
+                           TrainSettings(lr=lr, steps=40, batch_sequences=8, eval_every=10, patience=100))
+
+    # 1e-6 barely moves from the start, 2e-2 recovers most of the planted map (test_a_planted_map_is_recovered),
+    # 50 diverges (test_training_that_hurts_...): listed so that neither the first nor the last is the best
+    w, b, record = lowest_stop_loss([1e-6, 2e-2, 50.0], at, "stop_loss_final")
+    alone = {lr: at(lr) for lr in (1e-6, 2e-2, 50.0)}
+    assert record["lr"] == 2e-2 and [r["lr"] for r in record["by_lr"]] == [1e-6, 2e-2, 50.0]
+    assert torch.equal(w, alone[2e-2][0]) and torch.equal(b, alone[2e-2][1])
+    for r in record["by_lr"]:
+        assert r["stop_loss_final"] == alone[r["lr"]][2]["stop_loss_final"]
+        assert r["worse_than_ridge"] == alone[r["lr"]][2]["worse_than_ridge"]
+    assert record["stop_loss_final"] == min(r["stop_loss_final"] for r in record["by_lr"])
+    assert record["stop_loss_final"] < 0.1 * record["stop_loss_ridge"]  # 2e-2 really trained (start: ~30 % off)
+    assert record["by_lr"][2]["worse_than_ridge"] and not record["worse_than_ridge"]
+    # every rate hurts: each run keeps the start (stop loss = the start's), the first listed is kept, and says so
+    w, b, record = lowest_stop_loss([50.0, 80.0], at, "stop_loss_final")
+    assert record["lr"] == 50.0 and record["worse_than_ridge"] and all(r["worse_than_ridge"] for r in record["by_lr"])
+    assert torch.equal(w, start_w) and torch.equal(b, start_b)
+    # one rate: that rate's run, unchanged, with its rate named and no by_lr
+    w, b, record = lowest_stop_loss([2e-2], at, "stop_loss_final")
+    assert torch.equal(w, alone[2e-2][0]) and record == {**alone[2e-2][2], "lr": 2e-2, "seconds": record["seconds"]}
+    with pytest.raises(ValueError, match="at least one learning rate"):
+        lowest_stop_loss([], at, "stop_loss_final")
+
+
+def test_mapper_lr_lists_are_for_the_trained_map_only():
+    from kvtransfer.runconfig import learning_rates
+
+    assert learning_rates({"kind": "trained", "lr": "1e-4"}) == [1e-4]  # YAML 1.1 reads 1e-4 as a string
+    assert learning_rates({"kind": "trained", "lr": [3e-5, 1e-4]}) == [3e-5, 1e-4]
+    assert learning_rates({"kind": "ridge"}) == [1e-4]
+    with pytest.raises(ValueError, match=r"only mapper=trained .* e\.g\. mapper\.lr=0\.001"):
+        learning_rates({"kind": "mlp", "lr": [1e-3, 1e-2]})
+    for bad in ([], [1e-4, 0.0], -1.0):
+        with pytest.raises(ValueError, match="must be > 0"):
+            learning_rates({"kind": "trained", "lr": bad})
+    with pytest.raises(ValueError, match="a number or a list of numbers"):
+        learning_rates({"kind": "trained", "lr": ["fast"]})
+
+
 # -- the objective reads what the models and `transfer` compute ------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_pair():
@@ -262,3 +312,13 @@ def test_the_plan_counts_the_collection_and_the_models():
     assert any(k.startswith("source + target weights") for k in fits["trained"]["parts"]["gpu"])
     assert not any(k.startswith("source + target weights") for k in fits["ridge"]["parts"]["gpu"])
     assert fits["trained"]["seconds"] > fits["ridge"]["seconds"]
+    # several learning rates: the collection once, the training once per rate (memory unchanged)
+    by_n = {n: P.make_plan(compose_config("pair=qwen3_14b_32b", "mapper=trained", f"mapper.lr=[{','.join(['1e-4'] * n)}]"),
+                           h200, rates=FIXED_RATES, knobs=False)["stages"]["fit"] for n in (2, 3)}
+    by_n[1] = fits["trained"]
+    assert by_n[3]["parts"]["host"] == by_n[1]["parts"]["host"]
+    one_training = by_n[2]["seconds"] - by_n[1]["seconds"]
+    assert one_training > 60  # 64 layers x 300 steps at Qwen3-14B -> 32B shapes: minutes, not rounding
+    # each stage's seconds are rounded to 0.1 s: three roundings
+    assert_within(by_n[3]["seconds"] - by_n[1]["seconds"], 2 * one_training, atol=0.3,
+                  reason="plan seconds rounded to 0.1 s, three of them")

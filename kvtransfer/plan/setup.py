@@ -2,7 +2,7 @@
 `kvtransfer.runconfig`) + the two model shapes + the node + the rates."""
 from __future__ import annotations
 
-from ..runconfig import calib_split, kept_positions, resolve, source_features
+from ..runconfig import calib_split, kept_positions, learning_rates, resolve, source_features
 from .node import GiB, Node
 from .rates import Rates
 from .shapes import (ModelShape, dtype_bytes, heldout_bytes, moments_bytes, offloaded_bytes, sample_bytes,
@@ -88,6 +88,7 @@ class Setup:
         from ..hidden import feature_width
 
         self.src_features = source_features(self.cfg["mapper"])
+        self.n_lrs = len(learning_rates(self.cfg["mapper"]))  # mapper=trained trains once per learning rate
         self.fw = feature_width(self.src_features, self.src.hidden, self.src.width)
         self.dx, self.dy = self.src.layers * self.fw, self.tgt.layers * self.tgt.width
 

@@ -190,7 +190,7 @@ def _fit_trained(s: Setup, dev: dict) -> tuple[dict, float]:
     step = 3 * b * (2 * 2 * s.seq * s.p * s.q + 2 * 2 * t.heads * s_q * s.seq * t.head_dim + 2 * s_q * t.hidden * t.heads * t.head_dim)
     rate = s.flops_rate("float32") if s.device == "cuda" else s.rates.host_flops["float32"]
     secs += n_seq * (prefill_flops(s.src, s.seq, s.seq) + prefill_flops(t, s.seq, s.seq)) / s.flops_rate(s.mdtype)
-    secs += t.layers * int(m["steps"]) * step / rate
+    secs += s.n_lrs * t.layers * int(m["steps"]) * step / rate  # once per learning rate of mapper.lr
     return work, secs
 
 
@@ -214,14 +214,15 @@ def _fit_trained_e2e(s: Setup, dev: dict) -> tuple[dict, float]:
         int(m.get("native_sink") or 0))
     shape = dict(layers=t.layers, hidden=t.hidden, heads=t.heads, head_dim=t.head_dim, vocab=t.vocab, p=s.p)
     step_bytes = e2e_step_nbytes(b, ctx, cont, intermediate=t.intermediate, kv_heads=t.kv_heads, act_bytes=s.w, **shape)
+    # (+ the kept run's map while the next learning rate trains, for several)
     dev["source + target weights (collection, training), map + gradient + Adam state, one step's activations"] = (
-        s.weights("src", "tgt") + 4 * s.mapper_w32 + step_bytes)
+        s.weights("src", "tgt") + (4 + (s.n_lrs > 1)) * s.mapper_w32 + step_bytes)
     step = e2e_step_flops(b, ctx, cont, layer_params=t.layer_params, q=s.q, **shape)
     evals = -(-steps // int(m["eval_every"])) if steps else 0
     per_seq = e2e_step_flops(1, ctx, cont, layer_params=t.layer_params, q=s.q, **shape)
     rate = s.flops_rate(s.mdtype) if s.device == "cuda" else s.rates.host_flops["float32"]
     secs += n_seq * (prefill_flops(s.src, ctx, ctx) + prefill_flops(t, ctx + cont, ctx + cont)) / s.flops_rate(s.mdtype)
-    secs += (steps * step + evals * n_stop * per_seq / 2) / rate
+    secs += s.n_lrs * (steps * step + evals * n_stop * per_seq / 2) / rate  # once per learning rate of mapper.lr
     return work, secs
 
 

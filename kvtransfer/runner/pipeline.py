@@ -31,7 +31,7 @@ from ..preflight import preflight
 from ..provenance import environment
 from ..ridge import UnderdeterminedFit, fit_ridge
 from ..runconfig import (STAGES, needs_feature_sample, parse_stages, resolve,  # noqa: F401 (STAGES: re-exported)
-                         source_features)
+                         learning_rates, source_features)
 from ..select import r2_matrix, select_greedy, select_topk
 from .artifacts import ARTIFACTS, KEY_VERSION, compute_key
 
@@ -63,6 +63,7 @@ class Run:
         resolved = resolve(cfg)   # the same reading of the config as the resource plan's (kvtransfer.runconfig)
         self.key_space, self.rope_at_inference = resolved.key_space, resolved.rope_at_inference
         self.k, self.lam = resolved.k, resolved.lam
+        self.lrs = learning_rates(cfg["mapper"])  # refused here, before any stage, when a list is not allowed
 
     @property
     def context_start(self) -> str:
@@ -398,7 +399,7 @@ class Run:
             device = self.device if mcfg.get("device", "auto") == "auto" else mcfg["device"]
             mapper = fit_mlp(FeatureSampler.load(sample_path), selected, source, target,
                              source_width=train.source_width, target_heads=tgt.n_kv, hidden=mcfg["hidden"],
-                             lr=mcfg["lr"], epochs=mcfg["epochs"], batch_tokens=mcfg["batch_tokens"], device=device,
+                             lr=self.lrs[0], epochs=mcfg["epochs"], batch_tokens=mcfg["batch_tokens"], device=device,
                              seed=self.cfg.get("seed", 0), key_space=self.key_space, calibration=info,
                              progress=self.progress)
         else:
@@ -451,10 +452,11 @@ class Run:
                                    progress=self.progress)
         collected = time.perf_counter()
         rows = list(range(len(fit_idx))), list(range(len(fit_idx), len(fit_idx) + len(stop_idx)))
-        weight, bias, layers = train_map(ridge.weight, ridge.bias, selected, data, *rows, settings, progress=self.progress)
+        weight, bias, layers = train_map(ridge.weight, ridge.bias, selected, data, *rows, settings, progress=self.progress,
+                                         lrs=self.lrs)
         n_q = data.queries[0].shape[1]
         training = {"objective": "layer_local", "fit_index": fit_idx, "stop_index": stop_idx, "heldout_index": held,
-                    "query_positions": data.positions.tolist(), "settings": vars(settings),
+                    "query_positions": data.positions.tolist(), "settings": self._settings_record(settings),
                     "collect_bytes": data.nbytes,
                     "collect_bytes_formula": layer_local_nbytes(
                         len(fit_idx) + len(stop_idx), data.source_k.shape[1], len(used), train.source_width, len(layers),
@@ -475,10 +477,15 @@ class Run:
         train_idx, held = self.split()
         fit_idx, stop_idx = split_stop(train_idx, int(mcfg["train_sequences"]), int(mcfg["stop_sequences"]), seed)
         device = self.device if mcfg.get("device", "auto") == "auto" else mcfg["device"]
-        settings = TrainSettings(lr=float(mcfg["lr"]), steps=int(mcfg["steps"]), batch_sequences=int(mcfg["batch_sequences"]),
+        settings = TrainSettings(lr=self.lrs[0], steps=int(mcfg["steps"]), batch_sequences=int(mcfg["batch_sequences"]),
                                  eval_every=int(mcfg["eval_every"]), patience=int(mcfg["patience"]), seed=seed, device=device)
         selected = ridge.selected_layers.tolist()
         return fit_idx, stop_idx, held, settings, selected, sorted({s for row in selected for s in row})
+
+    def _settings_record(self, settings) -> dict:
+        """The training settings an artifact records; "lr" is the list mapper.lr gave when it gave several (each
+        layer's / the joint map's kept rate is in its record)."""
+        return {**vars(settings), "lr": self.lrs if len(self.lrs) > 1 else self.lrs[0]}
 
     def _train_e2e(self, ridge: Mapper, train: Moments, heldout: HeldOut):
         """mapper=trained mapper.objective=end_to_end (kvtransfer.train_e2e): `ridge`, all layers jointly, trained
@@ -506,8 +513,11 @@ class Run:
                            batch_size=self.cfg["calib"]["batch_size"], progress=self.progress)
         collected = time.perf_counter()
         rows = list(range(len(fit_idx))), list(range(len(fit_idx), len(fit_idx) + len(stop_idx)))
-        weight, bias, record = train_e2e(target, data, ridge.weight, ridge.bias, selected, *rows, settings,
-                                         progress=self.progress)
+        from ..train_map import TrainSettings, lowest_stop_loss
+
+        weight, bias, record = lowest_stop_loss(self.lrs, lambda lr: train_e2e(
+            target, data, ridge.weight, ridge.bias, selected, *rows, TrainSettings(**{**vars(settings), "lr": lr}),
+            progress=self.progress), "stop_kl_final")
         tc, kv = text_config(target.config), kv_shape(target)
         shape = dict(layers=kv.n_layers, hidden=tc.hidden_size, heads=tc.num_attention_heads, head_dim=kv.head_dim,
                      vocab=tc.vocab_size)
@@ -515,7 +525,7 @@ class Run:
         act = torch.finfo(target.dtype).bits // 8
         layer_params = sum(x.numel() for x in decoder(target).layers[0].parameters())
         training = {"objective": OBJECTIVE, "fit_index": fit_idx, "stop_index": stop_idx, "heldout_index": held,
-                    "context_tokens": ctx, "continuation_tokens": cont, "settings": vars(settings),
+                    "context_tokens": ctx, "continuation_tokens": cont, "settings": self._settings_record(settings),
                     "collect_bytes": data.nbytes,
                     "collect_bytes_formula": e2e_nbytes(len(fit_idx) + len(stop_idx), ctx, cont, len(used),
                                                         train.source_width, kv.n_layers, kv.n_kv, kv.head_dim,

@@ -496,6 +496,32 @@ def test_a_per_model_device_map_spreads_only_that_model(cfg_14_32):
     assert_rounded(gib(cfg_14_32), (src + tgt) / P.GiB, decimals=6, reason=PART)
 
 
+def test_the_eval_plan_counts_mmlu_per_subject_and_a_shared_context_once(cfg_14_32):
+    """lm-eval applies a limit to each MMLU subject task (a limit of 10 on the local sample's 10 subjects is 100
+    items, on the hub's 57 it is 570), and with share_prefix the target and source modes prefill each item's
+    context once and score its choices on that cache (EVAL_TASKS' approximate prompt lengths, by hand)."""
+    from kvtransfer.plan.evalbench import EVAL_TASKS, eval_tokens
+    from kvtransfer.plan.setup import Setup
+
+    def tokens(data_dir, share, mode="target"):
+        e = dict(cfg_14_32["eval"], tasks=["mmlu"], limits={"mmlu": 10}, limit=None, data_dir=data_dir,
+                 share_prefix=share, modes=[mode], ppl=dict(cfg_14_32["eval"]["ppl"], enabled=False),
+                 coqa=dict(cfg_14_32["eval"]["coqa"], enabled=False), fidelity={"enabled": False})
+        cfg = dict(cfg_14_32, eval=e)
+        return eval_tokens(Setup(cfg, P.load_shape(cfg["pair"]["source"]), P.load_shape(cfg["pair"]["target"]),
+                                 H200, FIXED_RATES))
+
+    ctx, cont = EVAL_TASKS["mmlu"]["ctx"], EVAL_TASKS["mmlu"]["cont"]   # 620, 1: one answer letter
+    # the repo's sample: 10 subjects x 20 test items (data/benchmarks/mmlu.jsonl); the hub: 57 subjects of >= 100
+    for data_dir, items in ((str(ROOT / "data" / "benchmarks"), 10 * 10), (None, 57 * 10)):
+        assert tokens(data_dir, False)["target"] == items * 4 * (ctx + cont)
+        assert tokens(data_dir, True)["target"] == items * ctx + items * 4 * (1 + cont)
+        assert tokens(data_dir, True, "source")["source"] == items * ctx + items * 4 * (1 + cont)
+        # transfer: the source prefills the context once, the target scores the choices on the mapped cache
+        t = tokens(data_dir, True, "transfer")
+        assert (t["source"], t["target"], t["map"]) == (items * ctx, items * 4 * (1 + cont), items * ctx)
+
+
 def test_share_prefix_keeps_the_context_logits_out_of_the_eval_plan(cfg_14_32):
     # with share_prefix the context goes through the decoder body alone (cache.prefill, no LM head): only
     # the last context token + the longest continuation reach the [batch, rows, vocab] logits

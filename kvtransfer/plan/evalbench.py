@@ -2,7 +2,10 @@
 prompt lengths) and the largest batch's device working set."""
 from __future__ import annotations
 
+import json
 import math
+from collections import Counter
+from pathlib import Path
 
 from .node import GiB
 from .setup import Setup
@@ -27,14 +30,33 @@ COQA_CONTEXT = 350  # tokens of story + history per turn (approximate)
 MODES = ["target", "source", "transfer", "native_injected", "no_context"]
 
 
+MMLU_HUB_SUBJECTS = 57  # lm-eval's mmlu group: 57 subject tasks, ~246 test items each (14,042 in all)
+
+
+def mmlu_subject_sizes(data_dir) -> list[int]:
+    """Test items per MMLU subject the eval runs: the local sample's subjects (eval.tasks._write_mmlu reads the
+    same file) when `data_dir` holds mmlu.jsonl, else the hub's 57 subjects at their mean size (approximate)."""
+    from ..eval.tasks import MMLU_SUBJECTS
+
+    path = Path(data_dir) / "mmlu.jsonl" if data_dir else None
+    if path is not None and path.is_file():
+        counts = Counter(json.loads(line)["subject"] for line in path.open() if line.strip())
+        return [counts[s] for s in MMLU_SUBJECTS if counts[s]]
+    n = EVAL_TASKS["mmlu"]["items"]
+    return [n // MMLU_HUB_SUBJECTS] * MMLU_HUB_SUBJECTS
+
+
 def _jobs(e: dict) -> list[dict]:
-    """The configured tasks (limits applied) and perplexity windows, as EVAL_TASKS-like rows."""
+    """The configured tasks (limits applied as lm-eval applies them: to each subject task of the MMLU group) and
+    perplexity windows, as EVAL_TASKS-like rows."""
     limits, limit = e.get("limits") or {}, e.get("limit")
     jobs = []
     for task in e.get("tasks", []):
         t = dict(EVAL_TASKS.get(task, _UNKNOWN_TASK))
         lim = limits.get(task, limit)
-        if lim is not None:
+        if task == "mmlu":
+            t["items"] = sum(n if lim is None else min(n, int(lim)) for n in mmlu_subject_sizes(e.get("data_dir")))
+        elif lim is not None:
             t["items"] = min(t["items"], int(lim))
         if t["gen"] < 0:
             t["gen"] = int(e.get("max_gen_toks", 256))
@@ -47,12 +69,21 @@ def _jobs(e: dict) -> list[dict]:
     return jobs
 
 
-def _count_mode(out: dict, mode: str, t: dict, b: int) -> None:
-    """Add one (mode, task) to the token / pass counts `out`."""
+def shares_prefix(e: dict) -> bool:
+    """eval.share_prefix: each distinct context prefilled once per mode (its choices scored on that cache)."""
+    return str(e.get("share_prefix")).lower() in ("true", "1", "yes")
+
+
+def _count_mode(out: dict, mode: str, t: dict, b: int, shared: bool = False) -> None:
+    """Add one (mode, task) to the token / pass counts `out`; `shared`: eval.share_prefix (target and source
+    modes prefill each distinct context once, then score last context token + continuation per request)."""
     req, ctx_once = t["items"] * t["choices"], t["items"] * t["contexts"] * t["ctx"]
     calls, ctx_calls = math.ceil(req / b), math.ceil(t["items"] * t["contexts"] / b)
     short = req * (1 + t["cont"])
-    if mode in ("target", "source"):
+    if mode in ("target", "source") and shared and not t["gen"]:
+        out[mode] += ctx_once + short
+        out[f"passes_{mode}"] += ctx_calls + calls
+    elif mode in ("target", "source"):
         out[mode] += req * (t["ctx"] + t["cont"])
         out[f"passes_{mode}"] += calls
     elif mode in ("transfer", "identity"):
@@ -96,10 +127,10 @@ def eval_tokens(s: Setup) -> dict:
     b = max(1, int(e.get("batch_size", 8)))
     out = {"source": 0.0, "target": 0.0, "map": 0.0, "decode_batches_source": 0.0, "decode_batches_target": 0.0,
            "decode_single_target": 0.0, "passes_source": 0.0, "passes_target": 0.0}   # passes: forward calls
-    jobs = _jobs(e)
+    jobs, shared = _jobs(e), shares_prefix(e)
     for mode in modes:
         for t in jobs:
-            _count_mode(out, mode, t, b)
+            _count_mode(out, mode, t, b, shared)
     if (e.get("coqa") or {}).get("enabled"):
         _count_coqa(out, e["coqa"], modes)
     fid = e.get("fidelity") or {}
@@ -140,7 +171,7 @@ def _eval_device(s: Setup, e: dict) -> dict:
     # logits (model dtype + the float32 log-softmax): for every position of a one-pass forward; with
     # share_prefix the context is prefilled by the decoder body alone (no LM head, cache.prefill) and only
     # the last context token + continuation reach the head
-    logit_rows = min(n, cont + 1) if str(e.get("share_prefix")).lower() in ("true", "1", "yes") else n
+    logit_rows = min(n, cont + 1) if shares_prefix(e) else n
     target_pass = forward_bytes(s.tgt, b, n, s.w, math_attention=math_attn)
     # (+ a hidden-state map's normed layer inputs of the used source layers, captured in the source prefill)
     transfer_pass = (forward_bytes(s.src, b, n, s.w, math_attention=math_attn) + b * n * s.hidden_per_token * s.w

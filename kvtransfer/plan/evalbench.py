@@ -34,14 +34,12 @@ MMLU_HUB_SUBJECTS = 57  # lm-eval's mmlu group: 57 subject tasks, ~246 test item
 
 
 def mmlu_subject_sizes(data_dir) -> list[int]:
-    """Test items per MMLU subject the eval runs: the local sample's subjects (eval.tasks._write_mmlu reads the
-    same file) when `data_dir` holds mmlu.jsonl, else the hub's 57 subjects at their mean size (approximate)."""
-    from ..eval.tasks import MMLU_SUBJECTS
-
+    """Test items per MMLU subject the eval runs: per subject of the local file when `data_dir` holds mmlu.jsonl
+    (eval.tasks._write_mmlu reads the same file and keeps its known subjects: never more than counted here),
+    else the hub's 57 subjects at their mean size (approximate)."""
     path = Path(data_dir) / "mmlu.jsonl" if data_dir else None
     if path is not None and path.is_file():
-        counts = Counter(json.loads(line)["subject"] for line in path.open() if line.strip())
-        return [counts[s] for s in MMLU_SUBJECTS if counts[s]]
+        return list(Counter(json.loads(line)["subject"] for line in path.open() if line.strip()).values())
     n = EVAL_TASKS["mmlu"]["items"]
     return [n // MMLU_HUB_SUBJECTS] * MMLU_HUB_SUBJECTS
 

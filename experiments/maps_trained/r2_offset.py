@@ -1,0 +1,87 @@
+"""Where a trained map's held-out R² goes: its residual split into the shift shared by every token and the rest.
+
+    python experiments/maps_trained/r2_offset.py [--calibration DIR] [--maps NAME=MAPPER_DIR ...] [--out FILE]
+
+On the calibration's held-out rows (the ones the table's "K/V R² held-out" is computed on, `ridge.feature_sse`), a
+map's residual r = y - (x W + b) per target column splits exactly into
+    SSE = sum_rows (r - mean r)^2  +  n (mean r)^2        (centred part + shared shift)
+so R² = 1 - SSE / SST (SST about the held-out mean, as the table) and the *centred* R² = 1 - centred SSE / SST
+is what remains once one constant vector per head is added to every mapped token. A map whose R² fell through
+the shift alone has its centred R² where it was. Reported per kind (K, V) and target layer, as the table does
+(mean over KV heads), for each map named; written to results/maps_trained/r2_offset.json.
+Reads only artifacts (safetensors + JSON): no model is loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kvtransfer.calibrate import load_calibration  # noqa: E402
+from kvtransfer.io import atomic_write_json  # noqa: E402
+from kvtransfer.mapper import load_mapper  # noqa: E402
+
+ART = Path("artifacts/qwen25coder")
+MAPS = {"paper_sink1": ART / "mappers/b0eb9ce8807e3a38", "e2e_lr1e-4_cpu_sink1": ART / "mappers/6c14988129d46dc2",
+        "trained_lr3e-4_short_sink1": ART / "mappers/d168197979a57d27"}
+CALIBRATION = ART / "moments/365c5508aea7082e/calibration"
+
+
+def split_sse(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per target column (float64): SST about y's mean, the centred SSE and the shared-shift term n (mean r)^2 of
+    r = y - (x weight + bias); x [n, p], y [n, q], weight [p, q], bias [q]."""
+    r = y.double() - torch.addmm(bias.double(), x.double(), weight.double())
+    mean_r = r.mean(0)
+    return {"sst": ((y.double() - y.double().mean(0)) ** 2).sum(0), "centred": ((r - mean_r) ** 2).sum(0),
+            "shift": r.shape[0] * mean_r ** 2}
+
+
+def per_head_r2(sse: torch.Tensor, sst: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """R² per head [q / head_dim] from per-column sums (as ridge._per_head)."""
+    return 1 - sse.view(-1, head_dim).sum(-1) / sst.view(-1, head_dim).sum(-1)
+
+
+def decompose(mapper, held, head_dim: int) -> dict:
+    """{kind: {"r2", "r2_centred", "shift_share": [L_t]}} of one map (means over the layer's KV heads;
+    shift_share: the shared shift's part of the layer's SSE)."""
+    out = {}
+    for i, kind in enumerate(("k", "v")):
+        rows = {"r2": [], "r2_centred": [], "shift_share": []}
+        for t, layers in enumerate(mapper.selected_layers.tolist()):
+            cols = held.source_columns(layers)
+            parts = split_sse(held.x(kind)[:, cols], held.y(kind)[:, held.target_columns(held.target_layers[t])],
+                              mapper.weight[t, i], mapper.bias[t, i])
+            rows["r2"].append(float(per_head_r2(parts["centred"] + parts["shift"], parts["sst"], head_dim).mean()))
+            rows["r2_centred"].append(float(per_head_r2(parts["centred"], parts["sst"], head_dim).mean()))
+            rows["shift_share"].append(float(parts["shift"].sum() / (parts["centred"] + parts["shift"]).sum()))
+        out[kind] = rows
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calibration", default=str(CALIBRATION))
+    ap.add_argument("--maps", nargs="*", default=[f"{k}={v}" for k, v in MAPS.items()])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--out", default="results/maps_trained/r2_offset.json")
+    args = ap.parse_args(argv)
+    held = load_calibration(args.calibration).heldout
+    result = {"calibration": args.calibration, "heldout_rows": held.n, "maps": {}}
+    for spec in args.maps:
+        name, path = spec.split("=", 1)
+        d = decompose(load_mapper(path), held, args.head_dim)
+        result["maps"][name] = {"mapper": path, **d}
+        for kind in ("k", "v"):
+            mean = {m: sum(v) / len(v) for m, v in d[kind].items()}
+            print(f"{name} {kind.upper()}: R² {mean['r2']:.3f}, centred R² {mean['r2_centred']:.3f}, "
+                  f"shared shift {100 * mean['shift_share']:.1f} % of the SSE (means over layers)")
+    atomic_write_json(Path(args.out), result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -105,3 +105,30 @@ def test_replace_blocks_rewrites_only_the_named_block():
     assert readme.blocks(new) == {"x": "new 3\n", "y": "keep 2\n"} and new.startswith("a\n") and "\nb\n" in new
     with pytest.raises(ValueError, match="no generated block"):
         readme.replace_blocks(text, {"z": "1"})
+
+
+def test_the_r2_split_is_exact_and_puts_a_planted_shift_where_it_belongs():
+    """experiments/maps_trained/r2_offset.py: centred SSE + shared-shift term = the SSE R² reports, and a map off by
+    a constant vector c has all of that offset (n c², nothing else) in the shift term."""
+    import torch
+    from tolerance import assert_close
+
+    r2_offset = _module("experiments/maps_trained/r2_offset.py")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 6, generator=g, dtype=torch.float64) + 3.0   # features with a mean, as keys have
+    w, b = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
+    noise = 0.1 * torch.randn(256, 4, generator=g, dtype=torch.float64)
+    y = x @ w + b + noise
+    c = torch.tensor([2.0, -1.0, 0.5, 0.0], dtype=torch.float64)
+    exact, shifted = r2_offset.split_sse(x, y, w, b), r2_offset.split_sse(x, y, w, b - c)
+    # the map off by c: the same centred residual; the shift term is n (mean noise + c)^2 per column
+    assert torch.equal(exact["sst"], shifted["sst"])
+    assert_close(shifted["centred"], exact["centred"], dtype=torch.float64, factor=256, magnitude=float(noise.pow(2).sum()),
+                 reason="the same centred residual summed over 256 rows: fp64 rounding")
+    assert_close(shifted["shift"], 256 * (noise.mean(0) + c) ** 2, dtype=torch.float64, factor=256, magnitude=256 * 5.0,
+                 reason="n (mean r)^2 with mean r summed over 256 rows: fp64 rounding")
+    full = ((y - (x @ w + b - c)) ** 2).sum(0)
+    assert_close(shifted["centred"] + shifted["shift"], full, dtype=torch.float64, factor=256, magnitude=float(full.max()),
+                 reason="sum of squares = centred + n mean², exact up to fp64 rounding over 256 rows")
+    r2 = r2_offset.per_head_r2(shifted["centred"] + shifted["shift"], shifted["sst"], 2)
+    assert r2.shape == (2,) and bool((r2 < r2_offset.per_head_r2(shifted["centred"], shifted["sst"], 2)).all())

@@ -8,7 +8,8 @@ map's residual r = y - (x W + b) per target column splits exactly into
 so R² = 1 - SSE / SST (SST about the held-out mean, as the table) and the *centred* R² = 1 - centred SSE / SST
 is what remains once one constant vector per head is added to every mapped token. A map whose R² fell through
 the shift alone has its centred R² where it was. Reported per kind (K, V) and target layer, as the table does
-(mean over KV heads), for each map named; written to results/maps_trained/r2_offset.json.
+(mean over KV heads), for each map named, and how far each map's weights and biases moved from the first map
+named (the ridge start of the trained ones); written to results/maps_trained/r2_offset.json.
 Reads only artifacts (safetensors + JSON): no model is loaded.
 """
 from __future__ import annotations
@@ -62,6 +63,20 @@ def decompose(mapper, held, head_dim: int) -> dict:
     return out
 
 
+def change(mapper, start) -> dict:
+    """{kind: {"weight_rel": [L_t] |W - W0|_F / |W0|_F, "bias_abs": [L_t] |b - b0|}} of a map against the map it
+    was trained from (same selected layers)."""
+    if not torch.equal(mapper.selected_layers, start.selected_layers):
+        raise ValueError("the two maps read different source layers: no weight-by-weight change to report")
+    out = {}
+    for i, kind in enumerate(("k", "v")):
+        w, w0 = mapper.weight[:, i].double(), start.weight[:, i].double()
+        b, b0 = mapper.bias[:, i].double(), start.bias[:, i].double()
+        out[kind] = {"weight_rel": ((w - w0).flatten(1).norm(dim=1) / w0.flatten(1).norm(dim=1)).tolist(),
+                     "bias_abs": (b - b0).norm(dim=1).tolist(), "start_bias_norm": b0.norm(dim=1).tolist()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calibration", default=str(CALIBRATION))
@@ -71,10 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     held = load_calibration(args.calibration).heldout
     result = {"calibration": args.calibration, "heldout_rows": held.n, "maps": {}}
+    start = load_mapper(args.maps[0].split("=", 1)[1])  # the first map named: the ridge start of the others
     for spec in args.maps:
         name, path = spec.split("=", 1)
-        d = decompose(load_mapper(path), held, args.head_dim)
-        result["maps"][name] = {"mapper": path, **d}
+        mapper = load_mapper(path)
+        d = decompose(mapper, held, args.head_dim)
+        result["maps"][name] = {"mapper": path, **d, "change_from_first": change(mapper, start)}
+        for kind in ("k", "v"):
+            c = result["maps"][name]["change_from_first"][kind]
+            print(f"{name} {kind.upper()}: change from {args.maps[0].split('=')[0]}: weights at most "
+                  f"{100 * max(c['weight_rel']):.2f} % (relative Frobenius, per layer), biases at most {max(c['bias_abs']):.3g}")
         for kind in ("k", "v"):
             mean = {m: sum(v) / len(v) for m, v in d[kind].items()}
             print(f"{name} {kind.upper()}: R² {mean['r2']:.3f}, centred R² {mean['r2_centred']:.3f}, "

@@ -217,6 +217,22 @@ def block_training(runs: dict) -> str:
                             "layers kept at ridge", "layers still improving at the cap", "mean steps"], rows)
 
 
+def block_agreement(runs: dict, names: list[str]) -> str:
+    """Per benchmark and map: the share of items whose transfer outcome (correct or not) is the no-context
+    floor's, and the target's -- a map the target reads as if there were no context sits near 1 in the first."""
+    rows = []
+    for key, (task, label) in SETS.items():
+        for name in names:
+            r = runs.get(key, {}).get(name)
+            sc = ((r or {}).get("_scores") or {}).get("tasks", {}).get(task)
+            if not sc:
+                continue
+            tr = sc["transfer"]
+            same = {m: sum(a == b for a, b in zip(tr, sc[m])) / len(tr) for m in ("no_context", "target")}
+            rows.append([label, name, len(tr), f"{same['no_context']:.2f}", f"{same['target']:.2f}"])
+    return readme.md_table(["benchmark", "map", "n", "transfer outcome = no-context's", "transfer outcome = target's"], rows)
+
+
 def block_training_e2e(runs: dict) -> str:
     """Per end-to-end map (all layers jointly): the stop-split next-token KL (nats/token) at the ridge start, at
     the best evaluation and of the weights kept; the train KL of the first and last evaluation windows; steps."""
@@ -248,7 +264,8 @@ def collect(out: Path = OUT) -> tuple[dict, dict[str, str]]:
     diffs = {n: differences(n, runs) for n in names if n != PAPER}
     summaries = {f"runs_{k}/{n}": s for k, v in runs.items() for n, s in v.items()}
     blocks = {"provenance": provenance_header(summaries, COLLECT), "table": block_table(rows), "goal": block_goal(runs, diffs),
-              "differences": block_differences(diffs), "training": block_training(runs), "training_e2e": block_training_e2e(runs)}
+              "differences": block_differences(diffs), "training": block_training(runs), "training_e2e": block_training_e2e(runs),
+              "agreement": block_agreement(runs, names)}
     return {"rows": rows, "differences": diffs, "top": top_block(runs, diffs)}, blocks
 
 

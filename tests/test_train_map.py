@@ -179,7 +179,8 @@ def test_the_learning_rate_is_chosen_on_the_stop_split_alone():
         assert r["stop_loss_final"] == alone[r["lr"]][2]["stop_loss_final"]
         assert r["worse_than_ridge"] == alone[r["lr"]][2]["worse_than_ridge"]
     assert record["stop_loss_final"] == min(r["stop_loss_final"] for r in record["by_lr"])
-    assert record["stop_loss_final"] < 0.1 * record["stop_loss_ridge"]  # 2e-2 really trained (start: ~30 % off)
+    # 2e-2 really trained: 5x below the start at least (measured here: 0.011 of it, ~17x headroom)
+    assert record["stop_loss_final"] < 0.2 * record["stop_loss_ridge"]
     assert record["by_lr"][2]["worse_than_ridge"] and not record["worse_than_ridge"]
     # every rate hurts: each run keeps the start (stop loss = the start's), the first listed is kept, and says so
     w, b, record = lowest_stop_loss([50.0, 80.0], at, "stop_loss_final")

@@ -28,7 +28,8 @@ from kvtransfer.mapper import load_mapper  # noqa: E402
 
 ART = Path("artifacts/qwen25coder")
 MAPS = {"paper_sink1": ART / "mappers/b0eb9ce8807e3a38", "e2e_lr1e-4_cpu_sink1": ART / "mappers/6c14988129d46dc2",
-        "trained_lr3e-4_short_sink1": ART / "mappers/d168197979a57d27"}
+        "trained_lr3e-4_short_sink1": ART / "mappers/d168197979a57d27",
+        "e2e_lr1e-4_cpu48_sink1": ART / "mappers/284baaf733d25a8e"}
 CALIBRATION = ART / "moments/365c5508aea7082e/calibration"
 
 

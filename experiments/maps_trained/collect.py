@@ -198,14 +198,19 @@ def block_differences(diffs: dict[str, dict]) -> str:
     return readme.md_table(["map − paper_sink1", "measure", "gap closed difference", "in SEs", "accuracy difference"], lines)
 
 
+def _trained(runs: dict, objective: str):
+    """(name, training record) of every map trained with `objective`, from its primary run, sorted by name."""
+    for name in sorted(set(runs.get("hs200", {})) | set(runs.get("ppl32", {}))):
+        tr = primary(runs, name)["mapper"].get("training")
+        if tr and tr["objective"] == objective:
+            yield name, tr
+
+
 def block_training(runs: dict) -> str:
     """Per trained map: the stop-split loss (relative attention-output error) at the ridge start and at the end,
     summed over what each layer kept; layers kept at ridge; steps run; still improving at the step cap."""
     rows = []
-    for name in sorted(set(runs.get("hs200", {})) | set(runs.get("ppl32", {}))):
-        tr = primary(runs, name)["mapper"].get("training")
-        if not tr or tr["objective"] != "layer_local":
-            continue
+    for name, tr in _trained(runs, "layer_local"):
         layers = tr["layers"]
         ratio = [x["stop_loss_final"] / x["stop_loss_ridge"] for x in layers if x["stop_loss_ridge"]]
         cap = tr["settings"]["steps"]
@@ -237,10 +242,7 @@ def block_training_e2e(runs: dict) -> str:
     """Per end-to-end map (all layers jointly): the stop-split next-token KL (nats/token) at the ridge start, at
     the best evaluation and of the weights kept; the train KL of the first and last evaluation windows; steps."""
     rows = []
-    for name in sorted(set(runs.get("hs200", {})) | set(runs.get("ppl32", {}))):
-        tr = primary(runs, name)["mapper"].get("training")
-        if not tr or tr["objective"] != "end_to_end":
-            continue
+    for name, tr in _trained(runs, "end_to_end"):
         kl = [f"{e['step']}: {e['stop_kl']:.4f}" if e["stop_kl"] is not None else f"{e['step']}: –" for e in tr["evaluations"]]
         rows.append([name, tr["settings"]["lr"], f"{len(tr['fit_index'])} + {len(tr['stop_index'])}",
                      tr["settings"]["batch_sequences"], f"{tr['steps']} of {tr['settings']['steps']}", tr["best_step"],

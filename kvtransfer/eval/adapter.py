@@ -14,6 +14,11 @@ Modes (what builds the cache of context[:-1], and which model scores):
                      last token, then the continuation -- what a mapped cache that carries nothing
                      would give. A transfer below this floor destroys the context.
 
+`wrong_context=True` (any mode; the content controls `target_wrong` / `transfer_wrong` of the eval stage)
+replaces each context by another item's of the same request set, cut or drawn to the same token length,
+keeping the start ids and the true last context token (kvtransfer.controls.wrong_contexts, seeded by
+`wrong_context_seed`): what the same cache shape and genre give without this item's content.
+
 `context_start` (kvtransfer.context) fixes what sits at position 0 of every context:
 "tokenizer" (what the tokenizer adds; stock HFLM) or "prefix_token" (always BOS, else EOS). A
 transfer-mode mapper must have been calibrated under the same convention (refused otherwise,
@@ -42,6 +47,7 @@ from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normali
                                   postprocess_generated_text, resolve_max_length)
 
 from ..context import check_mapper, check_policy, start_ids
+from ..controls import wrong_contexts
 from ..hidden import prefill_with_hidden, used_layers
 from ..cache import cache_to_layers, continuation_logprobs, forward_on_cache, layers_to_cache, prefill
 from ..mapper import MapperBase, load_mapper
@@ -88,6 +94,7 @@ class KVTransferLM(TemplateLM):
                  *, source_model=None, target_model=None, tokenizer=None, native_sink: int | None = None,
                  native_tail: int = 1, rope_at_inference: bool = True, context_start: str = "tokenizer",
                  allow_context_start_mismatch: bool = False, share_prefix: bool = False,
+                 wrong_context: bool = False, wrong_context_seed: int = 0,
                  batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  device: str | None = None, dtype="auto", add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, trust_remote_code: bool = False, **unused) -> None:
@@ -148,6 +155,8 @@ class KVTransferLM(TemplateLM):
             raise ValueError(f"native_tail={native_tail}: the target runs at least the last context token (use 1, "
                              "the paper's protocol, or more for a partial re-prefill)")
         self.share_prefix = str(share_prefix).lower() in ("true", "1", "yes")
+        self.wrong_context = str(wrong_context).lower() in ("true", "1", "yes")
+        self.wrong_context_seed = int(wrong_context_seed)
         self.rope_at_inference = str(rope_at_inference).lower() not in ("false", "0", "no")
         self.batch_size_per_gpu = int(batch_size)
         self._max_length = int(max_length) if max_length else None
@@ -242,7 +251,8 @@ class KVTransferLM(TemplateLM):
     def get_model_info(self) -> dict:
         """Run metadata for lm-eval's results: mode, model ids, mapper pair and k."""
         ident = lambda m: None if m is None else str(getattr(m, "name_or_path", ""))  # noqa: E731
-        info = {"kvtransfer_mode": self.mode, "source": ident(self.source_model), "target": ident(self.target_model),
+        info = {"kvtransfer_mode": self.mode, "wrong_context": self.wrong_context,
+                "source": ident(self.source_model), "target": ident(self.target_model),
                 "native_sink": self.native_sink, "native_tail": self.native_tail, "max_length": self.max_length,
                 "context_start": self.context_start}
         if self.mapper is not None:
@@ -359,6 +369,8 @@ class KVTransferLM(TemplateLM):
         One prefix cache per unique cached prefix; continuations batched (right-padded) by batch_size.
         """
         out: list[tuple | None] = [None] * len(pairs)
+        if self.wrong_context:
+            pairs = self.swap_contexts(pairs)
         groups: dict[tuple, list[int]] = defaultdict(list)
         runs = []
         for i, (ctx, cont) in enumerate(pairs):
@@ -384,6 +396,12 @@ class KVTransferLM(TemplateLM):
                 for chunk in _chunks(rows, self.batch_size):
                     self._score_batch(layers, pmask, [g for g, _ in chunk], [i for _, i in chunk], runs, pairs, out)
         return out
+
+    def swap_contexts(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
+        """(wrong context, continuation) per (context, continuation): each distinct context replaced by
+        kvtransfer.controls.wrong_contexts over this request set (same length, start ids and last token kept)."""
+        swap = wrong_contexts([list(c) for c, _ in pairs], self._start_ids, self.wrong_context_seed)
+        return [(swap[tuple(c)], list(k)) for c, k in pairs]
 
     def _score_batch(self, layers, pmask, gidx, idx, runs, pairs, out) -> None:
         """Score requests `idx` (rows of prefix group `gidx`) in one forward; fill `out`."""
@@ -434,6 +452,8 @@ class KVTransferLM(TemplateLM):
     def generate_tokens(self, contexts: list[list[int]], *, until: list[str], max_gen_toks: int) -> list[list[int]]:
         """Greedy continuation token ids of each context (stops at EOS, a stop string or max_gen_toks)."""
         out: list[list[int] | None] = [None] * len(contexts)
+        if self.wrong_context:
+            contexts = [c for c, _ in self.swap_contexts([(c, []) for c in contexts])]
         order = sorted(range(len(contexts)), key=lambda i: (-len(contexts[i]), i))
         split = self._cached_prefix()
         parts = ([i for i in order if len(contexts[i]) > 1], [i for i in order if len(contexts[i]) <= 1]) if split \

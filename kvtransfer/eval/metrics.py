@@ -4,6 +4,11 @@
     retention            = transfer / target
     gap_closed_vs_source = (transfer - source) / (target - source)
     retention_vs_chance  = (transfer - chance) / (target - chance)   (the paper's "floor-normalised")
+    content_share        = (transfer - transfer_wrong) / (target - target_wrong)
+                           the share of the target's own benefit from the right context over a wrong one
+                           (another item's context of the same length, kvtransfer.controls) that the map carries
+    gap_closed_above_<c> = (transfer - c) / (target - c)   for each content control c (target_wrong,
+                           transfer_wrong, mean_map, random_map): gap closed with the control as the floor
 
 On accuracy (or F1) the scores are per-item means; on perplexity `gap_closed` is taken on the
 log-perplexity, i.e. the mean NLL in nats/token (log(ppl) = mean NLL), which is what the model loses,
@@ -55,6 +60,51 @@ def gap_closed_vs_source(transfer, target, source):
 def retention_vs_chance(transfer, target, chance: float):
     """(transfer - chance) / (target - chance): the paper's "floor-normalised" retention (chance, not no_context)."""
     return gap_closed(transfer, target, chance)
+
+
+def content_share(transfer, transfer_wrong, target, target_wrong):
+    """(transfer - transfer_wrong) / (target - target_wrong), elementwise (NaN where target == target_wrong).
+
+    1: the map carries all of the target's own gain from this context over a wrong one; 0: the map's gain is
+    what any context of that length and genre gives (none of it is content). Same formula on accuracy and
+    on NLL (nats/token; both differences are negative when the right context helps)."""
+    return _ratio(np.asarray(transfer, dtype=np.float64) - transfer_wrong,
+                  np.asarray(target, dtype=np.float64) - target_wrong)
+
+
+CONTROL_MODES = ("target_wrong", "transfer_wrong", "mean_map", "random_map")
+
+
+def control_statistics(per_item: Mapping[str, Sequence[float]], *, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Content-control numbers of one task or perplexity prefix, each with a paired bootstrap SE over items.
+
+    per_item: {mode: per-item scores [n]} (accuracy / F1, or per-window mean NLL), the same items in one order,
+    with "target" and "transfer" and any of CONTROL_MODES. Returns (keys present only when their modes ran):
+      content_share (+ _se)                       content_share(transfer, transfer_wrong, target, target_wrong)
+      target_content_gain, transfer_content_gain   target - target_wrong, transfer - transfer_wrong (+ _se: the
+                                                   SE of the paired mean difference)
+      gap_closed_above_<c> (+ _se)                 gap_closed(transfer, target, c) for each control c that ran
+    """
+    have = {m: v for m, v in per_item.items() if v is not None}
+    for need in ("target", "transfer"):
+        if need not in have:
+            raise KeyError(f"control statistics need per-item scores of {need!r}")
+    out: dict = {}
+    if "target_wrong" in have and "transfer_wrong" in have:
+        items = {m: have[m] for m in ("target", "transfer", "target_wrong", "transfer_wrong")}
+        out["content_share"], out["content_share_se"] = paired_bootstrap(
+            items, lambda m: content_share(m["transfer"], m["transfer_wrong"], m["target"], m["target_wrong"]),
+            n_boot=n_boot, seed=seed)
+    for mode, wrong in (("target", "target_wrong"), ("transfer", "transfer_wrong")):
+        if wrong in have:
+            d = paired_difference(have[mode], have[wrong])
+            out[f"{mode}_content_gain"], out[f"{mode}_content_gain_se"] = d["difference"], d["se"]
+    for control in CONTROL_MODES:
+        if control in have:
+            items = {"target": have["target"], "transfer": have["transfer"], "control": have[control]}
+            out[f"gap_closed_above_{control}"], out[f"gap_closed_above_{control}_se"] = paired_bootstrap(
+                items, lambda m: gap_closed(m["transfer"], m["target"], m["control"]), n_boot=n_boot, seed=seed)
+    return out
 
 
 def log_ppl_gap_closed(ppl_transfer, ppl_target, ppl_floor):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import warnings
 from pathlib import Path
 
 
@@ -27,13 +28,23 @@ def load_pages(path: str | Path) -> list[str]:
     return pages
 
 
-def draw_windows(tokenizer, pages: list[str], *, max_prefix: int, cont_len: int = 256, n_windows: int = 8,
-                 seed: int = 0) -> list[list[int]]:
-    """`n_windows` token windows of max_prefix + cont_len ids, drawn once (seeded) from the pages.
+DRAWS = ("per_document", "with_replacement")
 
-    Pages are tokenized without special tokens; a window never crosses pages. Raises if no page is
-    long enough.
-    """
+
+def draw_windows(tokenizer, pages: list[str], *, max_prefix: int, cont_len: int = 256, n_windows: int = 8,
+                 seed: int = 0, draw: str = "per_document", return_docs: bool = False):
+    """Token windows of max_prefix + cont_len ids, drawn once (seeded) from the pages; with return_docs,
+    (windows, [index into pages of each window]).
+
+    Pages are tokenized without special tokens; a window never crosses pages. `draw`:
+      per_document      (default) at most one window per page: min(n_windows, long-enough pages) pages chosen
+                        at random without replacement, one window at a random offset in each -- the windows are
+                        independent documents, so a bootstrap over windows resamples documents;
+      with_replacement  n_windows (page, offset) draws with replacement (the draw of results made before
+                        per_document existed: windows can overlap and share pages).
+    Raises if no page is long enough; warns when fewer pages than n_windows are long enough."""
+    if draw not in DRAWS:
+        raise ValueError(f"eval.ppl.draw={draw!r}: use one of {DRAWS}")
     size = max_prefix + cont_len
     streams = [tokenizer.encode(p, add_special_tokens=False) for p in pages]
     spans = [(i, len(s) - size) for i, s in enumerate(streams) if len(s) >= size]
@@ -41,12 +52,19 @@ def draw_windows(tokenizer, pages: list[str], *, max_prefix: int, cont_len: int 
         raise ValueError(f"no page has {size} tokens (max_prefix={max_prefix} + cont_len={cont_len}); "
                          "lower them or add text")
     rng = random.Random(seed)
-    out = []
-    for _ in range(n_windows):
-        i, last = rng.choice(spans)
+    if draw == "per_document":
+        if len(spans) < n_windows:
+            warnings.warn(f"perplexity: only {len(spans)} of {len(pages)} pages hold {size} tokens, so {len(spans)} "
+                          f"windows (one per page), not eval.ppl.windows={n_windows}", stacklevel=2)
+        chosen = rng.sample(spans, min(n_windows, len(spans)))
+    out, docs = [], []
+    for j in range(len(chosen) if draw == "per_document" else n_windows):
+        # with_replacement keeps its historical order of draws (page, then offset, per window)
+        i, last = chosen[j] if draw == "per_document" else rng.choice(spans)
         start = rng.randint(0, last)
         out.append(streams[i][start:start + size])
-    return out
+        docs.append(i)
+    return (out, docs) if return_docs else out
 
 
 def prefix_pairs(windows: list[list[int]], prefix_len: int, max_prefix: int, bos_id: int,

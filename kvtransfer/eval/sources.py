@@ -3,8 +3,11 @@ or, with `eval.data_dir: null`, the Hugging Face datasets the stock lm-eval task
 
     benchmarks   data_dir: kvtransfer.eval.tasks' JSONL files | null: each lm-eval task's own
                  dataset_path / dataset_name / splits (read from its YAML, the task's own loader reads them)
-    perplexity   data_dir/<eval.ppl.file> | null: eval.ppl.dataset (EleutherAI/wikitext_document_level,
+    perplexity   one set per name in eval.ppl.sets (`PPL_SETS`):
+                 wikitext2: data_dir/<eval.ppl.file> | null: eval.ppl.dataset (EleutherAI/wikitext_document_level,
                  wikitext-2-raw-v1, test, field `page`: the documents lm-eval's wikitext task scores)
+                 python_stdlib: data_dir/python_stdlib.jsonl if there, else the repository's
+                 data/benchmarks/python_stdlib.jsonl (CPython 3.11.7 Lib/*.py, PSF licence; no hub copy)
     CoQA         data_dir/<eval.coqa.file> | null: eval.coqa.dataset (EleutherAI/coqa, validation: the
                  conversations lm-eval's coqa task reads)
 
@@ -20,6 +23,49 @@ from pathlib import Path
 from ..hub import data_access
 from .coqa import load_conversations
 from .tasks import _LOCAL, PAPER_TASKS, _builtin_dir
+
+
+# the repository's own benchmark samples: where a set with no hub dataset is read when data_dir lacks it
+BUNDLED_DIR = Path(__file__).resolve().parents[2] / "data" / "benchmarks"
+# perplexity sets by name: None = described by the eval.ppl keys (file / dataset / dataset_name / split / field);
+# a dict = a set shipped with the repository (file under data_dir or BUNDLED_DIR, its text field)
+PPL_SETS: dict[str, dict | None] = {
+    "wikitext2": None,
+    "python_stdlib": {"file": "python_stdlib.jsonl", "field": "text"},
+}
+
+
+def ppl_set_names(ecfg: dict) -> list[str]:
+    """The perplexity sets the eval config names (eval.ppl.sets; default the one set `wikitext2`), checked."""
+    names = list((ecfg.get("ppl") or {}).get("sets") or ["wikitext2"])
+    unknown = [n for n in names if n not in PPL_SETS]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(f"eval.ppl.sets={names}: each name once, from {sorted(PPL_SETS)}")
+    return names
+
+
+def ppl_set_file(ecfg: dict, name: str) -> Path | None:
+    """The local JSONL a perplexity set reads: data_dir/<file> (wikitext2: eval.ppl.file), or for a bundled set
+    the repository's copy when data_dir lacks it; None for wikitext2 read from the hub (data_dir null)."""
+    spec, data_dir = PPL_SETS[name], ecfg.get("data_dir")
+    if spec is None:
+        return Path(data_dir) / ecfg["ppl"]["file"] if data_dir else None
+    if data_dir and (Path(data_dir) / spec["file"]).is_file():
+        return Path(data_dir) / spec["file"]
+    return BUNDLED_DIR / spec["file"]
+
+
+def ppl_bundled_files(ecfg: dict) -> list[str]:
+    """Files the perplexity sets read from outside data_dir (keyed apart: data_dir's identity misses them)."""
+    if not (ecfg.get("ppl") or {}).get("enabled"):
+        return []
+    data_dir = ecfg.get("data_dir")
+    out = []
+    for name in ppl_set_names(ecfg):
+        path = ppl_set_file(ecfg, name)
+        if path is not None and (not data_dir or Path(data_dir).resolve() not in path.resolve().parents):
+            out.append(str(path))
+    return out
 
 
 @dataclass
@@ -98,10 +144,18 @@ def eval_sources(ecfg: dict) -> list[Source]:
         out += local_task_sources(task, data_dir) if data_dir else stock_task_sources(task)
     pcfg, ccfg = ecfg.get("ppl") or {}, ecfg.get("coqa") or {}
     if pcfg.get("enabled"):
-        out.append(Source("perplexity", files=(str(Path(data_dir) / pcfg["file"]),), fields=(pcfg.get("field", "page") + "|text",),
-                          fix="eval.data_dir / eval.ppl.file, or eval.ppl.enabled=false") if data_dir else
-                   Source("perplexity", dataset=pcfg["dataset"], name=pcfg.get("dataset_name"), splits=(pcfg["split"],),
-                          fields=(pcfg.get("field", "page"),), fix="eval.ppl.dataset / split / field"))
+        for name in ppl_set_names(ecfg):
+            path, spec = ppl_set_file(ecfg, name), PPL_SETS[name]
+            if spec is not None:
+                out.append(Source(f"perplexity set {name}", files=(str(path),), fields=(spec["field"],),
+                                  fix=f"eval.ppl.sets without {name}, or put {spec['file']} under eval.data_dir"))
+            elif data_dir:
+                out.append(Source("perplexity set wikitext2", files=(str(path),), fields=(pcfg.get("field", "page") + "|text",),
+                                  fix="eval.data_dir / eval.ppl.file, or eval.ppl.enabled=false"))
+            else:
+                out.append(Source("perplexity set wikitext2", dataset=pcfg["dataset"], name=pcfg.get("dataset_name"),
+                                  splits=(pcfg["split"],), fields=(pcfg.get("field", "page"),),
+                                  fix="eval.ppl.dataset / split / field"))
     if ccfg.get("enabled"):
         out.append(Source("CoQA", files=(str(Path(data_dir) / ccfg["file"]),), fields=COQA_FIELDS,
                           fix="eval.data_dir / eval.coqa.file, or eval.coqa.enabled=false") if data_dir else
@@ -124,15 +178,18 @@ def _field(rows: list[dict], key: str, where: str, fix: str) -> list:
     return [r[key] for r in rows]
 
 
-def ppl_pages(ecfg: dict) -> list[str]:
-    """The perplexity documents: `page` of each record of data_dir/ppl.file, else of the hub dataset."""
+def ppl_pages(ecfg: dict, name: str = "wikitext2") -> list[str]:
+    """The documents of perplexity set `name` (`PPL_SETS`): wikitext2 = `page` of each record of
+    data_dir/ppl.file, else of the hub dataset; a bundled set = its field of each record of its file."""
     pcfg = ecfg["ppl"]
-    key = pcfg.get("field", "page")
-    if ecfg.get("data_dir"):
-        path = Path(ecfg["data_dir"]) / pcfg["file"]
+    spec = PPL_SETS[name]
+    key = pcfg.get("field", "page") if spec is None else spec["field"]
+    path = ppl_set_file(ecfg, name)
+    if path is not None:
         if not path.is_file():
-            raise FileNotFoundError(f"perplexity text {path} is missing: set eval.data_dir / eval.ppl.file, "
-                                    "eval.data_dir=null (the hub dataset eval.ppl.dataset), or eval.ppl.enabled=false")
+            raise FileNotFoundError(f"perplexity text {path} (set {name}) is missing: set eval.data_dir / eval.ppl.file, "
+                                    "eval.data_dir=null (the hub dataset eval.ppl.dataset), drop it from eval.ppl.sets, "
+                                    "or eval.ppl.enabled=false")
         rows = [json.loads(line) for line in path.open() if line.strip()]
         return [r.get(key) or r.get("text") or "" for r in rows]
     rows = hf_split(pcfg["dataset"], pcfg.get("dataset_name"), pcfg["split"])

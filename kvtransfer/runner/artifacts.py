@@ -41,7 +41,7 @@ _EVAL_COMMON = ("eval.data_dir", "eval.batch_size", "eval.bootstrap", "calib.con
 _EVAL_MAPPED = ("eval.native_tail", "eval.allow_context_start_mismatch", "ablation.rope_at_inference")
 _TASKS = ("eval.limit", "eval.limits", "eval.num_fewshot", "eval.share_prefix", "eval.max_gen_toks")
 _PPL = ("eval.ppl.file", "eval.ppl.dataset", "eval.ppl.dataset_name", "eval.ppl.split", "eval.ppl.field",
-        "eval.ppl.prefixes", "eval.ppl.continuation", "eval.ppl.windows")
+        "eval.ppl.prefixes", "eval.ppl.continuation", "eval.ppl.windows", "eval.ppl.draw")
 _COQA = ("eval.coqa.file", "eval.coqa.dataset", "eval.coqa.dataset_name", "eval.coqa.split",
          "eval.coqa.conversations", "eval.coqa.turns", "eval.coqa.protocols",
          "eval.coqa.max_gen_toks")
@@ -91,13 +91,13 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
     Artifact("eval_tasks", doc="lm-eval task scores of the baseline modes (target, source, native_injected, floor)",
              inputs=(*_TASKS, *_EVAL_COMMON), identities=("source", "target", "eval_data")),
     Artifact("eval_ppl", doc="WikiText-2 prefix perplexity of the baseline modes",
-             inputs=(*_PPL, *_EVAL_COMMON), identities=("source", "target", "eval_data")),
+             inputs=(*_PPL, *_EVAL_COMMON), identities=("source", "target", "eval_data", "ppl_data")),
     Artifact("eval_coqa", doc="multi-turn CoQA drift of the baseline modes",
              inputs=(*_COQA, *_EVAL_COMMON), identities=("source", "target", "eval_data")),
     Artifact("eval_tasks_mapped", doc="lm-eval task scores through the map",
              inputs=(*_TASKS, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",)),
     Artifact("eval_ppl_mapped", doc="prefix perplexity through the map",
-             inputs=(*_PPL, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",)),
+             inputs=(*_PPL, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data", "ppl_data")),
     Artifact("eval_coqa_mapped", doc="CoQA drift through the map",
              inputs=(*_COQA, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",)),
     Artifact("bench", doc="mapper vs re-prefill timing of the run's models",
@@ -128,6 +128,9 @@ NOT_INPUTS: dict[str, str] = {
     "calib.checkpoint_every": "how often a calibration checkpoints (the result is the same)",
     "eval.tasks": "selects which task files are computed (each task is its own file)",
     "eval.modes": "selects which mode files are computed (each mode is its own file)",
+    "eval.controls": "selects which content-control mode files are computed (each mode is its own file)",
+    "eval.ppl.sets": "selects which perplexity set files are computed (each set is its own file; a bundled set's "
+                     "file is keyed through the ppl_data identity)",
     "eval.native_sink": "a check against the mapper's own native_sink (keyed through the mapper)",
     "eval.fidelity.enabled": "selects whether fidelity runs", "eval.ppl.enabled": "selects whether perplexity runs",
     "eval.coqa.enabled": "selects whether CoQA runs",

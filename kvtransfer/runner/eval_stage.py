@@ -7,6 +7,11 @@ source, native_injected, no_context) live under cache_dir/eval/baseline/<key>/ w
 artifacts `eval_tasks`, `eval_ppl`, `eval_coqa` (kvtransfer.runner.artifacts: models, data and the eval
 keys each part reads), so a k or lambda sweep, a native_sink change or an ablation computes them once;
 `transfer` results are keyed by the mapper too (`eval_<part>_mapped`, cache_dir/eval/<key>/).
+
+Content controls (`eval.controls`, run wherever `transfer` runs; kvtransfer.controls): `target_wrong` is a
+baseline (the target on each item's wrong context, cached once), `transfer_wrong`, `mean_map` and `random_map`
+are mapped modes. Tasks and perplexity only: CoQA's conversations carry their own history, so a wrong story
+there is a different protocol, not this control.
 """
 from __future__ import annotations
 
@@ -22,9 +27,10 @@ from pathlib import Path
 from ..eval.adapter import KVTransferLM
 from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl
-from ..eval.metrics import log_ppl_gap_closed, ppl_gap_closed
+from ..controls import calibration_means, mean_map, random_map
+from ..eval.metrics import CONTROL_MODES, control_statistics, log_ppl_gap_closed, ppl_gap_closed
 from ..eval.retention import CHANCE, per_item_scores, retention_table
-from ..eval.sources import coqa_docs, ppl_pages
+from ..eval.sources import coqa_docs, ppl_pages, ppl_set_names
 from ..eval.tasks import PAPER_TASKS, task_manager
 from ..eval.tiny_suite import TINY_TASKS, write_tiny_yamls
 from ..hub import data_access
@@ -88,16 +94,18 @@ def _gen_kwargs(ecfg: dict) -> dict | None:
     return None if n is None else {"max_gen_toks": int(n)}
 
 
-def _ppl(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:
-    """{P: perplexity, "window_nll": {P: [mean NLL of each window]}} for one mode on windows drawn once at
-    max(P) (results cached before the per-window NLLs were kept have only the perplexities)."""
+def _ppl(lm: KVTransferLM, mode: str, ecfg: dict, seed: int, ppl_set: str = "wikitext2") -> dict:
+    """{P: perplexity, "window_nll": {P: [mean NLL of each window]}, "window_doc": [page index of each window]}
+    for one mode on set `ppl_set`'s windows, drawn once at max(P) by eval.ppl.draw (results cached before the
+    per-window NLLs were kept have only the perplexities)."""
     pcfg = ecfg["ppl"]
-    pages = ppl_pages(ecfg)  # data_dir's file, or the hub dataset (eval.ppl.dataset) when data_dir is null
-    windows = draw_windows(lm.tokenizer, pages, max_prefix=max(pcfg["prefixes"]), cont_len=pcfg["continuation"],
-                           n_windows=pcfg["windows"], seed=seed)
+    pages = ppl_pages(ecfg, ppl_set)  # data_dir's file, the bundled file, or the hub dataset (kvtransfer.eval.sources)
+    windows, docs = draw_windows(lm.tokenizer, pages, max_prefix=max(pcfg["prefixes"]), cont_len=pcfg["continuation"],
+                                 n_windows=pcfg["windows"], seed=seed, draw=pcfg.get("draw", "per_document"),
+                                 return_docs=True)
     result = prefix_conditioned_ppl(lm.with_mode(mode), windows, list(pcfg["prefixes"]))
     return {**{str(p): r["ppl"] for p, r in result.items()},
-            "window_nll": {str(p): r["window_nll"] for p, r in result.items()}}
+            "window_nll": {str(p): r["window_nll"] for p, r in result.items()}, "window_doc": docs}
 
 
 # modes whose cache is the scoring model's own prefill: CoQA's two protocols are the same computation there
@@ -125,7 +133,38 @@ def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
     return {protocol: out[protocol] for protocol in ccfg["protocols"]}
 
 
-BASELINE_MODES = ("target", "source", "native_injected", "no_context")
+BASELINE_MODES = ("target", "source", "native_injected", "no_context", "target_wrong")
+# content controls: mode -> (the adapter mode it runs in, what it changes; kvtransfer.controls)
+CONTROLS = {"target_wrong": ("target", "wrong_context"), "transfer_wrong": ("transfer", "wrong_context"),
+            "mean_map": ("transfer", "mean_map"), "random_map": ("transfer", "random_map")}
+assert tuple(CONTROLS) == CONTROL_MODES
+
+
+def run_modes(ecfg: dict) -> list[str]:
+    """eval.modes, then each of eval.controls not already there when `transfer` runs (the controls read it)."""
+    modes = list(ecfg["modes"])
+    controls = list(ecfg.get("controls") or [])
+    unknown = [c for c in controls if c not in CONTROLS]
+    if unknown:
+        raise ValueError(f"eval.controls={controls}: unknown {unknown}; use a list of {list(CONTROLS)} (or [])")
+    if "transfer" in modes:
+        modes += [c for c in controls if c not in modes]
+    return modes
+
+
+def control_lm(lm: KVTransferLM, mode: str, run, seed: int) -> tuple[KVTransferLM, str]:
+    """(LM, adapter mode) that computes eval mode `mode`: itself for a plain mode, else the control's setup."""
+    if mode not in CONTROLS:
+        return lm, mode
+    base, change = CONTROLS[mode]
+    if change == "wrong_context":
+        return lm.with_mode(base, wrong_context=True, wrong_context_seed=seed), base
+    moments, _, _ = run.moments()
+    mean_x, mean_y = calibration_means(moments, lm.mapper)
+    dev = lm.mapper.device
+    control = mean_map(lm.mapper, mean_y.to(dev)) if change == "mean_map" else \
+        random_map(lm.mapper, mean_x.to(dev), mean_y.to(dev), seed=seed)
+    return lm.with_mode(base, mapper=control.to(dev)), base
 PARTS = ("tasks", "ppl", "coqa")
 
 
@@ -151,7 +190,7 @@ def evaluate(run, on_compute=None) -> dict:
     ecfg = run.cfg["eval"]
     seed = run.cfg.get("seed", 0)
     dirs = {part: result_dirs(run, part) for part in PARTS}
-    modes = list(ecfg["modes"])
+    modes = run_modes(ecfg)
     source, tokenizer = run.model("source")
     target, _ = run.model("target")
     if "identity" in modes and kv_shape(source) != kv_shape(target):
@@ -165,20 +204,27 @@ def evaluate(run, on_compute=None) -> dict:
                       context_start=run.context_start, share_prefix=ecfg.get("share_prefix", False),
                       allow_context_start_mismatch=ecfg.get("allow_context_start_mismatch", False))
     per_mode = {}
+    ppl_sets = ppl_set_names(ecfg) if ecfg["ppl"].get("enabled") else []
     for mode in modes:
         kind = "baseline" if mode in BASELINE_MODES else "mapped"
         limits = ecfg.get("limits") or {}
-        parts = {f"task.{t}": (lambda t=t: _benchmarks(lm, mode, dict(ecfg, tasks=[t], limit=limits.get(t, ecfg.get("limit"))),
+        moded: list = []  # the control's LM, built on first use (mean/random maps read the calibration moments)
+
+        def mode_lm(mode=mode, moded=moded):
+            if not moded:
+                moded.extend(control_lm(lm, mode, run, seed))
+            return moded
+        parts = {f"task.{t}": (lambda t=t: _benchmarks(*mode_lm(), dict(ecfg, tasks=[t], limit=limits.get(t, ecfg.get("limit"))),
                                                        seed)[t])
                  for t in ecfg["tasks"]}
-        if ecfg["ppl"].get("enabled"):
-            parts["ppl"] = lambda: _ppl(lm, mode, ecfg, seed)
+        for name in ppl_sets:
+            parts[f"ppl.{name}"] = lambda name=name: _ppl(*mode_lm(), ecfg, seed, name)
         if ecfg["coqa"].get("enabled") and mode in ("target", "transfer"):
             parts["coqa"] = lambda: _coqa(lm, mode, ecfg)
         result: dict = {"tasks": {}}
         announced = False
         for name, compute in parts.items():
-            directory = dirs["tasks" if name.startswith("task.") else name][kind]
+            directory = dirs["tasks" if name.startswith("task.") else name.split(".")[0]][kind]
             directory.mkdir(parents=True, exist_ok=True)
             path = directory / f"{mode}.{name}.json"
             if not path.exists():
@@ -191,10 +237,16 @@ def evaluate(run, on_compute=None) -> dict:
             record = json.loads(path.read_text())
             if name.startswith("task."):
                 result["tasks"][name[5:]] = record["value"]
-            elif name == "ppl":
-                result["ppl"] = {p: v for p, v in record["value"].items() if p != "window_nll"}
-                if "window_nll" in record["value"]:
-                    result["ppl_windows"] = record["value"]["window_nll"]
+            elif name.startswith("ppl."):
+                set_name = name[4:]
+                value = record["value"]
+                result.setdefault("ppl_sets", {})[set_name] = {
+                    "ppl": {p: v for p, v in value.items() if p not in ("window_nll", "window_doc")},
+                    "windows": value.get("window_nll"), "docs": value.get("window_doc")}
+                if set_name == ppl_sets[0]:  # the first set is the run's `ppl` (the rows every table reads)
+                    result["ppl"] = result["ppl_sets"][set_name]["ppl"]
+                    if value.get("window_nll"):
+                        result["ppl_windows"] = value["window_nll"]
             else:
                 result[name] = record["value"]
             result.setdefault("seconds", {})[name] = record.get("seconds")
@@ -214,13 +266,18 @@ def write_scores(path: Path, per_mode: dict) -> None:
     """The per-item / per-window scores behind a summary, next to it (small JSON), so paired SEs and
     paired differences between runs can be recomputed from committed files: {"tasks": {task: {mode:
     [score per item, in (subtask, doc_id) order]}}, "ppl_window_nll": {P: {mode: [mean NLL per window,
-    nats/token]}}, "coqa": {protocol: {mode: [[F1 per turn] per conversation]}}}."""
-    scores: dict = {"tasks": {}, "ppl_window_nll": {}, "coqa": {}}
+    nats/token]}} (the first perplexity set), "ppl_sets": {set: {"window_doc": [page index per window],
+    "window_nll": {P: {mode: [...]}}}}, "coqa": {protocol: {mode: [[F1 per turn] per conversation]}}}."""
+    scores: dict = {"tasks": {}, "ppl_window_nll": {}, "coqa": {}, "ppl_sets": {}}
     for mode, result in per_mode.items():
         for task, items in (result.get("tasks") or {}).items():
             scores["tasks"].setdefault(task, {})[mode] = items
         for prefix, nll in (result.get("ppl_windows") or {}).items():
             scores["ppl_window_nll"].setdefault(prefix, {})[mode] = nll
+        for set_name, part in (result.get("ppl_sets") or {}).items():
+            entry = scores["ppl_sets"].setdefault(set_name, {"window_doc": part.get("docs"), "window_nll": {}})
+            for prefix, nll in (part.get("windows") or {}).items():
+                entry["window_nll"].setdefault(prefix, {})[mode] = nll
         for protocol, convs in (result.get("coqa") or {}).items():
             scores["coqa"].setdefault(protocol, {})[mode] = [[turn["f1"] for turn in conv] for conv in convs]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -248,23 +305,17 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
         out["tasks"] = {t: _finite(dict(row, transfer_stderr=row.get("stderr_transfer"))) for t, row in table.items()
                         if t != "average"}
         out["tasks_average"] = _finite(table["average"])
-    if any("ppl" in r for r in per_mode.values()):
-        prefixes = sorted({int(p) for r in per_mode.values() for p in r.get("ppl", {})})
-        out["ppl"] = [{"prefix": p, **{m: r["ppl"][str(p)] for m, r in per_mode.items() if "ppl" in r}}
-                      for p in prefixes]
-        windows = {m: per_mode[m].get("ppl_windows") for m in ("target", "transfer", "no_context") if m in per_mode}
-        # gap_closed on log-perplexity (kvtransfer.eval.metrics): a paired bootstrap SE over windows when every
-        # mode kept its per-window NLLs, else the point value with SE None (results cached before they were kept)
-        have_windows = len(windows) == 3 and all(windows.values())
-        for row in out["ppl"]:
-            if row["prefix"] > 0 and have_windows:
-                gap = ppl_gap_closed({m: w[str(row["prefix"])] for m, w in windows.items()},
-                                     n_boot=ecfg.get("bootstrap", 1000), seed=seed)
-                row["transfer_gap_closed"], row["transfer_gap_closed_se"] = gap["gap_closed"], gap["gap_closed_se"]
-            elif row["prefix"] > 0 and None not in (row.get("transfer"), row.get("target"), row.get("no_context")):
-                row["transfer_gap_closed"] = float(log_ppl_gap_closed(row["transfer"], row["target"], row["no_context"]))
-                row["transfer_gap_closed_se"] = None
-        out["ppl"] = [_finite(row) for row in out["ppl"]]
+        for t, row in out["tasks"].items():  # content controls (kvtransfer.eval.metrics.control_statistics)
+            row.update({m: float(sum(v) / len(v)) for m, v in per_item[t].items() if m in CONTROL_MODES and v})
+            if any(m in per_item[t] for m in CONTROL_MODES):
+                row.update(_finite(control_statistics(per_item[t], n_boot=ecfg.get("bootstrap", 1000), seed=seed)))
+    sets = list(dict.fromkeys(n for r in per_mode.values() for n in (r.get("ppl_sets") or {})))
+    if sets:
+        out["ppl_sets"] = {name: _ppl_rows(per_mode, name, ecfg, seed) for name in sets}
+        out["ppl"] = out["ppl_sets"][sets[0]]
+    elif any("ppl" in r for r in per_mode.values()):  # per-mode results without sets (callers building them by hand)
+        out["ppl"] = _ppl_rows({m: {"ppl_sets": {"": {"ppl": r["ppl"], "windows": r.get("ppl_windows")}}}
+                                for m, r in per_mode.items() if "ppl" in r}, "", ecfg, seed)
     out["warnings"] = floor_warnings(out)
     if "coqa" in per_mode.get("target", {}) and "coqa" in per_mode.get("transfer", {}):
         rows = []
@@ -279,6 +330,36 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
             per_mode["target"]["coqa"][protocol], mapped, n_boot=ecfg.get("bootstrap", 1000), seed=seed)})
             for protocol, mapped in per_mode["transfer"]["coqa"].items()]
     return out
+
+
+def _ppl_rows(per_mode: dict, set_name: str, ecfg: dict, seed: int) -> list[dict]:
+    """Summary rows of one perplexity set: per prefix P, each mode's perplexity, the log-ppl gap closed with a
+    paired bootstrap SE over windows (= over documents under eval.ppl.draw=per_document), the controls'
+    content share and gap closed above each control, the window and document counts."""
+    parts = {m: r["ppl_sets"][set_name] for m, r in per_mode.items() if set_name in (r.get("ppl_sets") or {})}
+    prefixes = sorted({int(p) for part in parts.values() for p in part["ppl"]})
+    windows = {m: part.get("windows") for m, part in parts.items()}
+    docs = next((part.get("docs") for part in parts.values() if part.get("docs") is not None), None)
+    rows = []
+    for p in prefixes:
+        row = {"prefix": p, **({"set": set_name} if set_name else {}),
+               **{m: part["ppl"].get(str(p)) for m, part in parts.items()}}
+        per_window = {m: w[str(p)] for m, w in windows.items() if w and str(p) in w}
+        if docs is not None:
+            row["windows"], row["documents"] = len(docs), len(set(docs))
+        # gap_closed on log-perplexity (kvtransfer.eval.metrics): a paired bootstrap SE over windows when every
+        # mode kept its per-window NLLs, else the point value with SE None (results cached before they were kept)
+        if p > 0 and all(m in per_window for m in ("target", "transfer", "no_context")):
+            gap = ppl_gap_closed(per_window, n_boot=ecfg.get("bootstrap", 1000), seed=seed)
+            row["transfer_gap_closed"], row["transfer_gap_closed_se"] = gap["gap_closed"], gap["gap_closed_se"]
+        elif p > 0 and None not in (row.get("transfer"), row.get("target"), row.get("no_context")):
+            row["transfer_gap_closed"] = float(log_ppl_gap_closed(row["transfer"], row["target"], row["no_context"]))
+            row["transfer_gap_closed_se"] = None
+        if p > 0 and "target" in per_window and "transfer" in per_window and \
+                any(m in per_window for m in CONTROL_MODES):
+            row.update(control_statistics(per_window, n_boot=ecfg.get("bootstrap", 1000), seed=seed))
+        rows.append(_finite(row))
+    return rows
 
 
 def floor_warnings(summary: dict) -> list[str]:

@@ -138,7 +138,8 @@ class Run:
 
     def input_identity(self, name: str):
         """Identity named by an artifact declaration: "source"/"target" (model identity), "calib_data" /
-        "eval_data" (size + sha256 of the local files the calibration / evaluation reads)."""
+        "eval_data" (size + sha256 of the local files the calibration / evaluation reads), "ppl_data" (the
+        perplexity sets' files outside eval.data_dir)."""
         from ..identity import data_identity
 
         if name in ("source", "target"):
@@ -149,6 +150,9 @@ class Run:
                 self._memo[memo] = data_identity(files=self.cfg["calib"].get("files") or ())
             elif name == "eval_data":
                 self._memo[memo] = data_identity(directory=self.cfg["eval"].get("data_dir"))
+            elif name == "ppl_data":  # perplexity sets read from the repository, outside eval.data_dir
+                from ..eval.sources import ppl_bundled_files
+                self._memo[memo] = data_identity(files=ppl_bundled_files(self.cfg["eval"]))
             else:
                 raise KeyError(f"no identity named {name!r}")
         return self._memo[memo]

@@ -26,6 +26,22 @@ from .mapper import Mapper, MapperBase
 from .moments import Moments
 
 
+# control mode -> (the adapter mode it runs in, what it changes); kvtransfer.eval.metrics.CONTROL_MODES names them too
+CONTROLS = {"target_wrong": ("target", "wrong_context"), "transfer_wrong": ("transfer", "wrong_context"),
+            "mean_map": ("transfer", "mean_map"), "random_map": ("transfer", "random_map")}
+
+
+def with_controls(modes: list[str], controls: list[str] | None) -> list[str]:
+    """The eval modes of a run: `modes`, then each of `controls` not already there when `transfer` is among them
+    (every control is read against the transfer). ValueError naming the fix for an unknown control."""
+    controls = list(controls or [])
+    unknown = [c for c in controls if c not in CONTROLS]
+    if unknown:
+        raise ValueError(f"eval.controls={controls}: unknown {unknown}; use a list of {list(CONTROLS)} (or [])")
+    modes = list(modes)
+    return modes + [c for c in controls if c not in modes] if "transfer" in modes else modes
+
+
 def wrong_contexts(contexts: list[list[int]], start_ids: list[int], seed: int = 0) -> dict[tuple, list[int]]:
     """{context: wrong context} for every distinct context of `contexts` (token-id lists).
 

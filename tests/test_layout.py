@@ -27,7 +27,7 @@ PKG = ROOT / "kvtransfer"
 CORE = {"kvtransfer", "kvtransfer.models", "kvtransfer.rope", "kvtransfer.cache", "kvtransfer.context",
         "kvtransfer.moments", "kvtransfer.calibrate", "kvtransfer.select", "kvtransfer.ridge", "kvtransfer.families",
         "kvtransfer.mapper", "kvtransfer.train_map", "kvtransfer.hidden", "kvtransfer.train_e2e",
-        "kvtransfer.mlp", "kvtransfer.transfer", "kvtransfer.diagnostics", "kvtransfer.data", "kvtransfer.io",
+        "kvtransfer.mlp", "kvtransfer.transfer", "kvtransfer.controls", "kvtransfer.diagnostics", "kvtransfer.data", "kvtransfer.io",
         "kvtransfer.resources", "kvtransfer.resources.model_configs", "kvtransfer.identity", "kvtransfer.provenance",
         "kvtransfer.hub",
         "kvtransfer.runconfig"}   # the run's config resolved, shared by the runner and the plan

@@ -503,9 +503,10 @@ def test_the_eval_plan_counts_mmlu_per_subject_and_a_shared_context_once(cfg_14_
     from kvtransfer.plan.evalbench import EVAL_TASKS, eval_tokens
     from kvtransfer.plan.setup import Setup
 
-    def tokens(data_dir, share, mode="target"):
+    def tokens(data_dir, share, mode="target", controls=()):
+        modes = [mode] if isinstance(mode, str) else list(mode)
         e = dict(cfg_14_32["eval"], tasks=["mmlu"], limits={"mmlu": 10}, limit=None, data_dir=data_dir,
-                 share_prefix=share, modes=[mode], ppl=dict(cfg_14_32["eval"]["ppl"], enabled=False),
+                 share_prefix=share, modes=modes, controls=list(controls), ppl=dict(cfg_14_32["eval"]["ppl"], enabled=False),
                  coqa=dict(cfg_14_32["eval"]["coqa"], enabled=False), fidelity={"enabled": False})
         cfg = dict(cfg_14_32, eval=e)
         return eval_tokens(Setup(cfg, P.load_shape(cfg["pair"]["source"]), P.load_shape(cfg["pair"]["target"]),
@@ -520,6 +521,13 @@ def test_the_eval_plan_counts_mmlu_per_subject_and_a_shared_context_once(cfg_14_
         # transfer: the source prefills the context once, the target scores the choices on the mapped cache
         t = tokens(data_dir, True, "transfer")
         assert (t["source"], t["target"], t["map"]) == (items * ctx, items * 4 * (1 + cont), items * ctx)
+        # the content controls cost what the mode they run in costs (a wrong context is as long as the right one):
+        # target_wrong = one more target pass, transfer_wrong / mean_map / random_map = three more transfers
+        with_controls = tokens(data_dir, True, "transfer", controls=["target_wrong", "transfer_wrong", "mean_map",
+                                                                       "random_map"])
+        by_hand = tokens(data_dir, True, ["target", "transfer", "transfer", "transfer", "transfer"])
+        assert with_controls == by_hand and with_controls["map"] == 4 * items * ctx
+        assert tokens(data_dir, True, "target", controls=["mean_map"]) == tokens(data_dir, True, "target")  # no transfer
 
 
 def test_share_prefix_keeps_the_context_logits_out_of_the_eval_plan(cfg_14_32):

@@ -249,6 +249,60 @@ def block_main_tasks(s: dict) -> str:
                             "retention", "gap closed vs source", "retention vs chance", "McNemar p"], rows)
 
 
+# the content-control runs of the main configuration's map (run.sh step 10), in table order
+CONTROL_RUNS = (("controls_hs", "task", "hellaswag", "HellaSwag acc_norm"),
+                ("controls_arc", "task", "arc_challenge", "ARC-C acc_norm"),
+                ("controls_ppl", "ppl", "wikitext2", "WikiText-2 log-ppl @ P = 256"),
+                ("controls_ppl", "ppl", "python_stdlib", "Python stdlib log-ppl @ P = 256"))
+CONTROL_COLUMNS = ("target", "transfer", "no_context", "target_wrong", "transfer_wrong", "mean_map", "random_map")
+
+
+def control_rows(summaries: dict[str, dict]) -> list[dict]:
+    """One row per (benchmark | perplexity set) of the control runs: every mode's score (perplexity: mean NLL,
+    nats/token = log ppl) and the statistics of kvtransfer.eval.metrics.control_statistics, with their SEs."""
+    rows = []
+    for run, kind, name, label in CONTROL_RUNS:
+        s = summaries.get(run)
+        if s is None:
+            continue
+        if kind == "task":
+            r = (s.get("tasks") or {}).get(name)
+            if not r:
+                continue
+            row = {"metric": label, "n": r["n"], **{m: r.get(m) for m in CONTROL_COLUMNS},
+                   "gap_closed": r.get("gap_closed"), "gap_closed_se": r.get("stderr_gap_closed")}
+        else:
+            r = {x["prefix"]: x for x in (s.get("ppl_sets") or {}).get(name, [])}.get(256)
+            if not r:
+                continue
+            row = {"metric": label, "n": r.get("windows"), "documents": r.get("documents"),
+                   **{m: None if r.get(m) is None else float(__import__("math").log(r[m])) for m in CONTROL_COLUMNS},
+                   "gap_closed": r.get("transfer_gap_closed"), "gap_closed_se": r.get("transfer_gap_closed_se")}
+        for key in ("content_share", "target_content_gain", "transfer_content_gain",
+                    *(f"gap_closed_above_{c}" for c in ("target_wrong", "transfer_wrong", "mean_map", "random_map"))):
+            row[key], row[f"{key}_se"] = r.get(key), r.get(f"{key}_se")
+        row["run"], row["commit"] = run, ((s.get("environment") or {}).get("commit") or "?")[:7]
+        rows.append(row)
+    return rows
+
+
+def block_controls(summaries: dict[str, dict]) -> str:
+    """The content-control table: scores per mode, gap closed, the content share and the target's own content gain."""
+    rows = []
+    for r in control_rows(summaries):
+        n = f"{r['n']}" + (f" ({r['documents']} documents)" if r.get("documents") else "")
+        rows.append([r["metric"], n, *(None if r[m] is None else f"{r[m]:.3f}" for m in CONTROL_COLUMNS),
+                     _fmt(r["gap_closed"], r["gap_closed_se"], pct=True),
+                     f"**{_pct(r['content_share'], r['content_share_se'])}**",
+                     _fmt(r["target_content_gain"], r["target_content_gain_se"]),
+                     _pct(r["gap_closed_above_mean_map"], r["gap_closed_above_mean_map_se"]),
+                     _pct(r["gap_closed_above_random_map"], r["gap_closed_above_random_map_se"]), f"`{r['commit']}`"])
+    return readme.md_table(["metric", "n", "target", "transfer", "no context", "target, wrong ctx",
+                            "transfer, wrong ctx", "mean map", "random map", "gap closed", "**content share**",
+                            "target's own content gain", "gap closed above mean map", "gap closed above random map",
+                            "commit"], rows)
+
+
 def block_main_ppl(s: dict, injected: dict | None) -> str:
     ppl = _ppl_rows(s)
     prefixes = sorted(ppl)
@@ -359,6 +413,8 @@ def readme_blocks(summaries: dict[str, dict], out: Path) -> dict[str, str]:
         blocks["long_ppl"] = block_long_ppl(summaries["main_long_ppl"])
     if "speed" in summaries:
         blocks["speed"] = block_speed(summaries["speed"])
+    if control_rows(summaries):
+        blocks["controls"] = block_controls(summaries)
     return blocks
 
 
@@ -509,6 +565,8 @@ def main() -> None:
                              for g, r in (s.get("fidelity") or {}).get("per_position", {}).items()]),
                tdir, "main_fidelity_positions")
         _write(pd.DataFrame(eval_cost_rows(s)), tdir, "eval_cost")
+    if control_rows(summaries):
+        _write(pd.DataFrame(control_rows(summaries)), tdir, "controls")
     variants = {n: v for n, v in summaries.items() if n not in MAIN_PARTS}   # merged into the main summary above
     _write(pd.DataFrame([variant_row(n, s) for n, s in variants.items() if s.get("tasks") or s.get("ppl")]),
            tdir, "variants")

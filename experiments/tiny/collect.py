@@ -24,6 +24,17 @@ from kvtransfer.report.figures import machine_label  # noqa: E402
 
 COLLECT = "experiments/tiny/collect.py"
 MODES = ("target", "source", "transfer", "no_context", "native_injected")
+CONTROLS = ("target_wrong", "transfer_wrong", "mean_map", "random_map")  # kvtransfer.controls
+
+
+def _pct(r: dict, key: str, se_key: str) -> str | None:
+    """A percentage with its SE; "not measurable at this n" where the SE exceeds the value's magnitude."""
+    value, se = r.get(key), r.get(se_key)
+    if value is None:
+        return None
+    if se is not None and se > abs(value):
+        return "not measurable at this n"
+    return format_with_se(value, se, scale=100, unit=" %") if se is not None else f"{100 * value:.1f} % (SE needs rerun)"
 
 
 def load(folder: Path) -> dict:
@@ -37,10 +48,32 @@ def block_tasks(s: dict) -> str:
     for task, r in (s.get("tasks") or {}).items():
         rows.append([f"{task} ({r['n']})", r.get("metric"),
                      *(format_with_se(r.get(m), r.get(f"stderr_{m}")) if r.get(m) is not None else None for m in MODES),
-                     format_with_se(r.get("gap_closed"), r.get("stderr_gap_closed"), scale=100, unit=" %")
-                     if r.get("gap_closed") is not None else None,
+                     _pct(r, "gap_closed", "stderr_gap_closed"),
                      format_with_se(r.get("retention"), r.get("stderr_retention"), scale=100, unit=" %")])
     return readme.md_table(["task (n)", "metric", *MODES, "gap closed", "retention"], rows)
+
+
+def block_controls(s: dict) -> str:
+    """Per task and perplexity prefix: the content controls' scores, the content share and the gap closed above
+    the mean and random maps (kvtransfer.eval.metrics), each ± its paired bootstrap SE."""
+    rows = []
+    for task, r in (s.get("tasks") or {}).items():
+        if r.get("content_share") is None and r.get("target_wrong") is None:
+            continue
+        rows.append([f"{task} ({r['n']})", *(None if r.get(m) is None else f"{r[m]:.3f}" for m in CONTROLS),
+                     _pct(r, "content_share", "content_share_se"),
+                     _pct(r, "gap_closed_above_mean_map", "gap_closed_above_mean_map_se"),
+                     _pct(r, "gap_closed_above_random_map", "gap_closed_above_random_map_se")])
+    for r in s.get("ppl", []):
+        if r["prefix"] == 0 or r.get("target_wrong") is None:
+            continue
+        rows.append([f"perplexity, P = {r['prefix']} ({r.get('windows')} windows, {r.get('documents')} documents)",
+                     *(None if r.get(m) is None else f"{r[m]:.1f}" for m in CONTROLS),
+                     _pct(r, "content_share", "content_share_se"),
+                     _pct(r, "gap_closed_above_mean_map", "gap_closed_above_mean_map_se"),
+                     _pct(r, "gap_closed_above_random_map", "gap_closed_above_random_map_se")])
+    return readme.md_table(["task (n) / perplexity", *CONTROLS, "content share", "gap closed above mean map",
+                            "gap closed above random map"], rows)
 
 
 def block_ppl(s: dict) -> str:
@@ -48,8 +81,7 @@ def block_ppl(s: dict) -> str:
     rows = []
     for r in s.get("ppl", []):
         gap = r.get("transfer_gap_closed")
-        cell = None if gap is None else (format_with_se(gap, r.get("transfer_gap_closed_se"), scale=100, unit=" %")
-                                         if r.get("transfer_gap_closed_se") is not None else f"{100 * gap:.1f} % (SE needs rerun)")
+        cell = None if gap is None else _pct(r, "transfer_gap_closed", "transfer_gap_closed_se")
         rows.append([r["prefix"], *(None if r.get(m) is None else f"{r[m]:.1f}" for m in MODES[:4]), cell])
     return readme.md_table(["prefix P", *MODES[:4], "gap closed (log-ppl)"], rows)
 
@@ -67,12 +99,12 @@ def blocks(s: dict) -> dict[str, str]:
     load = (env.get("machine") or {}).get("load_avg")
     machine = f"Machine: {machine_label(s)}" + (f"; load average (1/5/15 min) at the start {load}" if load else "") + ".\n"
     return {"provenance": provenance_header({"tiny": s}, COLLECT) + "\n" + machine, "tasks": block_tasks(s),
-            "ppl": block_ppl(s), "speed": block_speed(s)}
+            "ppl": block_ppl(s), "controls": block_controls(s), "speed": block_speed(s)}
 
 
 def top_blocks(s: dict) -> dict[str, str]:
     """{"tiny": the top-level README's table of the default run}."""
-    return {"tiny": block_tasks(s) + "\n" + block_ppl(s)}
+    return {"tiny": block_tasks(s) + "\n" + block_ppl(s) + "\n" + block_controls(s)}
 
 
 def check(folder: Path, top: Path) -> int:

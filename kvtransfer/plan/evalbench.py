@@ -7,6 +7,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from ..controls import CONTROLS, with_controls
 from .node import GiB
 from .setup import Setup
 from .shapes import forward_bytes, prefill_flops, weight_bytes
@@ -61,9 +62,10 @@ def _jobs(e: dict) -> list[dict]:
         jobs.append(t)
     ppl = e.get("ppl") or {}
     if ppl.get("enabled"):
-        for prefix in ppl.get("prefixes", []):
-            jobs.append(dict(items=int(ppl.get("windows", 32)), choices=1, contexts=1, ctx=max(1, int(prefix)),
-                             cont=int(ppl.get("continuation", 256)), gen=0))
+        for _ in ppl.get("sets") or ["wikitext2"]:  # each set: its own windows (at most eval.ppl.windows)
+            for prefix in ppl.get("prefixes", []):
+                jobs.append(dict(items=int(ppl.get("windows", 32)), choices=1, contexts=1, ctx=max(1, int(prefix)),
+                                 cont=int(ppl.get("continuation", 256)), gen=0))
     return jobs
 
 
@@ -121,7 +123,9 @@ def _count_coqa(out: dict, coqa: dict, modes: list) -> None:
 def eval_tokens(s: Setup) -> dict:
     """Token counts per model and decode steps over the configured modes and tasks (see EVAL_TASKS)."""
     e = s.cfg.get("eval") or {}
-    modes = list(e.get("modes", MODES))
+    # content controls count as the mode they run in (kvtransfer.controls.CONTROLS): a wrong context costs what
+    # the right one does, a control map what the map does
+    modes = [CONTROLS[m][0] if m in CONTROLS else m for m in with_controls(e.get("modes", MODES), e.get("controls"))]
     b = max(1, int(e.get("batch_size", 8)))
     out = {"source": 0.0, "target": 0.0, "map": 0.0, "decode_batches_source": 0.0, "decode_batches_target": 0.0,
            "decode_single_target": 0.0, "passes_source": 0.0, "passes_target": 0.0}   # passes: forward calls

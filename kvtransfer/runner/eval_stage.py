@@ -27,7 +27,7 @@ from pathlib import Path
 from ..eval.adapter import KVTransferLM
 from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl
-from ..controls import calibration_means, mean_map, random_map
+from ..controls import CONTROLS, calibration_means, mean_map, random_map, with_controls
 from ..eval.metrics import CONTROL_MODES, control_statistics, log_ppl_gap_closed, ppl_gap_closed
 from ..eval.retention import CHANCE, per_item_scores, retention_table
 from ..eval.sources import coqa_docs, ppl_pages, ppl_set_names
@@ -134,22 +134,12 @@ def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
 
 
 BASELINE_MODES = ("target", "source", "native_injected", "no_context", "target_wrong")
-# content controls: mode -> (the adapter mode it runs in, what it changes; kvtransfer.controls)
-CONTROLS = {"target_wrong": ("target", "wrong_context"), "transfer_wrong": ("transfer", "wrong_context"),
-            "mean_map": ("transfer", "mean_map"), "random_map": ("transfer", "random_map")}
-assert tuple(CONTROLS) == CONTROL_MODES
+assert tuple(CONTROLS) == CONTROL_MODES  # one vocabulary: the modes kvtransfer.controls builds, metrics reads
 
 
 def run_modes(ecfg: dict) -> list[str]:
     """eval.modes, then each of eval.controls not already there when `transfer` runs (the controls read it)."""
-    modes = list(ecfg["modes"])
-    controls = list(ecfg.get("controls") or [])
-    unknown = [c for c in controls if c not in CONTROLS]
-    if unknown:
-        raise ValueError(f"eval.controls={controls}: unknown {unknown}; use a list of {list(CONTROLS)} (or [])")
-    if "transfer" in modes:
-        modes += [c for c in controls if c not in modes]
-    return modes
+    return with_controls(ecfg["modes"], ecfg.get("controls"))
 
 
 def control_lm(lm: KVTransferLM, mode: str, run, seed: int) -> tuple[KVTransferLM, str]:

@@ -48,11 +48,13 @@ def per_head_r2(sse: torch.Tensor, sst: torch.Tensor, head_dim: int) -> torch.Te
 
 
 def decompose(mapper, held, head_dim: int) -> dict:
-    """{kind: {"r2", "r2_centred", "shift_share": [L_t]}} of one map (means over the layer's KV heads;
-    shift_share: the shared shift's part of the layer's SSE)."""
+    """{kind: {"r2", "r2_centred", "shift_share": [L_t], "pooled_shift_share": float}} of one map (means over the
+    layer's KV heads; shift_share: the shared shift's part of the layer's SSE; pooled_shift_share: its part of the
+    SSE summed over every layer, i.e. the per-layer shares weighted by each layer's SSE, not their plain mean)."""
     out = {}
     for i, kind in enumerate(("k", "v")):
         rows = {"r2": [], "r2_centred": [], "shift_share": []}
+        shift_total = sse_total = 0.0
         for t, layers in enumerate(mapper.selected_layers.tolist()):
             cols = held.source_columns(layers)
             parts = split_sse(held.x(kind)[:, cols], held.y(kind)[:, held.target_columns(held.target_layers[t])],
@@ -60,7 +62,9 @@ def decompose(mapper, held, head_dim: int) -> dict:
             rows["r2"].append(float(per_head_r2(parts["centred"] + parts["shift"], parts["sst"], head_dim).mean()))
             rows["r2_centred"].append(float(per_head_r2(parts["centred"], parts["sst"], head_dim).mean()))
             rows["shift_share"].append(float(parts["shift"].sum() / (parts["centred"] + parts["shift"]).sum()))
-        out[kind] = rows
+            shift_total += float(parts["shift"].sum())
+            sse_total += float((parts["centred"] + parts["shift"]).sum())
+        out[kind] = {**rows, "pooled_shift_share": shift_total / sse_total if sse_total > 0 else None}
     return out
 
 
@@ -98,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} {kind.upper()}: change from {args.maps[0].split('=')[0]}: weights at most "
                   f"{100 * max(c['weight_rel']):.2f} % (relative Frobenius, per layer), biases at most {max(c['bias_abs']):.3g}")
         for kind in ("k", "v"):
-            mean = {m: sum(v) / len(v) for m, v in d[kind].items()}
+            mean = {m: sum(v) / len(v) for m, v in d[kind].items() if isinstance(v, list)}
             print(f"{name} {kind.upper()}: R² {mean['r2']:.3f}, centred R² {mean['r2_centred']:.3f}, "
-                  f"shared shift {100 * mean['shift_share']:.1f} % of the SSE (means over layers)")
+                  f"shared shift {100 * mean['shift_share']:.1f} % of the SSE (mean over layers), "
+                  f"{100 * d[kind]['pooled_shift_share']:.1f} % pooled over layers")
     atomic_write_json(Path(args.out), result)
     return 0
 

@@ -54,23 +54,38 @@ def main(cfg: DictConfig) -> None:
 
 
 def summary_lines(summary: dict) -> list[str]:
-    """The summary's headline numbers, each rounded to what its paired bootstrap SE supports
-    (kvtransfer.eval.metrics.format_with_se), e.g. `target 0.397 ± 0.028`."""
+    """The run's headline as one table: a row per task and per perplexity (set, prefix), the modes' scores, gap
+    closed (floor -> target) and the content share (kvtransfer.eval.metrics), each rounded to what its paired
+    bootstrap SE supports; a ratio whose SE exceeds its magnitude reads "not measurable at this n"."""
     from kvtransfer.eval.metrics import format_with_se
 
-    lines = []
+    def ratio(value, se) -> str:
+        if value is None:
+            return "–"
+        if se is not None and se > abs(value):
+            return "not measurable at this n"
+        return format_with_se(value, se, scale=100, unit=" %")
+
+    rows = [("", "target", "transfer", "no_context", "gap closed", "content share")]
     for task, r in (summary.get("tasks") or {}).items():
-        parts = [f"{m} {format_with_se(r.get(m), r.get(f'stderr_{m}'))}" for m in ("target", "transfer", "no_context")
-                 if r.get(m) is not None]
-        parts += [f"{name} {format_with_se(r.get(name), r.get(f'stderr_{name}'), scale=100, unit=' %')}"
-                  for name in ("gap_closed", "retention") if r.get(name) is not None]
-        lines.append(f"  {task:<16} " + " | ".join(parts))
-    for r in summary.get("ppl") or []:
-        if r.get("transfer_gap_closed") is not None:
-            lines.append(f"  ppl@{r['prefix']:<12} target {r['target']:.4g} | transfer {r['transfer']:.4g} | no_context "
-                         f"{r['no_context']:.4g} | gap_closed (log-ppl) "
-                         f"{format_with_se(r['transfer_gap_closed'], r.get('transfer_gap_closed_se'), scale=100, unit=' %')}")
-    return lines
+        rows.append((f"{task} (n = {r.get('n')})",
+                     *(format_with_se(r.get(m), r.get(f"stderr_{m}")) if r.get(m) is not None else "–"
+                       for m in ("target", "transfer", "no_context")),
+                     ratio(r.get("gap_closed"), r.get("stderr_gap_closed")),
+                     ratio(r.get("content_share"), r.get("content_share_se"))))
+    sets = summary.get("ppl_sets") or {"": summary.get("ppl") or []}
+    for name, ppl_rows in sets.items():
+        for r in ppl_rows:
+            if r.get("transfer_gap_closed") is None:
+                continue
+            label = f"ppl {name + ' ' if name else ''}@{r['prefix']}" + (f" ({r['windows']} docs)" if r.get("windows") else "")
+            rows.append((label, *(f"{r[m]:.4g}" if r.get(m) is not None else "–" for m in ("target", "transfer", "no_context")),
+                         ratio(r["transfer_gap_closed"], r.get("transfer_gap_closed_se")),
+                         ratio(r.get("content_share"), r.get("content_share_se"))))
+    if len(rows) == 1:
+        return []
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
 
 if __name__ == "__main__":

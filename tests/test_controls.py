@@ -239,3 +239,21 @@ def test_wrong_context_mode_scores_the_swapped_contexts(fitted):
         for (lp, _), (lq, _) in zip(got, want):
             assert torch.equal(lp, lq)  # batch size 1: the same forward on the same tokens
         assert not torch.equal(got[0][0], plain.score_tokens([(a, cont)])[0][0])
+
+
+def test_run_ends_with_one_table_and_says_when_a_ratio_is_not_measurable():
+    import importlib.util
+
+    from test_runner import ROOT
+
+    spec = importlib.util.spec_from_file_location("run_entry", ROOT / "run.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    summary = {"tasks": {"a": {"n": 10, "target": 0.5, "transfer": 0.45, "no_context": 0.4, "gap_closed": 0.5,
+                               "stderr_gap_closed": 0.6, "content_share": 0.8, "content_share_se": 0.1}},
+               "ppl_sets": {"wikitext2": [{"prefix": 256, "windows": 62, "target": 10.0, "transfer": 12.0,
+                                           "no_context": 20.0, "transfer_gap_closed": 0.74, "transfer_gap_closed_se": 0.03}]}}
+    lines = entry.summary_lines(summary)
+    assert len(lines) == 3 and all(len(line) <= len(lines[0]) + 40 for line in lines)
+    assert "not measurable at this n" in lines[1] and "80 ± 10 %" in lines[1]
+    assert "ppl wikitext2 @256 (62 docs)" in lines[2] and "74.0 ± 3.0 %" in lines[2]

@@ -64,8 +64,14 @@ def task_table(summary: dict) -> pd.DataFrame:
         rows.append({"task": task_label(task), **{k: r.get(k) for k in (
             "metric", "target", "transfer", "source", "native_injected", "no_context", "gap_closed", "stderr_gap_closed",
             "retention", "stderr_retention", "gap_closed_vs_source", "retention_vs_chance", "below_no_context", "n",
-            "transfer_stderr", "mcnemar_p")}})
+            "transfer_stderr", "mcnemar_p", *CONTROL_COLUMNS) if k in r or k not in CONTROL_COLUMNS}})
     return pd.DataFrame(rows)
+
+
+# the content controls' columns (kvtransfer.controls, kvtransfer.eval.metrics.control_statistics), where they ran
+CONTROL_COLUMNS = ("target_wrong", "transfer_wrong", "mean_map", "random_map", "content_share", "content_share_se",
+                   "target_content_gain", "target_content_gain_se", "gap_closed_above_transfer_wrong",
+                   "gap_closed_above_mean_map", "gap_closed_above_random_map")
 
 
 def ablation_table(summaries: list[dict]) -> pd.DataFrame:
@@ -93,8 +99,10 @@ def speed_table(summary: dict) -> pd.DataFrame:
 
 
 def ppl_table(summary: dict) -> pd.DataFrame:
-    """Prefix-conditioned perplexity vs prefix length P, per mode."""
-    return pd.DataFrame(summary.get("ppl", []))
+    """Prefix-conditioned perplexity vs prefix length P, per mode, one block of rows per perplexity set (`set`),
+    with the controls' columns and the content share where they ran."""
+    sets = summary.get("ppl_sets")
+    return pd.DataFrame([r for rows in sets.values() for r in rows] if sets else summary.get("ppl", []))
 
 
 def drift_table(summary: dict) -> pd.DataFrame:

@@ -77,12 +77,12 @@ run wiki_k8_sink1_fp32 stage=[calibrate,fit,eval] calib.dtype=float32 calib.accu
 # 10. content controls (issue 29) on the main configuration's map: the target / transfer / floor modes plus
 #     eval.controls' four (target_wrong, transfer_wrong, mean_map, random_map); perplexity on both sets (WikiText-2
 #     test, 62 articles, and CPython 3.11.7 stdlib source, out of every calibration's domain) with one window per
-#     document, then ARC-C and HellaSwag (n = 100 each). Split in three runs so each part's cache lands early.
+#     document, then HellaSwag and ARC-C (n = 100 each). Split in three runs so each part's cache lands early.
 CONTROLS="eval.modes=[target,transfer,no_context] eval.fidelity.enabled=false"
 run controls_ppl stage=[eval] "eval.tasks=[]" "eval.ppl.sets=[wikitext2,python_stdlib]" eval.ppl.windows=62 \
   "eval.ppl.prefixes=[256]" eval.ppl.draw=per_document $CONTROLS
-run controls_arc stage=[eval] "eval.tasks=[arc_challenge]" eval.ppl.enabled=false $CONTROLS
 run controls_hs stage=[eval] "eval.tasks=[hellaswag]" eval.ppl.enabled=false $CONTROLS
+run controls_arc stage=[eval] "eval.tasks=[arc_challenge]" eval.ppl.enabled=false $CONTROLS
 if [[ "${FULL:-0}" == 1 ]]; then  # Table 2's rotated-key variants share one rotated-key calibration
   for a in no_rope no_rope_k1 no_rope_k1_no_ridge; do
     run "wiki_$a" stage=[calibrate,fit,eval] ablation=$a calib.mlp_samples=0 "eval.tasks=[hellaswag]"

@@ -214,7 +214,7 @@ def test_eval_stage_writes_the_control_rows_and_content_share(tiny_pair_dirs, tm
     want = (m["transfer"] - m["transfer_wrong"]) / (m["target"] - m["target_wrong"])
     assert_close(ppl[16]["content_share"], want, factor=10 * 20, magnitude=abs(want) + 1,
                  reason="means of 5 float64 NLLs and one quotient, two ways: ~20 roundings, x10")
-    # the target's wrong-context scores are the target's scores on the hand-built wrong contexts
+    # target_wrong reads no map, so a sweep computes it once (the baseline cache); the mapped controls do not
     import kvtransfer.runner.eval_stage as stage
     assert "target_wrong" in stage.BASELINE_MODES and "transfer_wrong" not in stage.BASELINE_MODES
 

@@ -72,6 +72,8 @@ def block_controls(s: dict) -> str:
                      _pct(r, "content_share", "content_share_se"),
                      _pct(r, "gap_closed_above_mean_map", "gap_closed_above_mean_map_se"),
                      _pct(r, "gap_closed_above_random_map", "gap_closed_above_random_map_se")])
+    if not rows:  # a summary made before the controls existed
+        return ""
     return readme.md_table(["task (n) / perplexity", *CONTROLS, "content share", "gap closed above mean map",
                             "gap closed above random map"], rows)
 
@@ -98,13 +100,15 @@ def blocks(s: dict) -> dict[str, str]:
     env = s.get("environment") or {}
     load = (env.get("machine") or {}).get("load_avg")
     machine = f"Machine: {machine_label(s)}" + (f"; load average (1/5/15 min) at the start {load}" if load else "") + ".\n"
-    return {"provenance": provenance_header({"tiny": s}, COLLECT) + "\n" + machine, "tasks": block_tasks(s),
-            "ppl": block_ppl(s), "controls": block_controls(s), "speed": block_speed(s)}
+    out = {"provenance": provenance_header({"tiny": s}, COLLECT) + "\n" + machine, "tasks": block_tasks(s),
+           "ppl": block_ppl(s), "speed": block_speed(s)}
+    return {**out, "controls": block_controls(s)} if block_controls(s) else out
 
 
 def top_blocks(s: dict) -> dict[str, str]:
     """{"tiny": the top-level README's table of the default run}."""
-    return {"tiny": block_tasks(s) + "\n" + block_ppl(s) + "\n" + block_controls(s)}
+    controls = block_controls(s)
+    return {"tiny": block_tasks(s) + "\n" + block_ppl(s) + ("\n" + controls if controls else "")}
 
 
 def check(folder: Path, top: Path) -> int:

@@ -225,7 +225,7 @@ def test_wrong_context_mode_scores_the_swapped_contexts(fitted):
     run, mapper, _ = fitted
     source, tok = run.model("source")
     target, _ = run.model("target")
-    lm = KVTransferLM(source_model=source, target_model=target, tokenizer=tok, mapper=mapper, mode="target",
+    lm = KVTransferLM(source_model=source, target_model=target, tokenizer=tok, mapper=mapper, mode="transfer",
                       batch_size=1)
     a = tok.encode("the dog ran to the park and the sun was warm on the grass")
     b = tok.encode("a bird flew over the sea")

@@ -87,8 +87,16 @@ def wrong_contexts(contexts: list[list[int]], start_ids: list[int], seed: int = 
     return out
 
 
+def control_applies(mapper: MapperBase, control: str) -> bool:
+    """Whether `control` is defined for this map: random_map needs a linear map of the source's K/V (ridge or
+    trained kind); the wrong-context controls and mean_map apply to every map."""
+    if control != "random_map":
+        return True
+    return isinstance(mapper, Mapper) and getattr(mapper, "features", "kv") == "kv"
+
+
 def _check_linear(mapper: MapperBase, control: str) -> None:
-    if not isinstance(mapper, Mapper) or getattr(mapper, "features", "kv") != "kv":
+    if not control_applies(mapper, control):
         raise ValueError(f"the {control} control is defined for linear K/V maps (mapper.kind ridge or trained), not "
                          f"{mapper.kind!r} (features {getattr(mapper, 'features', 'kv')!r}): drop {control} from "
                          "eval.controls for this map")
@@ -112,12 +120,11 @@ def calibration_means(moments: Moments, mapper: MapperBase) -> tuple[torch.Tenso
 def mean_map(mapper: MapperBase, mean_y: torch.Tensor) -> Mapper:
     """The `mean_map` control of `mapper`: a ridge-kind Mapper with zero weights and bias = mean_y [L_t, 2, q],
     so every mapped position gets the calibration mean (re-rotated at its position like any mapped key).
-    Works for every map kind with K/V features (the feature width p is the map's own)."""
-    if getattr(mapper, "features", "kv") != "kv":
-        raise ValueError("the mean_map control needs a map of the source's K/V (mapper.features=kv)")
+    Works for every map kind: it reads the source's K/V of the map's selected layers (p = k * n_kv_s * d_s) and
+    ignores them, so a hidden-state or MLP map's control is applied like a ridge map."""
     n_t, _, q = mean_y.shape
-    p = mapper.selected_layers.shape[1] * _source_width(mapper)
     common = {f.name: getattr(mapper, f.name) for f in dataclasses.fields(MapperBase) if f.init}
+    p = mapper.selected_layers.shape[1] * _source_width(mapper)
     weight = torch.zeros(n_t, 2, p, q, dtype=torch.float32, device=mean_y.device)
     return Mapper(weight=weight, bias=mean_y.float().clone(), **common)
 

@@ -151,7 +151,8 @@ def test_preflight_fails_in_seconds_naming_the_fix(offline_hub, monkeypatch):
     cfg = _cfg()
     started = time.perf_counter()
     report = preflight(cfg, ["calibrate", "eval"], log=lambda *_: None)
-    assert {s["what"] for s in report["sources"]} == {"calibration", "eval task hellaswag", "perplexity", "CoQA"}
+    assert {s["what"] for s in report["sources"]} == {"calibration", "eval task hellaswag", "perplexity set wikitext2",
+                                                      "perplexity set python_stdlib", "CoQA"}
     cfg["calib"]["dataset"] = "HuggingFaceFW/fineweb-edu-typo"
     cfg["eval"]["ppl"]["split"] = "validation"
     cfg["eval"]["coqa"]["dataset"] = "EleutherAI/coqa-missing"

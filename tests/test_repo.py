@@ -100,7 +100,7 @@ def test_benchmark_samples_ship_with_the_repo_and_match_their_readme():
     """data/benchmarks: every file the README's table lists exists with that many JSON records, and back."""
     readme = (BENCH / "README.md").read_text()
     listed = {name: int(count) for name, count in re.findall(r"^\| `([\w.]+\.jsonl)` \| (\d+) \|", readme, re.M)}
-    assert set(listed) == {p.name for p in BENCH.glob("*.jsonl")} and len(listed) == 10
+    assert set(listed) == {p.name for p in BENCH.glob("*.jsonl")} and len(listed) == 11
     for name, count in listed.items():
         lines = [line for line in (BENCH / name).read_text().splitlines() if line.strip()]
         assert len(lines) == count, name

@@ -598,7 +598,9 @@ def test_k_sweep_and_sink_change_compute_baselines_once(tiny_pair_dirs, tmp_path
     assert [s["mapper"]["native_sink"] for s in summaries] == [0, 0, 0, 1, 1]
     assert [s["native_tail"] for s in summaries] == [1, 1, 1, 1, 6]
     modes = ["target", "source", "transfer", "native_injected", "no_context"]
-    assert computed == modes + ["transfer"] * 4, computed
+    mapped_controls = ["transfer_wrong", "mean_map", "random_map"]
+    # the content controls: target_wrong is a baseline, computed once; the mapped ones follow the map
+    assert computed == modes + ["target_wrong", *mapped_controls] + ["transfer", *mapped_controls] * 4, computed
     assert target_forwards == []  # no baseline forward after the first run
     for s in summaries[1:]:
         for task, row in s["tasks"].items():

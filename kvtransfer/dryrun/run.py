@@ -157,6 +157,9 @@ def shrink(cfg: dict, out_dir: Path) -> dict:
         ev["num_fewshot"] = int(shots) if ev.get("num_fewshot") is None else min(int(ev["num_fewshot"]), int(shots))
     ev.update(limit=int(dry["eval_limit"]), limits={}, batch_size=min(ev["batch_size"], 2),
               max_gen_toks=min(ev["max_gen_toks"], int(dry["max_gen_toks"])), bootstrap=min(ev.get("bootstrap", 0), 20))
+    if int(dry["eval_limit"]) < 2 and ev.get("controls"):
+        # a wrong context is another item's: with one item per task there is none (kvtransfer.controls.wrong_contexts)
+        ev["controls"] = [c for c in ev["controls"] if c not in ("target_wrong", "transfer_wrong")]
     ev["fidelity"] = dict(ev.get("fidelity") or {}, sequences=2, continuation=8)
     ev["ppl"] = dict(ev["ppl"], windows=int(dry["ppl_windows"]), continuation=max(4, ev["ppl"]["continuation"] // 16),
                      prefixes=sorted({int(p) // 16 for p in ev["ppl"]["prefixes"]}))

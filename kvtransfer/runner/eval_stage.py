@@ -27,7 +27,7 @@ from pathlib import Path
 from ..eval.adapter import KVTransferLM
 from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl
-from ..controls import CONTROLS, calibration_means, mean_map, random_map, with_controls
+from ..controls import CONTROLS, calibration_means, control_applies, mean_map, random_map, with_controls
 from ..eval.metrics import CONTROL_MODES, control_statistics, log_ppl_gap_closed, ppl_gap_closed
 from ..eval.retention import CHANCE, per_item_scores, retention_table
 from ..eval.sources import coqa_docs, ppl_pages, ppl_set_names
@@ -187,6 +187,10 @@ def evaluate(run, on_compute=None) -> dict:
         warnings.warn("eval mode 'identity' skipped: source and target caches differ in shape", stacklevel=2)
         modes.remove("identity")
     mapper = run.mapper() if any(m not in BASELINE_MODES for m in modes) else None
+    for mode in [m for m in modes if m in CONTROLS and mapper is not None and not control_applies(mapper, m)]:
+        warnings.warn(f"eval control {mode!r} skipped: it is not defined for a {mapper.kind!r} map "
+                      "(kvtransfer.controls.control_applies)", stacklevel=2)
+        modes.remove(mode)
     lm = KVTransferLM(source_model=source, target_model=target, tokenizer=tokenizer, mapper=mapper,
                       mode="transfer" if mapper is not None else "target", batch_size=ecfg["batch_size"],
                       native_sink=run.native_sink(mapper) if mapper is not None else 0,
@@ -297,7 +301,7 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
         out["tasks_average"] = _finite(table["average"])
         for t, row in out["tasks"].items():  # content controls (kvtransfer.eval.metrics.control_statistics)
             row.update({m: float(sum(v) / len(v)) for m, v in per_item[t].items() if m in CONTROL_MODES and v})
-            if any(m in per_item[t] for m in CONTROL_MODES):
+            if any(m in per_item[t] for m in CONTROL_MODES) and row.get("n", 0) >= 2:  # an SE needs two items
                 row.update(_finite(control_statistics(per_item[t], n_boot=ecfg.get("bootstrap", 1000), seed=seed)))
     sets = list(dict.fromkeys(n for r in per_mode.values() for n in (r.get("ppl_sets") or {})))
     if sets:

@@ -348,7 +348,7 @@ def test_stated_costs_at_the_real_pairs():
     qwen3 = hidden_map_cost(64, 1, 40, 5120, 1024, 1024, "hidden")
     assert qwen3["apply_flops_per_token"] == 1_342_308_352 and qwen3["store_values_per_token"] * 2 == 409_600
     assert hidden_map_cost(64, 8, 40, 5120, 1024, 1024, "kv")["apply_flops_per_token"] == 2_147_614_720
-    conf, readme = (ROOT / "conf/mapper/hidden.yaml").read_text(), (ROOT / "README.md").read_text()
+    conf, readme = (ROOT / "conf/mapper/hidden.yaml").read_text(), (ROOT / "docs/maps.md").read_text()
     for figure in ("25.7 MFLOP", "51.4", "102.8", "43,008 B/token", "55,296 B/token", "1.34 GFLOP", "409,600 B/token",
                    "29.4 MFLOP", "2.15 GFLOP"):
         assert figure in conf

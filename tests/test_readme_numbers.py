@@ -93,7 +93,7 @@ def test_every_generated_block_matches_its_summaries(generated):
 
 def test_no_orphan_blocks_and_numbers_present(generated):
     """Every generated block of a README is written by some script, and each holds numbers (a table or a line)."""
-    for path in [ROOT / "README.md", *sorted(ROOT.glob("results/*/README.md"))]:
+    for path in [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md")), *sorted(ROOT.glob("results/*/README.md"))]:
         for name, body in readme.blocks(path.read_text()).items():
             assert name in generated.get(path, {}), f"{path.relative_to(ROOT)}: no script writes block {name!r}"
             assert re.search(r"\d", body), f"{path.relative_to(ROOT)}: block {name!r} is empty"

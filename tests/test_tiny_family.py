@@ -68,8 +68,8 @@ def test_self_map_of_the_target_equals_the_target(tmp_path):
 
 
 def test_readme_api_example_runs(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    code = readme.split("## Python API")[1].split("```python")[1].split("```")[0]
+    readme = (ROOT / "docs" / "api.md").read_text()
+    code = readme.split("# The Python API")[1].split("```python")[1].split("```")[0]
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=300, env={"PYTHONPATH": str(ROOT), "HOME": str(tmp_path),
                                                          "PATH": "/usr/bin:/bin"})

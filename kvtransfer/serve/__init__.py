@@ -7,5 +7,5 @@
     connector  KVTransferConnector (vLLM's KVConnectorBase_V1); the only module that imports vLLM, guarded
 
 No Hydra, lm-eval, runner or report imports here (tests/test_layout.py), so vLLM's worker loads
-this without the harness. See README "Serving with vLLM".
+this without the harness. See docs/serving.md.
 """

@@ -230,3 +230,19 @@ def test_eval_max_gen_toks_reaches_every_generative_task(lms, monkeypatch):
     ecfg = {"tasks": ["gsm8k_cot"], "data_dir": str(data), "limit": 2, "num_fewshot": 0, "max_gen_toks": 3}
     eval_stage._benchmarks(lm, "target", ecfg, 0)
     assert seen == [3, 3]
+
+
+def test_progress_within_a_task_is_shown_unless_disabled(lms, local_tasks, capsys):
+    """progress=True: scoring and generation report requests done (tqdm on stderr); lm-eval's disable_tqdm
+    and progress=False silence them, and the scores do not depend on it."""
+    pairs = _arc_pairs(lms["transfer"], local_tasks)
+    quiet = lms["transfer"].score_tokens(pairs)
+    assert capsys.readouterr().err == ""
+    loud = lms["transfer"].with_mode("transfer", progress=True)
+    assert [float(lp.sum()) for lp, _ in loud.score_tokens(pairs)] == [float(lp.sum()) for lp, _ in quiet]
+    err = capsys.readouterr().err
+    assert "scoring (transfer)" in err and f"{len(pairs)}/{len(pairs)}" in err
+    loud.score_tokens(pairs, disable_tqdm=True)
+    assert capsys.readouterr().err == ""
+    loud.generate_tokens([pairs[0][0], pairs[1][0]], until=["\n"], max_gen_toks=2)
+    assert "generating (transfer)" in capsys.readouterr().err

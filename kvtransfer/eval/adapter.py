@@ -94,7 +94,7 @@ class KVTransferLM(TemplateLM):
                  *, source_model=None, target_model=None, tokenizer=None, native_sink: int | None = None,
                  native_tail: int = 1, rope_at_inference: bool = True, context_start: str = "tokenizer",
                  allow_context_start_mismatch: bool = False, share_prefix: bool = False,
-                 wrong_context: bool = False, wrong_context_seed: int = 0,
+                 wrong_context: bool = False, wrong_context_seed: int = 0, progress: bool = False,
                  batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  device: str | None = None, dtype="auto", add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, trust_remote_code: bool = False, **unused) -> None:
@@ -106,6 +106,7 @@ class KVTransferLM(TemplateLM):
         if str(batch_size).startswith("auto"):
             raise ValueError("batch_size=auto is not supported by kvtransfer; give an integer")
         self.mode = mode
+        self.progress = bool(progress)
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             log.warning("device=%s requested but CUDA is unavailable; using cpu (as HFLM does)", device)
             device = "cpu"
@@ -363,11 +364,15 @@ class KVTransferLM(TemplateLM):
 
     # ------------------------------------------------------------------ scoring
     @torch.no_grad()
-    def score_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[torch.Tensor, bool]]:
+    def score_tokens(self, pairs: list[tuple[list[int], list[int]]], *, disable_tqdm: bool = False
+                     ) -> list[tuple[torch.Tensor, bool]]:
         """(per-token log-probs float32 [len(continuation)] on CPU, is_greedy) per (context, continuation).
 
-        One prefix cache per unique cached prefix; continuations batched (right-padded) by batch_size.
+        One prefix cache per unique cached prefix; continuations batched (right-padded) by batch_size. A
+        progress bar counts scored requests when the LM was built with progress=True and lm-eval does not
+        pass disable_tqdm.
         """
+        bar = self._bar(len(pairs), f"scoring ({self.mode})", disable_tqdm)
         out: list[tuple | None] = [None] * len(pairs)
         if self.wrong_context:
             pairs = self.swap_contexts(pairs)
@@ -389,13 +394,22 @@ class KVTransferLM(TemplateLM):
                 rows = sorted(groups[()], key=lambda i: (-len(runs[i]), i))
                 for chunk in _chunks(rows, self.batch_size):
                     self._score_batch(None, None, [0] * len(chunk), chunk, runs, pairs, out)
+                    bar.update(len(chunk))
                 continue
             for gchunk in _chunks(part, self.batch_size):
                 layers, pmask = self.prefix_cache([list(k) for k in gchunk])
                 rows = [(g, i) for g, k in enumerate(gchunk) for i in groups[k]]
                 for chunk in _chunks(rows, self.batch_size):
                     self._score_batch(layers, pmask, [g for g, _ in chunk], [i for _, i in chunk], runs, pairs, out)
+                    bar.update(len(chunk))
+        bar.close()
         return out
+
+    def _bar(self, total: int, desc: str, disable: bool):
+        """A tqdm bar over `total` requests, or a no-op one when progress is off (or lm-eval disables it)."""
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="req", disable=disable or not self.progress, leave=False)
 
     def swap_contexts(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
         """(wrong context, continuation) per (context, continuation): each distinct context replaced by
@@ -421,7 +435,7 @@ class KVTransferLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """lm-eval hook: [((context, continuation), context_enc, continuation_enc)] -> [(logprob, is_greedy)]."""
-        scored = self.score_tokens([(ctx, cont) for _, ctx, cont in requests])
+        scored = self.score_tokens([(ctx, cont) for _, ctx, cont in requests], disable_tqdm=disable_tqdm)
         results = []
         for (key, _, _), (lp, greedy) in zip(requests, scored):
             answer = (float(lp.sum()), greedy)
@@ -449,9 +463,11 @@ class KVTransferLM(TemplateLM):
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate_tokens(self, contexts: list[list[int]], *, until: list[str], max_gen_toks: int) -> list[list[int]]:
+    def generate_tokens(self, contexts: list[list[int]], *, until: list[str], max_gen_toks: int,
+                        disable_tqdm: bool = False) -> list[list[int]]:
         """Greedy continuation token ids of each context (stops at EOS, a stop string or max_gen_toks)."""
         out: list[list[int] | None] = [None] * len(contexts)
+        bar = self._bar(len(contexts), f"generating ({self.mode})", disable_tqdm)
         if self.wrong_context:
             contexts = [c for c, _ in self.swap_contexts([(c, []) for c in contexts])]
         order = sorted(range(len(contexts)), key=lambda i: (-len(contexts[i]), i))
@@ -463,6 +479,8 @@ class KVTransferLM(TemplateLM):
                 ctxs = [contexts[i] for i in chunk]
                 for i, toks in zip(chunk, self._generate_batch(ctxs, until, max_gen_toks)):
                     out[i] = toks
+                bar.update(len(chunk))
+        bar.close()
         return out
 
     def _eos_ids(self) -> set[int]:
@@ -504,7 +522,7 @@ class KVTransferLM(TemplateLM):
             if max_ctx <= 0:
                 raise ValueError(f"max_gen_toks={max_gen_toks} must be below max_length={self.max_length}")
             contexts = [self.tok_encode(requests[i].args[0], left_truncate_len=max_ctx) for i in idx]
-            gens = self.generate_tokens(contexts, until=until, max_gen_toks=max_gen_toks)
+            gens = self.generate_tokens(contexts, until=until, max_gen_toks=max_gen_toks, disable_tqdm=disable_tqdm)
             for i, toks in zip(idx, gens):
                 text = postprocess_generated_text(self.tok_decode(toks), stop=until, think_end_token=None)
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)

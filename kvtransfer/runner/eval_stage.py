@@ -196,7 +196,8 @@ def evaluate(run, on_compute=None) -> dict:
                       native_sink=run.native_sink(mapper) if mapper is not None else 0,
                       native_tail=ecfg.get("native_tail", 1), rope_at_inference=run.rope_at_inference,
                       context_start=run.context_start, share_prefix=ecfg.get("share_prefix", False),
-                      allow_context_start_mismatch=ecfg.get("allow_context_start_mismatch", False))
+                      allow_context_start_mismatch=ecfg.get("allow_context_start_mismatch", False),
+                      progress=run.progress is not None)
     per_mode = {}
     ppl_sets = ppl_set_names(ecfg) if ecfg["ppl"].get("enabled") else []
     for mode in modes:

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvtransfer import bench  # noqa: E402
-from kvtransfer.models import kv_shape  # noqa: E402
+from kvtransfer.core.models import kv_shape  # noqa: E402
 
 PAIRS = ("qwen3_14b_32b", "llama31_8b_70b")
 TOKENS = (1024, 4096, 8192, 16384, 32768)

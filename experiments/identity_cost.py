@@ -1,4 +1,4 @@
-"""Cost of a local model directory's weights identity (kvtransfer.identity) at paper scale.
+"""Cost of a local model directory's weights identity (kvtransfer.config.identity) at paper scale.
 
 Writes a sparse 14-shard, 1,008-tensor, 60 GiB checkpoint (headers real, data holes: no disk space used)
 and times `directory_weights_digest` on it. Sparse holes cost no device I/O, so this measures the
@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from kvtransfer.identity import directory_weights_digest
+from kvtransfer.config.identity import directory_weights_digest
 
 
 def sparse_checkpoint(directory: str, shards: int = 14, tensors: int = 1008, total_bytes: int = 60 * 2**30) -> None:

@@ -10,17 +10,17 @@ Public API (the numerical core; no Hydra, lm-eval or W&B imports here):
     transfer(source_cache, mapper, source_model, target_model, ...) -> DynamicCache
     map_layers / map_layers_reference        the fast mapping path and the plain one it is tested against
 """
-from .cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
-from .calibrate import CalibrationMoments, collect_moments, kv_features
-from .diagnostics import compare_caches
-from .hidden import prefill_with_hidden
-from .mapper import HiddenMapper, Mapper, MapperBase, load_mapper
-from .models import check_same_tokenizer, kv_shape, load_model, model_identity
-from .moments import HeldOut, Moments
-from .ridge import RidgeFit, UnderdeterminedFit, fit_ridge
-from .rope import RopeCodec
-from .select import r2_matrix, select_greedy, select_topk
-from .transfer import codec_for, map_layers, map_layers_reference, transfer
+from .core.cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
+from .core.calibrate import CalibrationMoments, collect_moments, kv_features
+from .core.diagnostics import compare_caches
+from .core.hidden import prefill_with_hidden
+from .core.mapper import HiddenMapper, Mapper, MapperBase, load_mapper
+from .core.models import check_same_tokenizer, kv_shape, load_model, model_identity
+from .core.moments import HeldOut, Moments
+from .core.ridge import RidgeFit, UnderdeterminedFit, fit_ridge
+from .core.rope import RopeCodec
+from .core.select import r2_matrix, select_greedy, select_topk
+from .core.transfer import codec_for, map_layers, map_layers_reference, transfer
 
 __version__ = "0.1.0"
 __all__ = [

@@ -25,7 +25,7 @@ from run_configs import compose_config  # noqa: E402
 from tiny_models import random_ids, tiny_model  # noqa: E402
 
 from kvtransfer import plan as P  # noqa: E402
-from kvtransfer.calibrate import collect_moments  # noqa: E402
+from kvtransfer.core.calibrate import collect_moments  # noqa: E402
 
 N_SEQ, SEQ_LEN, STRIDE, BATCH, EVERY = 8, 32, 2, 4, 8
 SHAPE = dict(hidden=64, heads=8, kv_heads=8, head_dim=128)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.identity import data_identity, directory_weights_digest, hub_revision, weights_identity
+from kvtransfer.config.identity import data_identity, directory_weights_digest, hub_revision, weights_identity
 from kvtransfer.runner.artifacts import (ARTIFACTS, NOT_INPUTS, OPAQUE, classify, compute_key, key_inputs, leaf_keys,
                                          lookup)
 from run_configs import ROOT, compose_config
@@ -153,7 +153,7 @@ def test_the_source_features_key_the_calibration_and_the_map_only_for_the_hidden
     assert _key("calibration", hidden) != _key("calibration", ridge)
     assert _key("calibration", ridge) == _key("calibration", _set(ridge, "mapper.features", "hidden"))
     # through the runner's key chain: the mapper's key follows its calibration's
-    from kvtransfer.runconfig import source_features
+    from kvtransfer.config.runconfig import source_features
 
     assert source_features(hidden["mapper"]) == "hidden" and source_features(other["mapper"]) == "hidden_kv"
     assert source_features(ridge["mapper"]) == "kv"

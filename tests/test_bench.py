@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvtransfer import bench
-from kvtransfer.mapper import Mapper, MapperBase
-from kvtransfer.rope import RopeCodec
-from kvtransfer.transfer import map_layers
+from kvtransfer.core.mapper import Mapper, MapperBase
+from kvtransfer.core.rope import RopeCodec
+from kvtransfer.core.transfer import map_layers
 from tiny_models import qwen3_config, tiny_model
 from tolerance import assert_close
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kvtransfer.cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
-from kvtransfer.rope import RopeCodec, rotate_half
+from kvtransfer.core.cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
+from kvtransfer.core.rope import RopeCodec, rotate_half
 from tiny_models import CONFIGS, random_ids, tiny_model
 from tolerance import FORWARD, assert_close, assert_far, forward_factor
 
@@ -124,7 +124,7 @@ def test_length_dependent_rope_is_refused():
 def test_a_model_that_ignores_the_cache_argument_is_an_error():
     """transformers 5.19 (the serving environment's pin) takes the cache only as `past_key_values`: a forward that
     drops `cache` would compute without the prefix and return numbers, so prefill / forward_on_cache refuse."""
-    from kvtransfer.models import decoder
+    from kvtransfer.core.models import decoder
 
     model = tiny_model("qwen3")
     ids = random_ids(1, 6)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import kvtransfer as kt
-from kvtransfer.moments import Moments
-from kvtransfer.ridge import UnderdeterminedFit, check_observations
+from kvtransfer.core.moments import Moments
+from kvtransfer.core.ridge import UnderdeterminedFit, check_observations
 from tiny_models import random_ids, tiny_model
 from tolerance import assert_close
 
@@ -189,7 +189,7 @@ def test_resumed_calibration_is_bit_identical(qwen, tmp_path):
     # pieces of <= 4 KiB: every large tensor of the checkpoint goes to disk in row blocks
     kwargs = dict(stride=2, batch_size=4, heldout_fraction=0.2, checkpoint_every=4, heldout_observations=20,
                   checkpoint_piece_bytes=4096)
-    from kvtransfer.mlp import FeatureSampler
+    from kvtransfer.maps.mlp import FeatureSampler
 
     # the MLP's feature sample rides along: 4 train batches, 3 rows kept from each
     sample_ref = FeatureSampler(12, 4, seed=1)

@@ -1,4 +1,4 @@
-"""Position-0 convention (kvtransfer.context), the no_context floor mode and shared-prefix scoring.
+"""Position-0 convention (kvtransfer.core.context), the no_context floor mode and shared-prefix scoring.
 
 A tokenizer that adds nothing before text (like Qwen's) is the case where calibration text and
 evaluation contexts used to disagree about position 0 (a word vs <|endoftext|>).
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import make_model
-from kvtransfer.cache import continuation_logprobs
-from kvtransfer.context import ContextStartMismatch, check_mapper, describe, encode, start_ids
-from kvtransfer.data import token_sequences
+from kvtransfer.core.cache import continuation_logprobs
+from kvtransfer.core.context import ContextStartMismatch, check_mapper, describe, encode, start_ids
+from kvtransfer.core.data import token_sequences
 from kvtransfer.eval import KVTransferLM
 from kvtransfer.eval.perplexity import prefix_pairs
 from tolerance import FORWARD, assert_close, assert_far, forward_factor

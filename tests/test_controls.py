@@ -1,4 +1,4 @@
-"""Content controls (kvtransfer.controls, issue 29): wrong contexts, the mean map, the random map, the content
+"""Content controls (kvtransfer.maps.controls, issue 29): wrong contexts, the mean map, the random map, the content
 share, and perplexity windows drawn one per document."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer.controls import calibration_means, mean_map, random_map, wrong_contexts
+from kvtransfer.maps.controls import calibration_means, mean_map, random_map, wrong_contexts
 from kvtransfer.eval.metrics import content_share, control_statistics, paired_difference
 from kvtransfer.eval.perplexity import draw_windows
 from kvtransfer.runner.pipeline import execute
@@ -144,8 +144,8 @@ def fitted(tiny_pair_dirs, tmp_path_factory):  # noqa: F811
 
 
 def test_mean_map_gives_every_mapped_position_the_calibration_mean(fitted):
-    from kvtransfer.cache import prefill
-    from kvtransfer.transfer import transfer
+    from kvtransfer.core.cache import prefill
+    from kvtransfer.core.transfer import transfer
 
     run, mapper, moments = fitted
     mean_x, mean_y = calibration_means(moments, mapper)

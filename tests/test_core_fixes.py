@@ -15,8 +15,8 @@ import torch
 
 import kvtransfer as kt
 from kvtransfer import bench
-from kvtransfer.mapper import MLPMapper
-from kvtransfer.ridge import IllConditionedWarning, solve_spd
+from kvtransfer.core.mapper import MLPMapper
+from kvtransfer.core.ridge import IllConditionedWarning, solve_spd
 from kvtransfer.runner import bench_stage
 from tiny_models import random_ids, tiny_model
 from tolerance import FORWARD, assert_close, assert_far, forward_factor
@@ -118,8 +118,8 @@ def test_lambda_zero_fit_on_float64_moments_of_float32_products():
     accurate, so the cut-off must follow the compute dtype; the old lstsq fallback (and an fp64
     cut-off) kept the float32 noise: weights off by ~2.6 on a scale of 2.4. Tolerance: float32
     products amplified by the kept subspace's condition number (~10): 1e-5 relative."""
-    from kvtransfer.moments import Moments
-    from kvtransfer.ridge import fit_layer
+    from kvtransfer.core.moments import Moments
+    from kvtransfer.core.ridge import fit_layer
 
     g = torch.Generator().manual_seed(0)
     n = 600
@@ -167,7 +167,7 @@ def _tiny_mlp_mapper() -> MLPMapper:
 
 def test_mlp_artifact_loads_after_a_plain_import_kvtransfer(tmp_path):
     """A fresh interpreter that imports only `kvtransfer` loads an MLP artifact with Mapper.load and
-    load_mapper (the old registry knew the mlp kind only after `kvtransfer.mlp` had been imported)."""
+    load_mapper (the old registry knew the mlp kind only after `kvtransfer.maps.mlp` had been imported)."""
     mapper = _tiny_mlp_mapper()
     mapper.save(tmp_path / "mlp")
     x = torch.randn(2, 7, 12, generator=torch.Generator().manual_seed(1))
@@ -175,7 +175,7 @@ def test_mlp_artifact_loads_after_a_plain_import_kvtransfer(tmp_path):
     script = f"""
 import sys, json, torch
 import kvtransfer
-assert "kvtransfer.mlp" not in sys.modules
+assert "kvtransfer.maps.mlp" not in sys.modules
 a = kvtransfer.Mapper.load({str(tmp_path / "mlp")!r})
 b = kvtransfer.load_mapper({str(tmp_path / "mlp")!r})
 x = torch.load({str(tmp_path / "x.pt")!r})

@@ -10,14 +10,14 @@ import torch
 import importlib
 
 import kvtransfer as kt
-from kvtransfer.models import device_map_for, layer_devices, load_model
+from kvtransfer.core.models import device_map_for, layer_devices, load_model
 from kvtransfer.runner import Run
-from kvtransfer.transfer import place_on_layers
+from kvtransfer.core.transfer import place_on_layers
 from tiny_models import random_ids, tiny_model
 from run_configs import compose_config as _compose
 
 ROOT = Path(__file__).resolve().parents[1]
-transfer_mod = importlib.import_module("kvtransfer.transfer")  # the package exports a function of that name
+transfer_mod = importlib.import_module("kvtransfer.core.transfer")  # the package exports a function of that name
 CPU, META = torch.device("cpu"), torch.device("meta")
 
 

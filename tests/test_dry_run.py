@@ -145,7 +145,7 @@ def test_perplexity_and_coqa_read_the_hub_when_data_dir_is_null(offline_hub, mon
 def test_preflight_fails_in_seconds_naming_the_fix(offline_hub, monkeypatch):
     """A dataset id, split or field that does not resolve fails the preflight before anything loads, with the
     key that fixes it; every problem is listed at once."""
-    from kvtransfer.preflight import PreflightError, preflight
+    from kvtransfer.runner.preflight import PreflightError, preflight
 
     use_offline_hub(monkeypatch, offline_hub)
     cfg = _cfg()
@@ -169,7 +169,7 @@ def test_local_data_dir_asks_only_for_the_tasks_run(tmp_path, monkeypatch):
     """eval.tasks=[hellaswag] with a local data_dir needs hellaswag.jsonl only (not mmlu.jsonl nor GSM8K's), in the
     preflight and in the task YAMLs the eval stage writes; a task whose file is missing fails the preflight."""
     from kvtransfer.eval.tasks import task_manager
-    from kvtransfer.preflight import PreflightError, preflight
+    from kvtransfer.runner.preflight import PreflightError, preflight
 
     data = tmp_path / "data"
     data.mkdir()
@@ -190,7 +190,7 @@ def test_preflight_compares_the_model_table_with_config_json(offline_hub, monkey
     model table the plan sizes the run with, and stops on a difference."""
     from transformers import AutoConfig
 
-    from kvtransfer.preflight import PreflightError, model_config_differences, preflight
+    from kvtransfer.runner.preflight import PreflightError, model_config_differences, preflight
     from kvtransfer.resources.model_configs import MODEL_CONFIGS
 
     use_offline_hub(monkeypatch, offline_hub)
@@ -213,7 +213,7 @@ def test_standin_keeps_the_real_layout(hub_id):
     """A stand-in is the real config class with the real layers, heads, KV heads, RoPE, eps, tie and vocab; only
     hidden/intermediate/head_dim shrink. Its tokenizer has the real vocab size and special ids."""
     from kvtransfer.dryrun import standin_config, standin_tokenizer
-    from kvtransfer.models import kv_shape, text_config
+    from kvtransfer.core.models import kv_shape, text_config
     from kvtransfer.resources.model_configs import MODEL_CONFIGS, TOKENIZERS
 
     row, tok_row = MODEL_CONFIGS[hub_id], TOKENIZERS[hub_id]

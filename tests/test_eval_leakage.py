@@ -12,7 +12,7 @@ transferred cache from the target reading the context itself, nor source from ta
 Every number the adapter reports is recomputed here by hand with plain `model(...)` calls and a
 straightforward mapping written in this file (fp64: strip the source RoPE with the source's own
 rotary cos/sin, divide by cos^2 + sin^2, affine map, re-apply the target's RoPE), nothing from
-kvtransfer.transfer / kvtransfer.cache. Each test then asserts (1) adapter == hand within an fp32
+kvtransfer.core.transfer / kvtransfer.core.cache. Each test then asserts (1) adapter == hand within an fp32
 tolerance and (2) the modes' hand numbers differ from one another by a margin far above it, so a
 target that read the context natively, a swapped scorer, a mapped cache built from the wrong
 positions or a wrong RoPE step would fail.
@@ -49,8 +49,8 @@ from tolerance import FORWARD, assert_close, forward_factor
 from kvtransfer.eval import KVTransferLM
 from kvtransfer.eval.coqa import per_turn_transfer, transfer_once
 from kvtransfer.eval.perplexity import prefix_conditioned_ppl
-from kvtransfer.mapper import Mapper
-from kvtransfer.models import kv_shape, model_identity
+from kvtransfer.core.mapper import Mapper
+from kvtransfer.core.models import kv_shape, model_identity
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "models" / "tiny" / "qwen3-tiny-1m"  # committed, shared by the tiny family; no BOS added

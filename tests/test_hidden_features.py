@@ -1,4 +1,4 @@
-"""Issue 23 §2: the map fitted from the source's hidden states (kvtransfer.hidden, mapper=hidden).
+"""Issue 23 §2: the map fitted from the source's hidden states (kvtransfer.core.hidden, mapper=hidden).
 
 - a planted linear map from hidden states to target K/V is recovered by the closed-form fit, and the artifact's
   apply path (`map_layers` with `source_hidden`) computes x @ W + b;
@@ -21,14 +21,14 @@ from run_configs import ROOT, compose_config
 from tiny_models import random_ids, tiny_model
 from tolerance import assert_close, assert_rounded, assert_within, eps
 
-from kvtransfer.cache import prefill
-from kvtransfer.calibrate import collect_moments, kv_features
-from kvtransfer.hidden import FEATURES, hidden_map_cost, prefill_with_hidden, used_layers
-from kvtransfer.mapper import HiddenMapper, Mapper, load_mapper, mapper_class
-from kvtransfer.moments import KINDS, Moments
-from kvtransfer.ridge import UnderdeterminedFit, fit_ridge
-from kvtransfer.select import r2_matrix, select_topk
-from kvtransfer.transfer import codec_for, map_layers, map_layers_reference, transfer
+from kvtransfer.core.cache import prefill
+from kvtransfer.core.calibrate import collect_moments, kv_features
+from kvtransfer.core.hidden import FEATURES, hidden_map_cost, prefill_with_hidden, used_layers
+from kvtransfer.core.mapper import HiddenMapper, Mapper, load_mapper, mapper_class
+from kvtransfer.core.moments import KINDS, Moments
+from kvtransfer.core.ridge import UnderdeterminedFit, fit_ridge
+from kvtransfer.core.select import r2_matrix, select_topk
+from kvtransfer.core.transfer import codec_for, map_layers, map_layers_reference, transfer
 
 HALF_ULP32 = 2.0 ** -24  # float32 round-to-nearest: |fl(v) - v| <= 2^-24 |v|
 MARKOV = 30.0  # P(|Z|^2 > 900 E|Z|^2) <= 1/900 (Markov): a statistical bound with 30x headroom at the typical value
@@ -155,8 +155,8 @@ def test_a_layers_normed_input_reproduces_its_own_k_and_v():
 @pytest.fixture(scope="module")
 def repo_pair():
     """models/tiny qwen3-tiny-1m -> qwen3-tiny-7m (different widths and depths) and calibration text."""
-    from kvtransfer.data import read_documents, token_sequences
-    from kvtransfer.models import load_model
+    from kvtransfer.core.data import read_documents, token_sequences
+    from kvtransfer.core.models import load_model
 
     source, tok = load_model(str(ROOT / "models/tiny/qwen3-tiny-1m"), dtype="float32", device="cpu")
     target, _ = load_model(str(ROOT / "models/tiny/qwen3-tiny-7m"), dtype="float32", device="cpu")

@@ -1,15 +1,15 @@
-"""Map families (kvtransfer.families): head-local support, exact reduced-rank ridge, attention metric,
+"""Map families (kvtransfer.maps.families): head-local support, exact reduced-rank ridge, attention metric,
 the factored mapper kind, cost accounting, and the native sink carried by the artifact."""
 import pytest
 import torch
 
 import kvtransfer as kt
-from kvtransfer.families import (attention_mass, effective_observations, fit_family, head_groups, key_metric,
+from kvtransfer.maps.families import (attention_mass, effective_observations, fit_family, head_groups, key_metric,
                                  map_cost, query_energy, support_columns, value_metric, weighted_moments)
-from kvtransfer.mapper import FactoredMapper, Mapper, load_mapper
-from kvtransfer.moments import HeldOut, Moments
-from kvtransfer.ridge import UnderdeterminedFit, fit_ridge, reduced_rank
-from kvtransfer.transfer import codec_for, map_layers, map_layers_reference
+from kvtransfer.core.mapper import FactoredMapper, Mapper, load_mapper
+from kvtransfer.core.moments import HeldOut, Moments
+from kvtransfer.core.ridge import UnderdeterminedFit, fit_ridge, reduced_rank
+from kvtransfer.core.transfer import codec_for, map_layers, map_layers_reference
 from tiny_models import random_ids, tiny_model
 from tolerance import FORWARD, assert_close, assert_far, forward_factor
 

@@ -50,7 +50,7 @@ def test_corrupt_and_truncated_artifacts_are_refused(pair, tmp_path):
     with pytest.raises(ValueError, match="checksum"):
         kt.Mapper.load(tmp_path / "m")
     weights.write_bytes(data)
-    (tmp_path / "m" / "mapper.json").write_text('{"format": "kvtransfer.mapper", "vers')
+    (tmp_path / "m" / "mapper.json").write_text('{"format": "kvtransfer.core.mapper", "vers')
     with pytest.raises(ValueError, match="not valid JSON"):
         kt.Mapper.load(tmp_path / "m")
     with pytest.raises(FileNotFoundError, match="not a saved mapper"):

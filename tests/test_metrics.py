@@ -107,7 +107,7 @@ def test_provenance_ignores_results_and_runs(tmp_path):
 
 
 def test_provenance_header_names_dirty_and_mixed_commits():
-    from kvtransfer.provenance import provenance_header
+    from kvtransfer.config.provenance import provenance_header
 
     runs = {"a": {"environment": {"commit": "a" * 40, "dirty": False}},
             "b": {"environment": {"commit": "b" * 40, "dirty": True}}, "c": {"environment": {}}}

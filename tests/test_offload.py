@@ -15,8 +15,8 @@ import torch
 
 import kvtransfer as kt
 from kvtransfer import plan as P
-from kvtransfer.cache import forward_on_cache
-from kvtransfer.models import device_map_for, layer_devices, load_model, max_memory_for, size_bytes
+from kvtransfer.core.cache import forward_on_cache
+from kvtransfer.core.models import device_map_for, layer_devices, load_model, max_memory_for, size_bytes
 from tiny_models import random_ids, tiny_model
 from run_configs import FIXED_RATES
 from run_configs import compose_config as _compose

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtransfer import plan as P
-from kvtransfer.calibrate import collect_moments
+from kvtransfer.core.calibrate import collect_moments
 from tiny_models import qwen3_config, random_ids, tiny_model
 from run_configs import FIXED_RATES
 from run_configs import compose_config as _compose
@@ -368,9 +368,9 @@ def test_execute_refuses_before_loading_anything(tmp_path, monkeypatch, cfg_14_3
 def test_the_plans_sizes_are_the_structures_real_sizes(dtype, accumulate):
     """Issue 20 §3: the plan's moments, held-out, feature sample and mapper sizes at a small shape equal the
     bytes of a real Moments / HeldOut / FeatureSampler / Mapper / MLPMapper built at that shape."""
-    from kvtransfer.mapper import Mapper, MLPMapper
-    from kvtransfer.mlp import FeatureSampler
-    from kvtransfer.moments import HeldOut, Moments
+    from kvtransfer.core.mapper import Mapper, MLPMapper
+    from kvtransfer.maps.mlp import FeatureSampler
+    from kvtransfer.core.moments import HeldOut, Moments
 
     src_cfg = qwen3_config(layers=3, hidden=32, heads=4, kv_heads=2, head_dim=8)
     tgt_cfg = qwen3_config(layers=4, hidden=48, heads=6, kv_heads=3, head_dim=8)
@@ -410,7 +410,7 @@ def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkey
     kv head x 128 = 128 features per layer; 5 -> 8 layers): the moments' tensor bytes, the checkpoint
     directory, the disk peak while it is rewritten in place (old pieces + one temp piece) and the
     sequential feature files all within 15 % of the plan."""
-    import kvtransfer.io as kio
+    import kvtransfer.core.io as kio
 
     src_cfg, tgt_cfg = (qwen3_config(layers=5, hidden=64, heads=2, kv_heads=1, head_dim=128),
                         qwen3_config(layers=8, hidden=64, heads=2, kv_heads=1, head_dim=128))

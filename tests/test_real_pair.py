@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow,
 
 def test_real_pair_small_calibration_beats_no_context():
     import kvtransfer as kt
-    from kvtransfer.data import read_documents, token_sequences
+    from kvtransfer.core.data import read_documents, token_sequences
     from kvtransfer.eval import KVTransferLM
     from kvtransfer.eval.perplexity import draw_windows, prefix_conditioned_ppl
 

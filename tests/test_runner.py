@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig
 
 from kvtransfer.runner import Run, artifact_key, execute, parse_stages
-from kvtransfer.mapper import load_mapper
+from kvtransfer.core.mapper import load_mapper
 from run_configs import compose_config as _compose
 from tolerance import FORWARD, assert_close, assert_far, forward_factor
 
@@ -185,7 +185,7 @@ def test_ridge_fit_loads_no_model_and_keeps_the_pair_identity(tiny_pair_dirs, tm
     """Issue 10 §2: the ridge fit needs the moments only; the mapper's identity (model id, config hash,
     geometry, RoPE type) comes from the configs and equals the loaded models' identity."""
     import kvtransfer.runner.pipeline as pipeline
-    from kvtransfer.models import load_model, model_identity
+    from kvtransfer.core.models import load_model, model_identity
 
     execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=calibrate"), tmp_path / "cal")
 
@@ -235,7 +235,7 @@ def test_mlp_mapper_through_the_pipeline(tiny_pair_dirs, tmp_path):
 def test_trained_mapper_through_the_pipeline(tiny_pair_dirs, tmp_path):
     """mapper=trained (issue 23 §1): fit + transfer through the runner; the artifact round-trips through
     load_mapper with the ridge map's shapes and cost; its stop split is disjoint from the fidelity held-out split."""
-    from kvtransfer.mapper import TrainedMapper
+    from kvtransfer.core.mapper import TrainedMapper
 
     knobs = ("mapper=trained", "pair.k=2", "mapper.train_sequences=6", "mapper.stop_sequences=3",
              "mapper.query_positions=8", "mapper.steps=4", "mapper.eval_every=2", "mapper.batch_sequences=3",
@@ -304,9 +304,9 @@ def test_an_end_to_end_trained_map_through_the_pipeline(tiny_pair_dirs, tmp_path
     the held-out split fidelity reports on; the record holds every step's and evaluation's KL."""
     from transformers import AutoModelForCausalLM
 
-    from kvtransfer.cache import prefill
-    from kvtransfer.mapper import TrainedMapper
-    from kvtransfer.transfer import transfer
+    from kvtransfer.core.cache import prefill
+    from kvtransfer.core.mapper import TrainedMapper
+    from kvtransfer.core.transfer import transfer
 
     knobs = ("mapper=trained", "mapper.objective=end_to_end", "pair.k=2", "mapper.train_sequences=6",
              "mapper.stop_sequences=3", "mapper.continuation_tokens=8", "mapper.steps=4", "mapper.eval_every=2",
@@ -374,8 +374,8 @@ def test_attention_mass_weighting_through_the_pipeline(tiny_pair_dirs, tmp_path)
     """weighting=attention_mass: every weighted row is the (sequence, position) the sampler says it is (its
     features are the target's at that token), its weight is the target's attention mass there, the sink
     rows weigh nothing, and the fit is another map than the unweighted one."""
-    from kvtransfer.calibrate import kv_features, split_heldout
-    from kvtransfer.families import attention_mass
+    from kvtransfer.core.calibrate import kv_features, split_heldout
+    from kvtransfer.maps.families import attention_mass
 
     extra = ("calib.mlp_samples=100", "mapper.native_sink=1")  # ~100 of the 22 x 16 train rows: a real subsample
     with pytest.raises(ValueError, match="set calib.mlp_samples"):  # refused before anything calibrates
@@ -420,7 +420,7 @@ def test_feature_sample_after_a_calibration_that_kept_none(tiny_pair_dirs, tmp_p
     is 52 GiB) serve a later MLP / attention_mass run: a sample-only pass keeps exactly the rows a calibration
     with that mlp_samples keeps, without calibrating again."""
     import kvtransfer.runner.pipeline as pipeline
-    from kvtransfer.io import load_tensors
+    from kvtransfer.core.io import load_tensors
 
     execute(_tiny_cfg(tiny_pair_dirs, tmp_path / "a", "stage=[calibrate,fit]", "calib.mlp_samples=0"), tmp_path / "r0")
     direct = Run(_tiny_cfg(tiny_pair_dirs, tmp_path / "b", "calib.mlp_samples=100"), "x")
@@ -671,8 +671,8 @@ def test_each_seed_calibrates_on_its_own_split(tiny_pair_dirs, tmp_path):
     held-out sequences, its feature-sample rows from its own train sequences with the attention mass of that
     very token as weight, and its fidelity from its own held-out sequences; the seeds share no calibration.
     (Before the seed was keyed, seed 1 reused seed 0's calibration and re-drew the split over it.)"""
-    from kvtransfer.calibrate import kv_features, split_heldout, subsample_positions
-    from kvtransfer.families import attention_mass
+    from kvtransfer.core.calibrate import kv_features, split_heldout, subsample_positions
+    from kvtransfer.maps.families import attention_mass
 
     extra = ("calib.mlp_samples=100", "calib.heldout_fraction=0.25", "mapper.weighting=attention_mass",
              "eval.fidelity.sequences=2")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import kvtransfer as kt
-from kvtransfer.calibrate import load_calibration, subsample_positions
-from kvtransfer.moments import HeldOut, Moments
+from kvtransfer.core.calibrate import load_calibration, subsample_positions
+from kvtransfer.core.moments import HeldOut, Moments
 from tiny_models import random_ids, tiny_model
 from tolerance import assert_close
 
@@ -111,7 +111,7 @@ def test_heldout_features_save_and_load(calib_all, tmp_path):
 def test_checkpoint_is_rewritten_in_place_one_piece_at_a_time(pair, tmp_path, monkeypatch):
     """Every rename inside the checkpoint directory happens with at most the old content + one new piece
     on disk (the old design held the old file and a full temp copy: 2x)."""
-    import kvtransfer.io as kio
+    import kvtransfer.core.io as kio
 
     ck, piece = tmp_path / "ck", 2048
     peaks, real_replace = [], kio.os.replace
@@ -162,7 +162,7 @@ def test_a_checkpoint_cut_mid_write_restarts_and_ends_bit_identical(pair, tmp_pa
 
 
 def test_a_piece_from_another_write_is_refused(tmp_path):
-    from kvtransfer.io import load_tensor_dir, save_tensor_dir
+    from kvtransfer.core.io import load_tensor_dir, save_tensor_dir
 
     a, b = tmp_path / "a", tmp_path / "b"
     save_tensor_dir(a, {"w": torch.arange(40.).view(10, 4)}, {"x": 1}, piece_bytes=32)
@@ -268,7 +268,7 @@ def test_accumulation_turns_tf32_off_and_restores_it(monkeypatch):
     The flag is set and restored here through torch's public API (set_float32_matmul_precision, the
     backend's fp32_precision), never monkeypatched: the CPU build's cuBLAS module has no plain attribute
     for monkeypatch to put back."""
-    from kvtransfer.moments import full_precision_matmul
+    from kvtransfer.core.moments import full_precision_matmul
 
     matmul = torch.backends.cuda.matmul
     seen = []
@@ -301,7 +301,7 @@ def test_float32_device_accumulation_on_the_trained_tiny_pair():
     beyond the float32 *products* both share. Measured: held-out R² |dR²| 3.9e-6 / 1.07e-5 (K / V) vs
     2.2e-6 / 1.2e-5 for the fp32-products path; the map's outputs 4.5e-4 of the target's spread.
     Bounds: |dR²| <= 4 x the fp32-products path + 64 eps32 and <= 1e-4; outputs <= 2e-3; same top-k."""
-    from kvtransfer.data import read_documents, token_sequences
+    from kvtransfer.core.data import read_documents, token_sequences
 
     root = Path(__file__).resolve().parents[1]
     src, tok = kt.load_model(str(root / "models/tiny/qwen3-tiny-1m"), dtype="float32", device="cpu")

@@ -9,11 +9,11 @@ from tiny_models import random_ids, tiny_model
 from tolerance import FORWARD, assert_close, forward_factor
 
 from kvtransfer import Mapper, model_identity, transfer
-from kvtransfer.cache import prefill
+from kvtransfer.core.cache import prefill
 from kvtransfer.serve.mapping import ServeMap, codec_from_config, identity_mapper
 from kvtransfer.serve.policy import MAPPED, Counters, MapSpec, decide
 from kvtransfer.serve.store import BadEntry, KVStore, identity_from_config, prompt_key, save_prefill
-from kvtransfer.transfer import codec_for
+from kvtransfer.core.transfer import codec_for
 
 
 # the paged layouts (slot mapping, GPU and CPU packings): tests/test_serve_paged.py
@@ -76,7 +76,7 @@ def test_store_refuses_bad_entries_with_a_reason(tmp_path, pair):
 
 def _write_raw(store, prompt, ident, *, positions=None, k_shape=None):
     """An entry written by hand (what a buggy producer could leave): header fields or shapes wrong."""
-    from kvtransfer.io import atomic_save_tensors
+    from kvtransfer.core.io import atomic_save_tensors
 
     n = len(prompt)
     tensors = {"token_ids": torch.tensor(prompt)}
@@ -171,7 +171,7 @@ def test_codec_from_config_is_the_models_own_rope(pair):
 
 
 def test_serve_map_equals_the_harness_transfer_on_any_token_range(pair):
-    """ServeMap.map_range (configs only, sink precomputed) == kvtransfer.transfer (models loaded, native_sink=1),
+    """ServeMap.map_range (configs only, sink precomputed) == kvtransfer.core.transfer (models loaded, native_sink=1),
     for the whole prompt and for a later range (positions lo..hi-1 strip and re-rotate at their own angles):
     bit for bit on the mapped positions; the sink (position 0) is the target's own 1-token prefill on both sides,
     run by a reloaded model (sdpa, not the in-memory model's eager attention), so equal to float32 rounding."""

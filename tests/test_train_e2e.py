@@ -1,4 +1,4 @@
-"""Issue 23 §1, end to end: the paper's map trained for the frozen target's next-token KL (kvtransfer.train_e2e).
+"""Issue 23 §1, end to end: the paper's map trained for the frozen target's next-token KL (kvtransfer.maps.train_e2e).
 
 - what the loss reads is what `transfer` and the target compute: the mapped context cache is `transfer`'s, the
   native log-probs are the target's own on the whole sequence; the collection's bytes are the stated formula;
@@ -17,10 +17,10 @@ import torch
 from tiny_models import random_ids, tiny_model
 from tolerance import FORWARD, assert_close, assert_far, assert_within, eps, forward_factor
 
-from kvtransfer.cache import prefill
-from kvtransfer.mapper import Mapper
-from kvtransfer.models import model_identity
-from kvtransfer.train_e2e import (
+from kvtransfer.core.cache import prefill
+from kvtransfer.core.mapper import Mapper
+from kvtransfer.core.models import model_identity
+from kvtransfer.maps.train_e2e import (
     collect_e2e,
     e2e_nbytes,
     e2e_step_nbytes,
@@ -32,8 +32,8 @@ from kvtransfer.train_e2e import (
     native_logprobs,
     train_e2e,
 )
-from kvtransfer.train_map import TrainSettings
-from kvtransfer.transfer import transfer
+from kvtransfer.maps.train_map import TrainSettings
+from kvtransfer.core.transfer import transfer
 
 # the target: 3 layers, 6 query heads, 3 KV heads of 8 dims (q = 24), hidden 48; the source: 2 layers, 2 KV heads
 # of 8 dims; k = 2 source layers per target layer (p = 32)

@@ -1,4 +1,4 @@
-"""Issue 23 §1: the paper's map trained for the target's attention output, layer-local (kvtransfer.train_map).
+"""Issue 23 §1: the paper's map trained for the target's attention output, layer-local (kvtransfer.maps.train_map).
 
 - a planted map (native K/V an exact affine map of the source features) is recovered from a perturbed start;
 - training never leaves a layer above its ridge start on the stop split without `worse_than_ridge`;
@@ -14,10 +14,10 @@ import torch
 from tiny_models import random_ids, tiny_model
 from tolerance import assert_close, assert_within
 
-from kvtransfer.cache import prefill
-from kvtransfer.mapper import Mapper, TrainedMapper, load_mapper
-from kvtransfer.models import decoder, model_identity
-from kvtransfer.train_map import (
+from kvtransfer.core.cache import prefill
+from kvtransfer.core.mapper import Mapper, TrainedMapper, load_mapper
+from kvtransfer.core.models import decoder, model_identity
+from kvtransfer.maps.train_map import (
     LayerProblem,
     TrainSettings,
     causal_attention,
@@ -31,7 +31,7 @@ from kvtransfer.train_map import (
     train_layer,
     train_map,
 )
-from kvtransfer.transfer import transfer
+from kvtransfer.core.transfer import transfer
 
 # shapes of the synthetic layer: 16 sequences of 16 tokens, 8 source features, 2 target KV heads of 4 dims, 4 query
 # heads (GQA groups of 2), 8 kept query positions, a 16-wide residual stream
@@ -194,7 +194,7 @@ def test_the_learning_rate_is_chosen_on_the_stop_split_alone():
 
 
 def test_mapper_lr_lists_are_for_the_trained_map_only():
-    from kvtransfer.runconfig import learning_rates
+    from kvtransfer.config.runconfig import learning_rates
 
     assert learning_rates({"kind": "trained", "lr": "1e-4"}) == [1e-4]  # YAML 1.1 reads 1e-4 as a string
     assert learning_rates({"kind": "trained", "lr": [3e-5, 1e-4]}) == [3e-5, 1e-4]

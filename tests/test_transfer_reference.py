@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.mapper import Mapper, MapperBase, MLPMapper
-from kvtransfer.rope import RopeCodec, rotate, rotate_half
-from kvtransfer.transfer import map_layers, map_layers_reference
+from kvtransfer.core.mapper import Mapper, MapperBase, MLPMapper
+from kvtransfer.core.rope import RopeCodec, rotate, rotate_half
+from kvtransfer.core.transfer import map_layers, map_layers_reference
 from tiny_models import tiny_model
 
 FP32_EPS = torch.finfo(torch.float32).eps   # 1.19e-7

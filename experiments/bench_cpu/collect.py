@@ -18,7 +18,7 @@ from pathlib import Path
 # the checkout this script is in, not an installed kvtransfer
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvtransfer.provenance import provenance_header, refuse_dirty_write  # noqa: E402
+from kvtransfer.config.provenance import provenance_header, refuse_dirty_write  # noqa: E402
 from kvtransfer.report import readme  # noqa: E402
 
 COLLECT = "experiments/bench_cpu/collect.py"

@@ -26,11 +26,11 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvtransfer.bench.shapes import PAIRS, real_config
-from kvtransfer.families import map_cost
+from kvtransfer.maps.families import map_cost
 from kvtransfer.eval.metrics import format_with_se, gap_closed, upgrade_summary
-from kvtransfer.io import atomic_write_bytes, atomic_write_json
-from kvtransfer.models import kv_shape
-from kvtransfer.provenance import provenance_header, refuse_dirty_write
+from kvtransfer.core.io import atomic_write_bytes, atomic_write_json
+from kvtransfer.core.models import kv_shape
+from kvtransfer.config.provenance import provenance_header, refuse_dirty_write
 from kvtransfer.report import readme
 
 PAPER_RUNS = {"paper_k8_sink1": "results/qwen25coder/runs/wiki_k8_sink1",
@@ -73,7 +73,7 @@ def row_of(name: str, s: dict, timing: dict | None) -> dict:
     flops = m.get("apply_flops_per_token")
     if flops is None:  # summaries written before the cost fields: count them on the artifact, else the count an
         # earlier collect made on it (maps.json), where the artifact cache is not on this machine
-        from kvtransfer.mapper import load_mapper
+        from kvtransfer.core.mapper import load_mapper
 
         try:
             flops = load_mapper(m["path"]).apply_flops_per_token
@@ -223,7 +223,7 @@ def build(args: argparse.Namespace) -> dict:
         from transformers import AutoConfig
 
         from kvtransfer.bench.measure import time_mapper
-        from kvtransfer.mapper import load_mapper
+        from kvtransfer.core.mapper import load_mapper
 
         if path not in timings:
             configs = [AutoConfig.from_pretrained(s[side]) for side in ("source", "target")]

@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kvtransfer.io import atomic_write_bytes  # noqa: E402
-from kvtransfer.ridge import fit_layer, head_r2  # noqa: E402
+from kvtransfer.core.io import atomic_write_bytes  # noqa: E402
+from kvtransfer.core.ridge import fit_layer, head_r2  # noqa: E402
 from kvtransfer.runner import Run  # noqa: E402
 
 RELATIVE = [0.0, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1]

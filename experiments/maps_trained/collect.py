@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvtransfer.bench.shapes import PAIRS, real_config  # noqa: E402
 from kvtransfer.eval.metrics import format_with_se, gap_closed_difference, paired_difference, upgrade_summary  # noqa: E402
-from kvtransfer.families import map_cost  # noqa: E402
-from kvtransfer.io import atomic_write_json  # noqa: E402
-from kvtransfer.models import kv_shape  # noqa: E402
-from kvtransfer.provenance import provenance_header, refuse_dirty_write  # noqa: E402
+from kvtransfer.maps.families import map_cost  # noqa: E402
+from kvtransfer.core.io import atomic_write_json  # noqa: E402
+from kvtransfer.core.models import kv_shape  # noqa: E402
+from kvtransfer.config.provenance import provenance_header, refuse_dirty_write  # noqa: E402
 from kvtransfer.report import readme  # noqa: E402
 
 COLLECT = "experiments/maps_trained/collect.py"
@@ -44,10 +44,10 @@ def flops_14b_32b(k: int) -> float:
 
 
 def hidden_flops_14b_32b(features: str, k: int) -> float:
-    """Apply GFLOP/token of a hidden-state map (kvtransfer.hidden.hidden_map_cost) at Qwen3-14B -> 32B."""
-    from kvtransfer.hidden import hidden_map_cost
+    """Apply GFLOP/token of a hidden-state map (kvtransfer.core.hidden.hidden_map_cost) at Qwen3-14B -> 32B."""
+    from kvtransfer.core.hidden import hidden_map_cost
 
-    from kvtransfer.hidden import hidden_size
+    from kvtransfer.core.hidden import hidden_size
 
     src, tgt, _ = PAIRS["qwen3_14b_32b"]
     s, t = kv_shape(real_config(src)), kv_shape(real_config(tgt))

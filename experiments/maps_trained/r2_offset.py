@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvtransfer.calibrate import load_calibration  # noqa: E402
-from kvtransfer.io import atomic_write_json  # noqa: E402
-from kvtransfer.mapper import load_mapper  # noqa: E402
+from kvtransfer.core.calibrate import load_calibration  # noqa: E402
+from kvtransfer.core.io import atomic_write_json  # noqa: E402
+from kvtransfer.core.mapper import load_mapper  # noqa: E402
 
 ART = Path("artifacts/qwen25coder")
 MAPS = {"paper_sink1": ART / "mappers/b0eb9ce8807e3a38", "e2e_lr1e-4_cpu_sink1": ART / "mappers/6c14988129d46dc2",

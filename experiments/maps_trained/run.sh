@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The paper's map trained for the target's attention output, layer-local (issue 23 §1; mapper=trained,
-# kvtransfer/train_map.py) on the real pair, against the paper's map: results/maps_trained/.
+# kvtransfer/maps/train_map.py) on the real pair, against the paper's map: results/maps_trained/.
 # Same calibration as experiments/qwen25coder and experiments/maps (Wikipedia, 160 x 256 tokens, stride 2, 20 %
 # held out); the trained map collects its inputs on 64 + 16 (stop split) of the 128 train sequences. Every stage
 # is cached under artifacts/qwen25coder, so a rerun resumes and the paper-map rows reuse experiments/maps' results.
@@ -24,7 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 LR=${LR:-1e-4}
 # SHORT=1: the CPU budget of one 2-core session -- half the sequences (32 + 8 stop) and half the steps (150) per layer
-# E2E=1: the end-to-end objective (mapper.objective=end_to_end, kvtransfer.train_e2e) at what one 2-core session
+# E2E=1: the end-to-end objective (mapper.objective=end_to_end, kvtransfer.maps.train_e2e) at what one 2-core session
 # affords -- 16 + 4 stop sequences, 2 per step, at most 40 joint steps (the config's 300 steps on 64 + 16 are ~5 h
 # on this CPU: a GPU job); the learning rate is the config's default 1e-4, set before the run
 # HIDDEN=1: the hidden-state map (issue 23 §2, mapper=hidden, k = 2); it needs its own calibration (the source's

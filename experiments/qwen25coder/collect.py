@@ -24,8 +24,8 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvtransfer.eval.metrics import format_with_se, upgrade_summary
-from kvtransfer.io import atomic_write_bytes, atomic_write_json
-from kvtransfer.provenance import describe_commit, provenance_header, refuse_dirty_write
+from kvtransfer.core.io import atomic_write_bytes, atomic_write_json
+from kvtransfer.config.provenance import describe_commit, provenance_header, refuse_dirty_write
 from kvtransfer.report import readme
 
 MAIN = "main"  # the run whose summary is results/qwen25coder/summary.json (falls back to wiki_k8_sink1)

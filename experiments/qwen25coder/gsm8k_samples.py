@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvtransfer.eval.adapter import KVTransferLM  # noqa: E402
 from kvtransfer.eval.tasks import task_manager  # noqa: E402
-from kvtransfer.io import atomic_write_bytes  # noqa: E402
+from kvtransfer.core.io import atomic_write_bytes  # noqa: E402
 
 REAL = Path(os.environ.get("KVT_REAL_DIR", Path.home() / ".cache" / "kvtransfer-real"))
 

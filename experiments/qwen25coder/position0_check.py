@@ -7,7 +7,7 @@ keeps every second position (stride 2), and holds out 4 sequences. It then measu
   * the share of each layer's centred K/V energy that sits on position-0 rows;
   * the single-source-layer held-out K and V R² for every (source layer, target layer), computed with
     and without the position-0 rows. The ridge is float64 with lambda = 0.01 on the centred sum of
-    squares, as kvtransfer.ridge fits it.
+    squares, as kvtransfer.core.ridge fits it.
 Writes results/qwen25coder/tables/position0_check.md.
 """
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kvtransfer.calibrate import kv_features  # noqa: E402
-from kvtransfer.data import read_documents, token_sequences  # noqa: E402
-from kvtransfer.io import atomic_write_bytes  # noqa: E402
-from kvtransfer.models import kv_shape, load_model  # noqa: E402
+from kvtransfer.core.calibrate import kv_features  # noqa: E402
+from kvtransfer.core.data import read_documents, token_sequences  # noqa: E402
+from kvtransfer.core.io import atomic_write_bytes  # noqa: E402
+from kvtransfer.core.models import kv_shape, load_model  # noqa: E402
 
 REAL = Path(os.environ.get("KVT_REAL_DIR", Path.home() / ".cache" / "kvtransfer-real"))
 TEXT = Path(os.environ.get("KVT_REAL_TEXT", ROOT.parent / "shared" / "realmodels" / "text"))

@@ -36,8 +36,8 @@ def spoil(store, ps: dict, work: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvtransfer.io import atomic_save_tensors, load_tensors
-    from kvtransfer.models import config_hash
+    from kvtransfer.core.io import atomic_save_tensors, load_tensors
+    from kvtransfer.core.models import config_hash
     from kvtransfer.serve.store import save_prefill
 
     h = config_hash(AutoConfig.from_pretrained(TARGET))

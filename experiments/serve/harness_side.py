@@ -3,7 +3,7 @@
     python experiments/serve/harness_side.py --real DIR --mapper DIR --out FILE [--windows 32] [--max-new 32]
         [--tail 1] [--cold]
 
-Runs in the project's own environment (transformers 5.2x: kvtransfer.cache passes `cache=`, which the
+Runs in the project's own environment (transformers 5.2x: kvtransfer.core.cache passes `cache=`, which the
 serving environment's transformers 5.19 does not take). Per window of the perplexity protocol at
 P = 256 (kvtransfer.eval.perplexity: draw_windows(seed 0, max_prefix 256, continuation 64), context =
 <|endoftext|> + the 256 prefix tokens): the source prefills context[:-tail], `transfer` maps it with the
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def contexts(tokenizer, n_windows: int, prefix: int = 256) -> list[list[int]]:
     """The perplexity protocol's contexts at P = prefix: start ids + the prefix tokens of each window."""
-    from kvtransfer.context import start_ids
+    from kvtransfer.core.context import start_ids
     from kvtransfer.eval.perplexity import draw_windows, load_pages, prefix_pairs
 
     pages = load_pages(ROOT / "data/benchmarks/wikitext2.jsonl")
@@ -36,7 +36,7 @@ def contexts(tokenizer, n_windows: int, prefix: int = 256) -> list[list[int]]:
 @torch.no_grad()
 def greedy(model, layers, run: list[int], max_new: int) -> tuple[torch.Tensor, list[int]]:
     """First-step log-probs [vocab] and `max_new` greedy tokens of `model` continuing `run` after cache `layers`."""
-    from kvtransfer.cache import cache_to_layers, forward_on_cache
+    from kvtransfer.core.cache import cache_to_layers, forward_on_cache
 
     first, tokens = None, []
     for _ in range(max_new):
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true")
     args = ap.parse_args()
     import kvtransfer as kt
-    from kvtransfer.cache import prefill
+    from kvtransfer.core.cache import prefill
 
     torch.manual_seed(0)
     hf = Path(args.real) / "hf"

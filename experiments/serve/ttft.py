@@ -39,7 +39,7 @@ def prompts(tokenizer, sizes: list[int]) -> dict[int, list[int]]:
 def flops(real: Path, mapper_dir: str, n: int) -> dict:
     from transformers import AutoConfig
 
-    from kvtransfer.mapper import load_mapper
+    from kvtransfer.core.mapper import load_mapper
     from kvtransfer.plan import prefill_flops, shape_from_config
 
     target = shape_from_config(AutoConfig.from_pretrained(real / "hf/qwen25coder-1.5b"))

@@ -18,13 +18,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvtransfer.eval.metrics import format_with_se, upgrade_summary  # noqa: E402
-from kvtransfer.provenance import provenance_header, refuse_dirty_write  # noqa: E402
+from kvtransfer.config.provenance import provenance_header, refuse_dirty_write  # noqa: E402
 from kvtransfer.report import readme  # noqa: E402
 from kvtransfer.report.figures import machine_label  # noqa: E402
 
 COLLECT = "experiments/tiny/collect.py"
 MODES = ("target", "source", "transfer", "no_context", "native_injected")
-CONTROLS = ("target_wrong", "transfer_wrong", "mean_map", "random_map")  # kvtransfer.controls
+CONTROLS = ("target_wrong", "transfer_wrong", "mean_map", "random_map")  # kvtransfer.maps.controls
 
 
 def _pct(r: dict, key: str, se_key: str) -> str | None:

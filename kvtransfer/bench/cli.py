@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             rows += bench_pair(pair, tokens, layers=a.layers, device=a.device, dtype=dtype,
                                mapper_dtype=getattr(torch, mapper_dtype), warmup=a.warmup, repeats=a.repeats,
                                n_inputs=a.inputs, selection=a.selection, run_prefill=not a.no_prefill, caps=caps)
-    from ..provenance import environment
+    from ..config.provenance import environment
 
     extra = {"assumptions": ASSUMPTIONS, "argv": list(argv) if argv is not None else None,
              "environment": environment(vars(a), argv=None if argv is None else ["python -m kvtransfer.bench", *argv])}

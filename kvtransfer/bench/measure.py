@@ -12,12 +12,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..cache import layers_to_cache, prefill
-from ..calibrate import kv_features
-from ..models import kv_shape
-from ..moments import Moments
-from ..rope import RopeCodec
-from ..transfer import map_layers
+from ..core.cache import layers_to_cache, prefill
+from ..core.calibrate import kv_features
+from ..core.models import kv_shape
+from ..core.moments import Moments
+from ..core.rope import RopeCodec
+from ..core.transfer import map_layers
 from . import timing
 from .shapes import (PAIRS, build_shapes_only, dtype_size, floor_ms, mapper_cost, prefill_cost, random_mapper,
                      real_config, rope_only)

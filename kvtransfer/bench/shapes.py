@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from ..mapper import Mapper
-from ..models import kv_shape
+from ..core.mapper import Mapper
+from ..core.models import kv_shape
 from ..resources.model_configs import ASSUMED, MODEL_CONFIGS
 
 # ---------------------------------------------------------------------------------------------
@@ -154,9 +154,9 @@ def mapper_cost(source_config, target_config, k: int, tokens: int, *, n_target_l
     gemm_flops = L_t * 2 (K,V) * 2*tokens*p*q; flops adds bias (L_t*2*tokens*q) and RoPE
     (strip: 4/elem on n_source_used layers' keys when the map reads them, apply: 3/elem on target keys).
     bytes = mapper weights+biases + the source features of the used layers read (K,V; or hidden states,
-    `features` as in kvtransfer.hidden) + target K,V written. p = k * the feature width per source layer.
+    `features` as in kvtransfer.core.hidden) + target K,V written. p = k * the feature width per source layer.
     """
-    from ..hidden import feature_width
+    from ..core.hidden import feature_width
 
     s, t = kv_shape(source_config), kv_shape(target_config)
     hidden = int(getattr(source_config, "hidden_size", 0) or 0)

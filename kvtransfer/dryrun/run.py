@@ -2,7 +2,7 @@
 
 Order: (1) the resource plan of the REAL run for `dry.node`, printed and written (plan.json); (2) the
 preflight of the REAL run: every data source it reads resolves, and the model table agrees with each
-reachable config.json (kvtransfer.preflight); (3) device maps are validated; (4) stand-ins of the
+reachable config.json (kvtransfer.runner.preflight); (3) device maps are validated; (4) stand-ins of the
 pair's hub models are written under their real ids (kvtransfer.dryrun.standin) and the SAME `execute`
 runs every requested stage -- calibrate, fit, eval (every task, perplexity, CoQA), bench, report -- on
 them, with the run's real data sources at tiny sizes (`shrink`). Only sizes and weights differ from the
@@ -15,8 +15,8 @@ import math
 import time
 from pathlib import Path
 
-from ..hub import standin_models
-from ..io import atomic_write_json
+from ..config.hub import standin_models
+from ..core.io import atomic_write_json
 from .standin import STANDIN_NOTE, write_standins
 
 CANNOT_SHOW = (
@@ -81,7 +81,7 @@ def plan_real_run(cfg: dict, out_dir: Path, stages: list[str], *, log=print) -> 
 
 def check_placement(cfg: dict) -> None:
     """Validate what the dry run does not apply: each side's device_map and max_memory as the loader reads them."""
-    from ..models import device_map_for, max_memory_for
+    from ..core.models import device_map_for, max_memory_for
 
     for side in ("source", "target"):
         device_map_for(cfg, side)
@@ -93,8 +93,8 @@ def _side_kv(cfg: dict, side: str, dry: dict) -> tuple[int, int, int]:
     model's own."""
     from transformers import AutoConfig
 
-    from ..hidden import hidden_size
-    from ..models import kv_shape
+    from ..core.hidden import hidden_size
+    from ..core.models import kv_shape
     from ..resources.model_configs import MODEL_CONFIGS
 
     spec = cfg["pair"][_config_side(cfg, side)]
@@ -115,8 +115,8 @@ def calib_sequences(cfg: dict, dry: dict, seq_len: int) -> int:
     """Calibration sequences for the dry run: enough that the fit's features / observations <= dry.p_over_n
     (the ridge refuses >= 0.5), at least 10 (one held out)."""
     calib, mapper, ablation = cfg["calib"], cfg["mapper"], cfg.get("ablation") or {}
-    from ..hidden import feature_width
-    from ..runconfig import source_features
+    from ..core.hidden import feature_width
+    from ..config.runconfig import source_features
 
     layers, width, hidden = _side_kv(cfg, "source", dry)
     width = feature_width(source_features(mapper), hidden, width)  # mapper=hidden reads H (+ K/V) per layer
@@ -158,7 +158,7 @@ def shrink(cfg: dict, out_dir: Path) -> dict:
     ev.update(limit=int(dry["eval_limit"]), limits={}, batch_size=min(ev["batch_size"], 2),
               max_gen_toks=min(ev["max_gen_toks"], int(dry["max_gen_toks"])), bootstrap=min(ev.get("bootstrap", 0), 20))
     if int(dry["eval_limit"]) < 2 and ev.get("controls"):
-        # a wrong context is another item's: with one item per task there is none (kvtransfer.controls.wrong_contexts)
+        # a wrong context is another item's: with one item per task there is none (kvtransfer.maps.controls.wrong_contexts)
         ev["controls"] = [c for c in ev["controls"] if c not in ("target_wrong", "transfer_wrong")]
     ev["fidelity"] = dict(ev.get("fidelity") or {}, sequences=2, continuation=8)
     ev["ppl"] = dict(ev["ppl"], windows=int(dry["ppl_windows"]), continuation=max(4, ev["ppl"]["continuation"] // 16),
@@ -174,7 +174,7 @@ def shrink(cfg: dict, out_dir: Path) -> dict:
 
 def dry_run(cfg: dict, out_dir: str | Path, *, log=print) -> dict:
     """Run `cfg` as a dry run into `out_dir` (see module doc); returns the run's summary."""
-    from ..preflight import preflight
+    from ..runner.preflight import preflight
     from ..runner.pipeline import check_feature_sample, execute, parse_stages
 
     started = time.perf_counter()

@@ -12,7 +12,7 @@ offline). Its token counts matter: the stand-ins keep the real layer and head co
 grows with the square of the prompt length, and a byte-level tokenizer (4x the tokens) made one MMLU
 pass of the Qwen3-32B stand-in take 11 minutes instead of about one. `write_standins` saves model + tokenizer into an HF hub cache layout under the REAL id
 (models--<org>--<name>/snapshots/<rev>/, refs/main), so the run loads them with the ordinary
-`from_pretrained(hub_id)` (kvtransfer.hub.standin_models).
+`from_pretrained(hub_id)` (kvtransfer.config.hub.standin_models).
 """
 from __future__ import annotations
 

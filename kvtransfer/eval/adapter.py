@@ -16,10 +16,10 @@ Modes (what builds the cache of context[:-1], and which model scores):
 
 `wrong_context=True` (any mode; the content controls `target_wrong` / `transfer_wrong` of the eval stage)
 replaces each context by another item's of the same request set, cut or drawn to the same token length,
-keeping the start ids and the true last context token (kvtransfer.controls.wrong_contexts, seeded by
+keeping the start ids and the true last context token (kvtransfer.maps.controls.wrong_contexts, seeded by
 `wrong_context_seed`): what the same cache shape and genre give without this item's content.
 
-`context_start` (kvtransfer.context) fixes what sits at position 0 of every context:
+`context_start` (kvtransfer.core.context) fixes what sits at position 0 of every context:
 "tokenizer" (what the tokenizer adds; stock HFLM) or "prefix_token" (always BOS, else EOS). A
 transfer-mode mapper must have been calibrated under the same convention (refused otherwise,
 unless `allow_context_start_mismatch`).
@@ -46,13 +46,13 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
                                   postprocess_generated_text, resolve_max_length)
 
-from ..context import check_mapper, check_policy, start_ids
-from ..controls import wrong_contexts
-from ..hidden import prefill_with_hidden, used_layers
-from ..cache import cache_to_layers, continuation_logprobs, forward_on_cache, layers_to_cache, prefill
-from ..mapper import MapperBase, load_mapper
-from ..models import check_same_tokenizer, kv_shape, load_model
-from ..transfer import transfer
+from ..core.context import check_mapper, check_policy, start_ids
+from ..maps.controls import wrong_contexts
+from ..core.hidden import prefill_with_hidden, used_layers
+from ..core.cache import cache_to_layers, continuation_logprobs, forward_on_cache, layers_to_cache, prefill
+from ..core.mapper import MapperBase, load_mapper
+from ..core.models import check_same_tokenizer, kv_shape, load_model
+from ..core.transfer import transfer
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class KVTransferLM(TemplateLM):
         src_ids, src_mask = ids.to(self.source_model.device), mask.to(self.source_model.device)
         hidden = None
         if self.mode == "transfer" and getattr(self.mapper, "needs_hidden", False):
-            # a hidden-state map (kvtransfer.hidden) also reads the source's normed layer inputs: the same prefill
+            # a hidden-state map (kvtransfer.core.hidden) also reads the source's normed layer inputs: the same prefill
             src, hidden = prefill_with_hidden(self.source_model, src_ids, src_mask,
                                               layers=used_layers(self.mapper.selected_layers))
         else:
@@ -413,7 +413,7 @@ class KVTransferLM(TemplateLM):
 
     def swap_contexts(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
         """(wrong context, continuation) per (context, continuation): each distinct context replaced by
-        kvtransfer.controls.wrong_contexts over this request set (same length, start ids and last token kept)."""
+        kvtransfer.maps.controls.wrong_contexts over this request set (same length, start ids and last token kept)."""
         swap = wrong_contexts([list(c) for c, _ in pairs], self._start_ids, self.wrong_context_seed)
         return [(swap[tuple(c)], list(k)) for c, k in pairs]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cache import cache_to_layers, forward_on_cache
+from ..core.cache import cache_to_layers, forward_on_cache
 from .adapter import greedy_decode
 
 UNTIL = ["\nQ:"]

@@ -6,7 +6,7 @@
     retention_vs_chance  = (transfer - chance) / (target - chance)   (the paper's "floor-normalised")
     content_share        = (transfer - transfer_wrong) / (target - target_wrong)
                            the share of the target's own benefit from the right context over a wrong one
-                           (another item's context of the same length, kvtransfer.controls) that the map carries
+                           (another item's context of the same length, kvtransfer.maps.controls) that the map carries
     gap_closed_above_<c> = (transfer - c) / (target - c)   for each content control c (target_wrong,
                            transfer_wrong, mean_map, random_map): gap closed with the control as the floor
 

@@ -2,7 +2,7 @@
 
 lm-eval's `loglikelihood_rolling` gives every window a 1-token context, so through a transferred
 cache it silently measures native perplexity. Here each window of `max_prefix + cont_len` tokens
-is drawn once; for every prefix length P the context is the run's start ids (kvtransfer.context:
+is drawn once; for every prefix length P the context is the run's start ids (kvtransfer.core.context:
 what sits at position 0) + the P tokens just before the continuation ([BOS/EOS] when that is
 empty), and the scored text is always the same last `cont_len` tokens. In split modes the
 source prefills start + prefix[:-1] (mapped), the target runs the last prefix token and the
@@ -71,7 +71,7 @@ def prefix_pairs(windows: list[list[int]], prefix_len: int, max_prefix: int, bos
                  start: list[int] | None = None):
     """(context, continuation) per window: context = start + the prefix_len tokens before max_prefix.
 
-    `start`: the run's position-0 ids (kvtransfer.context.start_ids; default [bos_id]). A context
+    `start`: the run's position-0 ids (kvtransfer.core.context.start_ids; default [bos_id]). A context
     that would be empty (P = 0 and no start ids) is [bos_id], lm-eval's empty-context rule.
     """
     if not 0 <= prefix_len <= max_prefix:

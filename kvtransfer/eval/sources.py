@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..hub import data_access
+from ..config.hub import data_access
 from .coqa import load_conversations
 from .tasks import _LOCAL, PAPER_TASKS, _builtin_dir
 

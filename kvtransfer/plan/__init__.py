@@ -5,7 +5,7 @@ loads, from the code's own data structures, and the knob set the run applies whe
     node.py      Node (GPUs, host memory, disk), the presets NODES, detect_node (this machine)
     shapes.py    ModelShape from real transformers configs; sizes asked of the run's structures
                  (Moments / HeldOut / FeatureSampler .nbytes_at, the mapper kinds' params_at)
-    setup.py     Setup: the config read once, through the run's resolver (kvtransfer.runconfig)
+    setup.py     Setup: the config read once, through the run's resolver (kvtransfer.config.runconfig)
     stages.py    calibrate / fit / report usage and stage_usage; evalbench.py: eval and bench
     knobs.py     the fixed, ordered knob list, recommend and apply_knobs
     build.py     make_plan, refusal_message, check_plan, PlanError, resources_summary

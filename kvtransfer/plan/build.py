@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..runconfig import parse_stages
+from ..config.runconfig import parse_stages
 from . import rates as rate_table
 from .knobs import Context, apply_knobs, get, recommend, shell_overrides
 from .node import GiB, Node

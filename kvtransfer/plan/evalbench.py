@@ -7,7 +7,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from ..controls import CONTROLS, with_controls
+from ..maps.controls import CONTROLS, with_controls
 from .node import GiB
 from .setup import Setup
 from .shapes import forward_bytes, prefill_flops, weight_bytes
@@ -123,7 +123,7 @@ def _count_coqa(out: dict, coqa: dict, modes: list) -> None:
 def eval_tokens(s: Setup) -> dict:
     """Token counts per model and decode steps over the configured modes and tasks (see EVAL_TASKS)."""
     e = s.cfg.get("eval") or {}
-    # content controls count as the mode they run in (kvtransfer.controls.CONTROLS): a wrong context costs what
+    # content controls count as the mode they run in (kvtransfer.maps.controls.CONTROLS): a wrong context costs what
     # the right one does, a control map what the map does
     modes = [CONTROLS[m][0] if m in CONTROLS else m for m in with_controls(e.get("modes", MODES), e.get("controls"))]
     b = max(1, int(e.get("batch_size", 8)))

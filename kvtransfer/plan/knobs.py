@@ -23,7 +23,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Callable
 
-from ..runconfig import needs_feature_sample
+from ..config.runconfig import needs_feature_sample
 from .node import GiB
 from .shapes import weight_bytes
 

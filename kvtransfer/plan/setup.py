@@ -1,8 +1,8 @@
 """Setup: everything the stage formulas read, derived from a plain config (through the run's own resolver,
-`kvtransfer.runconfig`) + the two model shapes + the node + the rates."""
+`kvtransfer.config.runconfig`) + the two model shapes + the node + the rates."""
 from __future__ import annotations
 
-from ..runconfig import calib_split, kept_positions, learning_rates, resolve, source_features
+from ..config.runconfig import calib_split, kept_positions, learning_rates, resolve, source_features
 from .node import GiB, Node
 from .rates import Rates
 from .shapes import (ModelShape, dtype_bytes, heldout_bytes, moments_bytes, offloaded_bytes, sample_bytes,
@@ -42,7 +42,7 @@ class Setup:
 
     def _models(self) -> None:
         """Weights: dtype, spread over GPUs (device_map), offloaded to the host (max_memory)."""
-        from ..models import device_map_for, max_memory_for, size_bytes
+        from ..core.models import device_map_for, max_memory_for, size_bytes
 
         cfg, node = self.cfg, self.node
         # per model: its own pair.<side>.device_map, else the run-wide one (models.device_map_for)
@@ -84,8 +84,8 @@ class Setup:
             raise ValueError(f"calib.accumulate must be host or device, got {c.get('accumulate')!r}")
         self.in_place = c.get("accumulate", "host") == "device"   # Moments.accumulate (on the target's device)
         # the source's features per layer: its K or V (the paper's), or its hidden states (mapper=hidden,
-        # kvtransfer.hidden: H or H + n_kv_s * d_s columns per layer and kind) -- every size below follows
-        from ..hidden import feature_width
+        # kvtransfer.core.hidden: H or H + n_kv_s * d_s columns per layer and kind) -- every size below follows
+        from ..core.hidden import feature_width
 
         self.src_features = source_features(self.cfg["mapper"])
         self.n_lrs = len(learning_rates(self.cfg["mapper"]))  # mapper=trained trains once per learning rate
@@ -135,7 +135,7 @@ class Setup:
     def piece(self) -> int:
         """The largest piece file of the checkpoint directory (`io._pieces`): a tensor, or a block of
         <= io.PIECE_BYTES of its rows (at least one row)."""
-        from ..io import PIECE_BYTES
+        from ..core.io import PIECE_BYTES
 
         wide = max(self.dx, self.dy)
         largest = max(self.dx * wide * self.a, self.held_rows * wide * 4)
@@ -149,7 +149,7 @@ class Setup:
     @property
     def sample_rows(self) -> int:
         """Rows of the calibration's feature sample (calib.mlp_samples; `FeatureSampler.rows_at`)."""
-        from ..mlp import FeatureSampler
+        from ..maps.mlp import FeatureSampler
 
         return FeatureSampler.rows_at(int(self.calib.get("mlp_samples") or 0), self.train_batch_rows)
 
@@ -171,15 +171,15 @@ class Setup:
         `MLPMapper.values_at`, `families.map_cost` for a restricted support or rank)."""
         m, t = self.cfg["mapper"], self.tgt
         if self.mapper_kind == "mlp":
-            from ..mapper import MLPMapper
+            from ..core.mapper import MLPMapper
 
             return MLPMapper.values_at(t.layers, t.kv_heads, self.p, int(m.get("hidden", 1024)), t.head_dim)
         if m.get("support", "full") != "full" or m.get("rank") is not None:
-            from ..families import map_cost
+            from ..maps.families import map_cost
 
             return map_cost(t.layers, self.k, self.src.kv_heads, self.src.head_dim, t.kv_heads, t.head_dim,
                             support=m.get("support", "full"), rank=m.get("rank"))["n_parameters"]
-        from ..mapper import Mapper
+        from ..core.mapper import Mapper
 
         return Mapper.params_at(t.layers, self.p, self.q)
 

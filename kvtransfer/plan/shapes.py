@@ -58,7 +58,7 @@ class ModelShape:
 
 def shape_from_config(config, name: str = "", load_extra_params: int = 0) -> ModelShape:
     """ModelShape of a transformers config (its text config for VLMs)."""
-    from ..models import kv_shape, text_config
+    from ..core.models import kv_shape, text_config
 
     cfg = text_config(config)
     kv = kv_shape(cfg)
@@ -108,7 +108,7 @@ def torch_dtype(nbytes: int):
 # -- the run's data structures, sized by themselves ---------------------------------------------------
 def moments_bytes(dx: int, dy: int, nbytes: int, *, wide: bool = False) -> int:
     """One set of calibration moments (K and V) in a dtype of `nbytes` bytes: `Moments.nbytes_at`."""
-    from ..moments import Moments
+    from ..core.moments import Moments
 
     return Moments.nbytes_at(dx, dy, torch_dtype(nbytes), wide=wide)
 
@@ -120,14 +120,14 @@ def moments_kind_bytes(dx: int, dy: int, nbytes: int) -> int:
 
 def heldout_bytes(rows: int, dx: int, dy: int) -> int:
     """Held-out raw features of `rows` rows (float32 + the int64 selection): `HeldOut.nbytes_at`."""
-    from ..moments import HeldOut
+    from ..core.moments import HeldOut
 
     return HeldOut.nbytes_at(rows, dx, dy)
 
 
 def sample_bytes(rows: int, dx: int, dy: int) -> int:
     """The calibration's feature sample of `rows` rows: `FeatureSampler.nbytes_at`."""
-    from ..mlp import FeatureSampler
+    from ..maps.mlp import FeatureSampler
 
     return FeatureSampler.nbytes_at(rows, dx, dy)
 
@@ -135,7 +135,7 @@ def sample_bytes(rows: int, dx: int, dy: int) -> int:
 def mapper_params(ls_width: int, target: ModelShape, k: int) -> int:
     """Ridge mapper parameters (`Mapper.params_at`): L_t * 2 * (p * q + q), p = k * n_kv_s * d_s,
     q = n_kv_t * d_t (the paper's count + biases)."""
-    from ..mapper import Mapper
+    from ..core.mapper import Mapper
 
     return Mapper.params_at(target.layers, k * ls_width, target.width)
 
@@ -173,7 +173,7 @@ def offloaded_bytes(m: ModelShape, w: int, max_memory: dict | None, gpus: int) -
     copied there to run). GPU keys past the node's `gpus` count for nothing."""
     if not max_memory:
         return 0
-    from ..models import size_bytes
+    from ..core.models import size_bytes
 
     total = weight_bytes(m, w)
     budget = sum(size_bytes(v) for k, v in max_memory.items() if isinstance(k, int) and k < max(1, gpus))

@@ -25,7 +25,7 @@ forward pass copies them to the GPU once.
 """
 from __future__ import annotations
 
-from ..runconfig import STAGES
+from ..config.runconfig import STAGES
 from .evalbench import bench, evaluate
 from .node import GiB
 from .setup import Setup
@@ -172,7 +172,7 @@ def _fit_trained(s: Setup, dev: dict) -> tuple[dict, float]:
     (`train_map.layer_local_nbytes`, every source layer counted as used) over train + stop sequences, and per
     target layer at most mapper.steps Adam steps (forward + backward ~3x the forward: the map GEMM on all
     batch_sequences x S tokens, scores and softmax x V at the kept queries, o_proj); adds its device parts to `dev`."""
-    from ..train_map import layer_local_nbytes
+    from ..maps.train_map import layer_local_nbytes
 
     m = s.cfg["mapper"]
     if m.get("objective") == "end_to_end":
@@ -200,7 +200,7 @@ def _fit_trained_e2e(s: Setup, dev: dict) -> tuple[dict, float]:
     mapper.steps steps (`train_e2e.e2e_step_flops`) and a stop-split evaluation every mapper.eval_every steps (a
     forward: half a step's FLOPs per sequence); on the device both models, the map with its gradient and Adam state
     (float32, 4 copies) and one step's saved activations (`train_e2e.e2e_step_nbytes`); adds them to `dev`."""
-    from ..train_e2e import e2e_nbytes, e2e_step_flops, e2e_step_nbytes
+    from ..maps.train_e2e import e2e_nbytes, e2e_step_flops, e2e_step_nbytes
 
     m = s.cfg["mapper"]
     work, secs = _fit_ridge(s, dev)

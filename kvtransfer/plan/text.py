@@ -85,7 +85,7 @@ def format_plan(plan: dict, *, markdown: bool = False, details: bool = True) -> 
 
 def write_plan(plan: dict, out_dir) -> None:
     """plan.json + plan.md into out_dir (atomic)."""
-    from ..io import atomic_write_bytes, atomic_write_json
+    from ..core.io import atomic_write_bytes, atomic_write_json
 
     out_dir = Path(out_dir)
     atomic_write_json(out_dir / "plan.json", plan)

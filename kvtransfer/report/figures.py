@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..io import atomic_write_bytes  # noqa: E402
+from ..core.io import atomic_write_bytes  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..io import atomic_write_bytes
+from ..core.io import atomic_write_bytes
 
 _BLOCK = re.compile(r"<!-- BEGIN generated:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- END generated:(?P=name) -->",
                     re.S)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..io import atomic_write_bytes
+from ..core.io import atomic_write_bytes
 
 TASK_ORDER = ["arc_challenge", "hellaswag", "winogrande", "mmlu", "gsm8k_cot", "gsm8k"]
 # Column / row labels of tasks whose name alone does not say the protocol: both GSM8K variants
@@ -68,7 +68,7 @@ def task_table(summary: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-# the content controls' columns (kvtransfer.controls, kvtransfer.eval.metrics.control_statistics), where they ran
+# the content controls' columns (kvtransfer.maps.controls, kvtransfer.eval.metrics.control_statistics), where they ran
 CONTROL_COLUMNS = ("target_wrong", "transfer_wrong", "mean_map", "random_map", "content_share", "content_share_se",
                    "target_content_gain", "target_content_gain_se", "gap_closed_above_transfer_wrong",
                    "gap_closed_above_mean_map", "gap_closed_above_random_map")

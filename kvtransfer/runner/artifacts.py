@@ -2,7 +2,7 @@
 
 An artifact's key is the hash of exactly its declared inputs: the config leaves it reads, the keys
 of the artifacts it is computed from, the identities of the models and data it reads (weights
-included, `kvtransfer.identity`), and runtime values its caller names (the key space, the device).
+included, `kvtransfer.config.identity`), and runtime values its caller names (the key space, the device).
 Every leaf of the composed config is either an input of some artifact or listed in `NOT_INPUTS`
 with the reason; tests/test_artifact_keys.py walks every pair and group option and fails on a key
 that is neither, so a new config key cannot slip into a run without deciding what it changes.

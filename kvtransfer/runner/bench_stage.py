@@ -19,11 +19,11 @@ import torch
 
 from ..bench import shapes, timing
 from ..bench.measure import bench_pair
-from ..cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
-from ..hidden import prefill_with_hidden, used_layers
-from ..io import atomic_write_json
-from ..models import kv_shape
-from ..transfer import codec_for, map_layers
+from ..core.cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
+from ..core.hidden import prefill_with_hidden, used_layers
+from ..core.io import atomic_write_json
+from ..core.models import kv_shape
+from ..core.transfer import codec_for, map_layers
 
 
 # The dtype evaluation maps in: the saved mapper's (artifacts store float32 weights, and eval/adapter
@@ -67,7 +67,7 @@ def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | 
             continue
         g = torch.Generator().manual_seed(n_tok)
         ids = [torch.randint(1, source.config.vocab_size, (1, n_tok), generator=g).to(device) for _ in range(n_inputs)]
-        # (cache, hidden states or None): a hidden-state map (kvtransfer.hidden) also reads the source's normed
+        # (cache, hidden states or None): a hidden-state map (kvtransfer.core.hidden) also reads the source's normed
         # layer inputs, captured from the same prefill
         caches = [prefill_with_hidden(source, i, layers=used_layers(mapper.selected_layers)) if mapper.needs_hidden
                   else (prefill(source, i), None) for i in ids]

@@ -8,7 +8,7 @@ artifacts `eval_tasks`, `eval_ppl`, `eval_coqa` (kvtransfer.runner.artifacts: mo
 keys each part reads), so a k or lambda sweep, a native_sink change or an ablation computes them once;
 `transfer` results are keyed by the mapper too (`eval_<part>_mapped`, cache_dir/eval/<key>/).
 
-Content controls (`eval.controls`, run wherever `transfer` runs; kvtransfer.controls): `target_wrong` is a
+Content controls (`eval.controls`, run wherever `transfer` runs; kvtransfer.maps.controls): `target_wrong` is a
 baseline (the target on each item's wrong context, cached once), `transfer_wrong`, `mean_map` and `random_map`
 are mapped modes. Tasks and perplexity only: CoQA's conversations carry their own history, so a wrong story
 there is a different protocol, not this control.
@@ -27,16 +27,16 @@ from pathlib import Path
 from ..eval.adapter import KVTransferLM
 from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl
-from ..controls import CONTROLS, calibration_means, control_applies, mean_map, random_map, with_controls
+from ..maps.controls import CONTROLS, calibration_means, control_applies, mean_map, random_map, with_controls
 from ..eval.metrics import CONTROL_MODES, control_statistics, log_ppl_gap_closed, ppl_gap_closed
 from ..eval.retention import CHANCE, per_item_scores, retention_table
 from ..eval.sources import coqa_docs, ppl_pages, ppl_set_names
 from ..eval.tasks import PAPER_TASKS, task_manager
 from ..eval.tiny_suite import TINY_TASKS, write_tiny_yamls
-from ..hub import data_access
-from .. import io
-from ..io import atomic_write_json
-from ..models import kv_shape
+from ..config.hub import data_access
+from ..core import io
+from ..core.io import atomic_write_json
+from ..core.models import kv_shape
 
 
 def _task_setup(ecfg: dict, work_dir: Path):
@@ -134,7 +134,7 @@ def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
 
 
 BASELINE_MODES = ("target", "source", "native_injected", "no_context", "target_wrong")
-assert tuple(CONTROLS) == CONTROL_MODES  # one vocabulary: the modes kvtransfer.controls builds, metrics reads
+assert tuple(CONTROLS) == CONTROL_MODES  # one vocabulary: the modes kvtransfer.maps.controls builds, metrics reads
 
 
 def run_modes(ecfg: dict) -> list[str]:
@@ -189,7 +189,7 @@ def evaluate(run, on_compute=None) -> dict:
     mapper = run.mapper() if any(m not in BASELINE_MODES for m in modes) else None
     for mode in [m for m in modes if m in CONTROLS and mapper is not None and not control_applies(mapper, m)]:
         warnings.warn(f"eval control {mode!r} skipped: it is not defined for a {mapper.kind!r} map "
-                      "(kvtransfer.controls.control_applies)", stacklevel=2)
+                      "(kvtransfer.maps.controls.control_applies)", stacklevel=2)
         modes.remove(mode)
     lm = KVTransferLM(source_model=source, target_model=target, tokenizer=tokenizer, mapper=mapper,
                       mode="transfer" if mapper is not None else "target", batch_size=ecfg["batch_size"],

@@ -19,20 +19,20 @@ from pathlib import Path
 import torch
 
 from .. import plan as resource_plan
-from ..calibrate import collect_moments, load_calibration, split_heldout
-from ..context import describe as describe_context
-from ..data import read_documents, stream_hf_documents, token_sequences
-from ..io import atomic_save_tensors, atomic_write_json, exclusive_lock, load_tensors
+from ..core.calibrate import collect_moments, load_calibration, split_heldout
+from ..core.context import describe as describe_context
+from ..core.data import read_documents, stream_hf_documents, token_sequences
+from ..core.io import atomic_save_tensors, atomic_write_json, exclusive_lock, load_tensors
 from ..eval.metrics import SCHEMA_VERSION
-from ..mapper import FactoredMapper, HiddenMapper, Mapper, load_mapper
-from ..models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model, max_memory_for
-from ..moments import HeldOut, Moments
-from ..preflight import preflight
-from ..provenance import environment
-from ..ridge import UnderdeterminedFit, fit_ridge
-from ..runconfig import (STAGES, needs_feature_sample, parse_stages, resolve,  # noqa: F401 (STAGES: re-exported)
+from ..core.mapper import FactoredMapper, HiddenMapper, Mapper, load_mapper
+from ..core.models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model, max_memory_for
+from ..core.moments import HeldOut, Moments
+from .preflight import preflight
+from ..config.provenance import environment
+from ..core.ridge import UnderdeterminedFit, fit_ridge
+from ..config.runconfig import (STAGES, needs_feature_sample, parse_stages, resolve,  # noqa: F401 (STAGES: re-exported)
                          learning_rates, source_features)
-from ..select import r2_matrix, select_greedy, select_topk
+from ..core.select import r2_matrix, select_greedy, select_topk
 from .artifacts import ARTIFACTS, KEY_VERSION, compute_key
 
 # Layout of a calibration artifact; part of its cache key, so artifacts of another layout are never misread.
@@ -60,14 +60,14 @@ class Run:
         self.progress = _progress(cfg.get("progress", True))
         self._models: dict = {}
         self._memo: dict = {}
-        resolved = resolve(cfg)   # the same reading of the config as the resource plan's (kvtransfer.runconfig)
+        resolved = resolve(cfg)   # the same reading of the config as the resource plan's (kvtransfer.config.runconfig)
         self.key_space, self.rope_at_inference = resolved.key_space, resolved.rope_at_inference
         self.k, self.lam = resolved.k, resolved.lam
         self.lrs = learning_rates(cfg["mapper"])  # refused here, before any stage, when a list is not allowed
 
     @property
     def context_start(self) -> str:
-        """The run's position-0 convention (kvtransfer.context), shared by calibration and eval."""
+        """The run's position-0 convention (kvtransfer.core.context), shared by calibration and eval."""
         return self.cfg["calib"].get("context_start", "tokenizer")
 
     # -- models -----------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ class Run:
 
     def pair_identity(self) -> dict:
         """{"source", "target": model identity, "dtype"}: each side's ref, architecture hash and weights
-        identity (kvtransfer.identity: hub revision or local-file digest), read without loading weights."""
+        identity (kvtransfer.config.identity: hub revision or local-file digest), read without loading weights."""
         if "pair" not in self._memo:
             self._memo["pair"] = {side: self.model_identity(side) for side in ("source", "target")}
             self._memo["pair"]["dtype"] = self.cfg["pair"].get("dtype", "auto")
@@ -127,7 +127,7 @@ class Run:
         """{"ref", "config_hash", "weights"} of the source/target: what its artifacts are keyed by."""
         from transformers import AutoConfig
 
-        from ..identity import weights_identity
+        from ..config.identity import weights_identity
 
         memo = f"identity/{side}"
         if memo not in self._memo:
@@ -140,7 +140,7 @@ class Run:
         """Identity named by an artifact declaration: "source"/"target" (model identity), "calib_data" /
         "eval_data" (size + sha256 of the local files the calibration / evaluation reads), "ppl_data" (the
         perplexity sets' files outside eval.data_dir)."""
-        from ..identity import data_identity
+        from ..config.identity import data_identity
 
         if name in ("source", "target"):
             return self.model_identity(name)
@@ -247,7 +247,7 @@ class Run:
         # the MLP's feature sample is kept whenever asked for, so one calibration serves ridge and MLP fits; not in a
         # hidden-state calibration (mapper=hidden), whose rows no MLP or attention-mass fit reads (they calibrate K/V)
         if calib.get("mlp_samples", 0) and key_space == self.key_space and self.features == "kv":
-            from ..mlp import FeatureSampler
+            from ..maps.mlp import FeatureSampler
 
             n_train = len(split_heldout(ids.shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))[0])
             sampler = FeatureSampler(calib["mlp_samples"], -(-n_train // calib["batch_size"]), self.cfg.get("seed", 0),
@@ -297,14 +297,14 @@ class Run:
     @property
     def features(self) -> str:
         """What the calibration and the map read of the source per layer: "kv", or its hidden states under
-        mapper=hidden (runconfig.source_features, kvtransfer.hidden)."""
+        mapper=hidden (runconfig.source_features, kvtransfer.core.hidden)."""
         return source_features(self.cfg["mapper"])
 
     def source_prefill(self, ids: torch.Tensor, mapper, attention_mask: torch.Tensor | None = None):
         """(source cache layers, source_hidden or None) of ids on the source: the normed layer inputs of the
         source layers `mapper` reads are captured from the same forward only when the mapper needs them."""
-        from ..cache import prefill
-        from ..hidden import prefill_with_hidden, used_layers
+        from ..core.cache import prefill
+        from ..core.hidden import prefill_with_hidden, used_layers
 
         source = self.model("source")[0]
         if getattr(mapper, "needs_hidden", False):
@@ -367,7 +367,7 @@ class Run:
         mcfg = self.cfg["mapper"]
         started = time.perf_counter()
         if mcfg["kind"] == "ridge" and _is_family(mcfg):  # head-local support, reduced rank, attention metric
-            from ..families import fit_family
+            from ..maps.families import fit_family
 
             src, tgt = (kv_shape(self.identity(side)) for side in ("source", "target"))
             weighting = mcfg.get("weighting", "none")
@@ -391,10 +391,10 @@ class Run:
                                       calibration=info)
             ridge.native_sink = int(mcfg.get("native_sink") or 0)
             mapper = self._train_map(ridge, train, heldout)
-        elif mcfg["kind"] == "hidden":  # ridge on the source's hidden states (kvtransfer.hidden; issue 23 §2)
+        elif mcfg["kind"] == "hidden":  # ridge on the source's hidden states (kvtransfer.core.hidden; issue 23 §2)
             mapper = self._fit_hidden(train, heldout, selected, info)
         elif mcfg["kind"] == "mlp":
-            from ..mlp import FeatureSampler, fit_mlp
+            from ..maps.mlp import FeatureSampler, fit_mlp
 
             source, target = self.model("source")[0], self.model("target")[0]
 
@@ -418,7 +418,7 @@ class Run:
         calibration this config keys (`source_features`). The selection is the paper's procedure run on these
         features (single-source R² of each target layer from each source layer's block, top k). A refused p/n
         names the config fix."""
-        from ..hidden import hidden_size
+        from ..core.hidden import hidden_size
 
         mcfg = self.cfg["mapper"]
         try:
@@ -435,12 +435,12 @@ class Run:
                                        calibration=info)
 
     def _train_map(self, ridge: Mapper, train: Moments, heldout: HeldOut):
-        """mapper=trained (kvtransfer.train_map): `ridge` trained layer by layer for the target's attention output
+        """mapper=trained (kvtransfer.maps.train_map): `ridge` trained layer by layer for the target's attention output
         on mapper.train_sequences sequences of the calibration's train split, early stopping on
         mapper.stop_sequences others (disjoint from the held-out split the fidelity numbers use); held-out R²
         recomputed for the trained weights. The artifact records both splits and every layer's losses."""
-        from ..mapper import TrainedMapper
-        from ..train_map import OBJECTIVES, collect_layer_local, layer_local_nbytes, train_map
+        from ..core.mapper import TrainedMapper
+        from ..maps.train_map import OBJECTIVES, collect_layer_local, layer_local_nbytes, train_map
 
         mcfg = self.cfg["mapper"]
         if mcfg.get("objective", "layer_local") not in OBJECTIVES:
@@ -475,7 +475,7 @@ class Run:
     def _train_setup(self, ridge: Mapper):
         """What both objectives of mapper=trained share: (fit_idx, stop_idx, held-out idx, TrainSettings, the
         ridge map's selected layers [L_t][k], the sorted source layers any target layer reads)."""
-        from ..train_map import TrainSettings, split_stop
+        from ..maps.train_map import TrainSettings, split_stop
 
         mcfg, seed = self.cfg["mapper"], self.cfg.get("seed", 0)
         train_idx, held = self.split()
@@ -492,15 +492,15 @@ class Run:
         return {**vars(settings), "lr": self.lrs if len(self.lrs) > 1 else self.lrs[0]}
 
     def _train_e2e(self, ridge: Mapper, train: Moments, heldout: HeldOut):
-        """mapper=trained mapper.objective=end_to_end (kvtransfer.train_e2e): `ridge`, all layers jointly, trained
+        """mapper=trained mapper.objective=end_to_end (kvtransfer.maps.train_e2e): `ridge`, all layers jointly, trained
         for the frozen target's next-token KL on continuations of mapper.train_sequences train-split sequences
         (context: their first mapper.context_tokens tokens, default seq_len - continuation; continuation: the next
         mapper.continuation_tokens), early stopping on mapper.stop_sequences others (disjoint from the fidelity
         held-out split); held-out R² recomputed for the trained weights. The artifact records the splits, the
         per-step and per-evaluation KL, the collection's bytes and the per-step memory and FLOP formulas."""
-        from ..mapper import TrainedMapper
-        from ..models import decoder, text_config
-        from ..train_e2e import OBJECTIVE, collect_e2e, e2e_nbytes, e2e_step_flops, e2e_step_nbytes, train_e2e
+        from ..core.mapper import TrainedMapper
+        from ..core.models import decoder, text_config
+        from ..maps.train_e2e import OBJECTIVE, collect_e2e, e2e_nbytes, e2e_step_flops, e2e_step_nbytes, train_e2e
 
         mcfg = self.cfg["mapper"]
         ids = self.token_ids()
@@ -517,7 +517,7 @@ class Run:
                            batch_size=self.cfg["calib"]["batch_size"], progress=self.progress)
         collected = time.perf_counter()
         rows = list(range(len(fit_idx))), list(range(len(fit_idx), len(fit_idx) + len(stop_idx)))
-        from ..train_map import TrainSettings, lowest_stop_loss
+        from ..maps.train_map import TrainSettings, lowest_stop_loss
 
         weight, bias, record = lowest_stop_loss(self.lrs, lambda lr: train_e2e(
             target, data, ridge.weight, ridge.bias, selected, *rows, TrainSettings(**{**vars(settings), "lr": lr}),
@@ -548,10 +548,10 @@ class Run:
                                                r2=_refit_r2(weight, bias, selected, train, heldout, self.target_head_dim()))
 
     def attention_metrics(self) -> dict:
-        """{"k", "v": [L_t, n_kv_t, d_t, d_t]} output metrics of weighting=attention (kvtransfer.families):
+        """{"k", "v": [L_t, n_kv_t, d_t, d_t]} output metrics of weighting=attention (kvtransfer.maps.families):
         keys from the target's query energy on the first mapper.metric_sequences train sequences (cached
         next to the moments), values from its o_proj weights."""
-        from ..families import key_metric, query_energy, value_metric
+        from ..maps.families import key_metric, query_energy, value_metric
 
         n_seq = int(self.cfg["mapper"].get("metric_sequences", 16))
         target = self.model("target")[0]
@@ -567,7 +567,7 @@ class Run:
 
     def _train_batches(self) -> tuple[list[int], list[list[int]], torch.Tensor]:
         """(train sequence indices, calibration's train batches of them, kept positions per sequence)."""
-        from ..calibrate import subsample_positions
+        from ..core.calibrate import subsample_positions
 
         calib = self.cfg["calib"]
         ids = self.token_ids()
@@ -579,8 +579,8 @@ class Run:
         """The train feature rows kept for calib.mlp_samples (mapper=mlp, weighting=attention_mass): the sample
         the calibration kept, or, when it kept none or another number of rows, a sample-only pass over the
         train batches (both models' forward, no moments; resumable), cached next to the moments."""
-        from ..calibrate import sample_features
-        from ..mlp import FeatureSampler
+        from ..core.calibrate import sample_features
+        from ..maps.mlp import FeatureSampler
 
         calib, seed = self.cfg["calib"], self.cfg.get("seed", 0)
         n = int(calib.get("mlp_samples") or 0)
@@ -611,12 +611,12 @@ class Run:
         return path
 
     def observation_weights(self) -> tuple[dict, torch.Tensor]:
-        """(feature sample, row weights [n, L_t]) of weighting=attention_mass (kvtransfer.families): the train
+        """(feature sample, row weights [n, L_t]) of weighting=attention_mass (kvtransfer.maps.families): the train
         rows kept during calibration (calib.mlp_samples; all of them when it is >= the train observations)
         and the attention mass the target puts on each row's token (`families.attention_mass`, cached next
         to the moments), zero where the map is never applied (positions < mapper.native_sink)."""
-        from ..families import attention_mass
-        from ..mlp import FeatureSampler
+        from ..maps.families import attention_mass
+        from ..maps.mlp import FeatureSampler
 
         directory = self.moments_dir(self.key_space)
         calib, seed = self.cfg["calib"], self.cfg.get("seed", 0)
@@ -666,9 +666,9 @@ class Run:
         Returns {"per_layer": compare_caches(...), "per_position": position_diagnostics(...),
         "sequences", "prefix", "continuation", "native_sink"}; cached next to the mapper.
         """
-        from ..cache import prefill
-        from ..diagnostics import compare_caches, position_diagnostics
-        from ..transfer import transfer
+        from ..core.cache import prefill
+        from ..core.diagnostics import compare_caches, position_diagnostics
+        from ..core.transfer import transfer
 
         ecfg = self.cfg.get("eval", {})
         fcfg = ecfg.get("fidelity") or {}
@@ -753,8 +753,8 @@ def _refit_r2(weight: torch.Tensor, bias: torch.Tensor, selected: list[list[int]
               head_dim: int) -> dict:
     """{"train", "heldout": {"k", "v": [L_t][n_kv_t]}} R² of the map weight [L_t, 2, p, q], bias [L_t, 2, q] on the
     calibration's train moments and held-out features (`ridge.head_r2`), as a ridge fit reports them."""
-    from ..moments import KINDS
-    from ..ridge import LayerFit, head_r2
+    from ..core.moments import KINDS
+    from ..core.ridge import LayerFit, head_r2
 
     out: dict = {"train": {k: [] for k in KINDS}, "heldout": {k: [] for k in KINDS}}
     for t, layers in enumerate(selected):
@@ -768,7 +768,7 @@ def _refit_r2(weight: torch.Tensor, bias: torch.Tensor, selected: list[list[int]
 
 
 def _is_family(mcfg: dict) -> bool:
-    """Whether the ridge config asks for a map family beyond the paper's (kvtransfer.families)."""
+    """Whether the ridge config asks for a map family beyond the paper's (kvtransfer.maps.families)."""
     return (mcfg.get("support", "full") != "full" or mcfg.get("rank") is not None
             or mcfg.get("weighting", "none") != "none")
 
@@ -826,7 +826,7 @@ def execute(cfg: dict, out_dir: str | Path, *, plan: dict | None = None) -> dict
 
     Returns the summary dict. Refuses an out_dir that already holds a summary (never overwrites).
     Before anything loads: the resource plan (`plan_run`; a given `plan` -- the dry run's plan of the real
-    run, already written -- replaces it) and the preflight of every data source (kvtransfer.preflight).
+    run, already written -- replaces it) and the preflight of every data source (kvtransfer.runner.preflight).
     """
     out_dir = Path(out_dir)
     if (out_dir / "summary.json").exists():

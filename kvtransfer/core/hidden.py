@@ -62,7 +62,7 @@ def _norms(model, layers) -> list:
         norm = getattr(blocks[layer], "input_layernorm", None)
         if norm is None:
             raise ValueError(f"decoder layer {layer} of {type(model).__name__} has no input_layernorm: hidden-state "
-                             "features are defined as its output (kvtransfer.hidden); this architecture is not "
+                             "features are defined as its output (kvtransfer.core.hidden); this architecture is not "
                              "supported")
         out.append(norm)
     return out

@@ -13,7 +13,7 @@ length, statistics and genre. Each control below keeps one of those and removes 
                     so that the calibration mean still maps to the calibration mean -- `random_map`.
 
 The controls keep the map's pair identity, calibration provenance and native sink, so they are applied through
-the same code path as the map itself (kvtransfer.transfer: strip, map, re-rotate, native sink).
+the same code path as the map itself (kvtransfer.core.transfer: strip, map, re-rotate, native sink).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import random
 
 import torch
 
-from .mapper import Mapper, MapperBase
-from .moments import Moments
+from ..core.mapper import Mapper, MapperBase
+from ..core.moments import Moments
 
 
 # control mode -> (the adapter mode it runs in, what it changes); kvtransfer.eval.metrics.CONTROL_MODES names them too

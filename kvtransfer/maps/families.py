@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .moments import KINDS, HeldOut, Moments
-from .ridge import (LayerFit, check_observations, head_r2, moments_eps, reduced_rank, solve_spd)
+from ..core.moments import KINDS, HeldOut, Moments
+from ..core.ridge import (LayerFit, check_observations, head_r2, moments_eps, reduced_rank, solve_spd)
 
 SUPPORTS = ("full", "head_local")
 WEIGHTINGS = ("none", "attention", "attention_mass")
@@ -85,7 +85,7 @@ def query_energy(model, token_ids: torch.Tensor, *, batch_size: int = 8) -> torc
     """Mean squared content-space query [L, n_q, d] (float64) of `model` over unpadded ids [n, seq].
 
     Content space = before RoPE: the output of q_norm where the model has one (Qwen3), else of q_proj."""
-    from .models import decoder
+    from ..core.models import decoder
 
     layers = decoder(model).layers
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -125,7 +125,7 @@ def attention_mass(model, token_ids: torch.Tensor, positions: torch.Tensor, *, b
     Runs the model with eager attention (restored afterwards) and reduces each layer's weights in a hook,
     so only one layer's [batch, heads, S, S] weights are alive at a time.
     """
-    from .models import decoder
+    from ..core.models import decoder
 
     layers = decoder(model).layers
     n, seq = token_ids.shape
@@ -198,7 +198,7 @@ def key_metric(energy: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 def value_metric(model) -> torch.Tensor:
     """Gamma_V [L, n_kv, d, d] = sum over the KV head's query heads h of W_o,h^T W_o,h (o_proj columns)."""
-    from .models import decoder, kv_shape
+    from ..core.models import decoder, kv_shape
 
     shape = kv_shape(model)
     out = []

@@ -5,8 +5,8 @@ feature order) and maps, for target layer t, x [2, rows, p] -> y [2, rows, q] wi
 [1] = values, p = k * n_kv_s * d_s and q = n_kv_t * d_t (`map_features`; `map_blocks` takes x as
 column blocks, which lets a kind skip the gather copy). Kinds are named in the manifest and
 resolved by `mapper_class`; both live here, so every artifact loads after a plain `import kvtransfer`
-(the fits that produce them: kvtransfer.ridge -> `Mapper.from_ridge`, kvtransfer.mlp -> `fit_mlp`,
-kvtransfer.train_map -> `TrainedMapper.from_ridge_mapper`).
+(the fits that produce them: kvtransfer.core.ridge -> `Mapper.from_ridge`, kvtransfer.maps.mlp -> `fit_mlp`,
+kvtransfer.maps.train_map -> `TrainedMapper.from_ridge_mapper`).
 On disk: `mapper.safetensors` + a JSON manifest `mapper.json` (pair identity, k, lambda, selection,
 calibration provenance, R², sha256).
 
@@ -14,10 +14,10 @@ The ridge kind (the paper's) stores
     weight  [L_t, 2, p, q]   bias [L_t, 2, q]        y = x @ weight[t] + bias[t]
 with L_t * 2 * p * q (+ biases) parameters, as counted in the paper. The MLP kind (the paper's
 fallback) stores per (target layer, K/V, head) a 3-layer MLP with standardised inputs and outputs.
-The trained kind (kvtransfer.train_map) is the ridge kind with weights trained for the target's attention
-output: same tensors, same apply path. The hidden kind (kvtransfer.hidden) is the ridge kind fitted on the
+The trained kind (kvtransfer.maps.train_map) is the ridge kind with weights trained for the target's attention
+output: same tensors, same apply path. The hidden kind (kvtransfer.core.hidden) is the ridge kind fitted on the
 source's normed layer inputs (alone, or beside its K/V): same tensors, wider p, and applying it needs the
-source's hidden states. The factored kind holds the map families of kvtransfer.families (head-local support, reduced rank,
+source's hidden states. The factored kind holds the map families of kvtransfer.maps.families (head-local support, reduced rank,
 attention-weighted fits). Every artifact carries `native_sink`, the number of leading context
 positions the target computes itself when the map is applied, so the map and its sink travel together.
 """
@@ -56,7 +56,7 @@ class MapperBase:
     r2: dict = field(default_factory=dict)
     native_sink: int = 0  # first N context positions the target computes itself when this map is applied
     kind = "base"
-    features = "kv"  # what the map reads of the source per selected layer (kvtransfer.hidden.FEATURES)
+    features = "kv"  # what the map reads of the source per selected layer (kvtransfer.core.hidden.FEATURES)
     _FLOAT_TENSORS: ClassVar[tuple[str, ...]] = ()  # per kind: its floating-point tensor attributes
 
     @property
@@ -135,7 +135,7 @@ class MapperBase:
 
     def manifest(self) -> dict:
         """JSON description of the artifact (everything but the tensors)."""
-        return {"format": "kvtransfer.mapper", "version": FORMAT_VERSION, "kind": self.kind,
+        return {"format": "kvtransfer.core.mapper", "version": FORMAT_VERSION, "kind": self.kind,
                 "source": self.source, "target": self.target, "key_space": self.key_space, "k": self.k,
                 "lambda": self.lam, "selected_layers": self.selected_layers.tolist(),
                 "shapes": {name: list(t.shape) for name, t in self.tensors().items()},
@@ -164,7 +164,7 @@ class MapperBase:
             manifest = json.loads(manifest_path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{manifest_path} is not valid JSON (truncated?): {err}") from err
-        if manifest.get("format") != "kvtransfer.mapper":
+        if manifest.get("format") != "kvtransfer.core.mapper":
             raise ValueError(f"{manifest_path} is not a kvtransfer mapper manifest")
         if manifest.get("version") != FORMAT_VERSION:
             raise ValueError(f"mapper format version {manifest.get('version')} is not supported "
@@ -243,8 +243,8 @@ class Mapper(MapperBase):
 
 @dataclass(kw_only=True)
 class TrainedMapper(Mapper):
-    """The paper's map with weights trained for the target's attention output (kvtransfer.train_map, layer by
-    layer) or its next-token KL (kvtransfer.train_e2e, all layers jointly): the ridge kind's tensors, shapes and
+    """The paper's map with weights trained for the target's attention output (kvtransfer.maps.train_map, layer by
+    layer) or its next-token KL (kvtransfer.maps.train_e2e, all layers jointly): the ridge kind's tensors, shapes and
     apply path (so the same apply FLOPs), plus the record of its training (`training`: objective, the sequences
     it trained and stopped on, stop-split losses at the ridge start and at the end, which layers kept their
     ridge weights because training made them worse)."""
@@ -275,7 +275,7 @@ class TrainedMapper(Mapper):
 
 @dataclass(kw_only=True)
 class HiddenMapper(Mapper):
-    """A closed-form ridge map from the source's hidden states (issue 23 §2, kvtransfer.hidden): per target layer
+    """A closed-form ridge map from the source's hidden states (issue 23 §2, kvtransfer.core.hidden): per target layer
     y = x @ weight[t] + bias[t] as the ridge kind, where x concatenates, over the k selected source layers, the
     normed layer input [H] ("hidden") or [normed input | K or V] [H + n_kv_s * d_s] ("hidden_kv").
     Applying it needs those hidden states: `transfer` / `map_layers` take them as `source_hidden`."""
@@ -388,7 +388,7 @@ class MLPMapper(MapperBase):
 
 @dataclass(kw_only=True)
 class FactoredMapper(MapperBase):
-    """Linear maps with a restricted support and/or rank (kvtransfer.families): per target layer and
+    """Linear maps with a restricted support and/or rank (kvtransfer.maps.families): per target layer and
     K/V, output group g (all q columns, or one target KV head) reads feature columns columns[g] and
         y_g = x[:, columns[g]] @ down[t, :, g] (@ up[t, :, g]) + bias[t, :, g]
     down [L_t, 2, G, p_g, r] and up [L_t, 2, G, r, q_g] for rank r; at full rank up is absent and

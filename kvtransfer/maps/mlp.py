@@ -5,7 +5,7 @@ Linear(hidden, d_t), Adam (lr 1e-3), 20 epochs, batches of 4,096 tokens, MSE. Al
 target layer (K and V) train together as one batched network with disjoint weights, which is the
 same as training them separately on the same batches. Inputs and outputs are standardised with
 the sample's per-feature mean and std (stored with the mapper), so one learning rate suits keys
-and values alike. The artifact (`MLPMapper`, its forward pass) is a mapper kind in kvtransfer.mapper,
+and values alike. The artifact (`MLPMapper`, its forward pass) is a mapper kind in kvtransfer.core.mapper,
 so loading and applying an MLP mapper never needs this module.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .io import atomic_save_tensors, load_tensors
-from .mapper import MLPMapper, mlp_forward
-from .models import model_identity
+from ..core.io import atomic_save_tensors, load_tensors
+from ..core.mapper import MLPMapper, mlp_forward
+from ..core.models import model_identity
 
 
 class FeatureSampler:

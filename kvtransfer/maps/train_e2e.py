@@ -1,6 +1,6 @@
 """The paper's map trained end to end for the target's next-token distribution (issue 23 §1; beyond the paper).
 
-Same parameterisation as the ridge map and the layer-local objective (kvtransfer.train_map): weight
+Same parameterisation as the ridge map and the layer-local objective (kvtransfer.maps.train_map): weight
 [L_t, 2, p, q], bias [L_t, 2, q], the same support and apply FLOPs (`mapper.TrainedMapper`), started from the
 ridge solution. Here the maps of all target layers are trained jointly for
 
@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import rope
-from .cache import _check_extended, layers_to_cache, prefill
-from .models import decoder, kv_shape, text_config
+from ..core import rope
+from ..core.cache import _check_extended, layers_to_cache, prefill
+from ..core.models import decoder, kv_shape, text_config
 from .train_map import EarlyStop, TrainSettings, _finite, affine_kv, minibatches
-from .transfer import codec_for, place_on_layers
+from ..core.transfer import codec_for, place_on_layers
 
 OBJECTIVE = "end_to_end"
 

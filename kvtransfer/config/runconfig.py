@@ -8,7 +8,7 @@ and the resource plan (`kvtransfer.plan`), so the two can never read a key diffe
     calib_split(cfg)          -> (train, held-out) sequence indices (calibrate.split_heldout)
     kept_positions(calib)     -> calibration positions kept per sequence (calibrate.subsample_positions)
     source_features(mapper)   -> what the calibration and the map read of the source: "kv", or its hidden states
-                                 (mapper=hidden, kvtransfer.hidden)
+                                 (mapper=hidden, kvtransfer.core.hidden)
     learning_rates(mapper)    -> mapper.lr as a list: several only for mapper=trained (chosen on the stop split)
 
 Part of the core: imports only the core (no Hydra, no runner, no plan).
@@ -84,7 +84,7 @@ def resolve_direction(cfg: dict) -> str:
 def calib_split(cfg: dict, n_sequences: int | None = None) -> tuple[list[int], list[int]]:
     """(train, held-out) sequence indices of the calibration: `calibrate.split_heldout` over
     `n_sequences` (default calib.n_sequences) with calib.heldout_fraction and the run's seed."""
-    from .calibrate import split_heldout
+    from ..core.calibrate import split_heldout
 
     calib = cfg["calib"]
     n = int(calib["n_sequences"]) if n_sequences is None else n_sequences
@@ -93,13 +93,13 @@ def calib_split(cfg: dict, n_sequences: int | None = None) -> tuple[list[int], l
 
 def kept_positions(calib: dict) -> int:
     """Positions per sequence the calibration keeps (0, stride, 2 * stride, ... < seq_len)."""
-    from .calibrate import subsample_positions
+    from ..core.calibrate import subsample_positions
 
     return int(subsample_positions(int(calib["seq_len"]), int(calib["stride"])).numel())
 
 
 def source_features(mapper: dict) -> str:
-    """What the calibration and the map read of the source per layer (kvtransfer.hidden.FEATURES): mapper.features
+    """What the calibration and the map read of the source per layer (kvtransfer.core.hidden.FEATURES): mapper.features
     for mapper=hidden ("hidden" | "hidden_kv"), else the paper's K/V ("kv")."""
     if mapper.get("kind", "ridge") != "hidden":
         return "kv"

@@ -114,7 +114,7 @@ def environment(cfg: dict | None = None, argv: list[str] | None = None) -> dict:
 
     Keeps the keys of earlier summaries (kvtransfer, python, torch, transformers, platform, cpu_count,
     commit, dirty, device)."""
-    from . import __version__
+    from .. import __version__
 
     packages = package_versions()
     mach = machine()

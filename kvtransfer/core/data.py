@@ -5,7 +5,7 @@ an HF dataset streamed by name (e.g. FineWeb-Edu sample-10BT, the paper's calibr
 Documents with at least `seq_len` tokens give one sequence each (their first `seq_len` tokens, so
 every sequence starts at a document start, where the attention sink forms); if there are too few,
 the remaining documents are packed end to end, separated by EOS. Every sequence starts with the
-start ids of the run's position-0 convention (`kvtransfer.context`), exactly as evaluation
+start ids of the run's position-0 convention (`kvtransfer.core.context`), exactly as evaluation
 contexts do.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def stream_hf_documents(dataset: str, name: str | None, split: str, text_field: 
     Raises KeyError naming calib.text_field when a record lacks `text_field`."""
     from datasets import load_dataset
 
-    from .hub import data_access
+    from ..config.hub import data_access
 
     # a dry run: the data stays real while the models are stand-ins. Each read is wrapped on its own, so the
     # hub settings are never left switched while this generator is suspended (or abandoned) between records.
@@ -63,7 +63,7 @@ def token_sequences(documents: Iterable[str], tokenizer, n_sequences: int, seq_l
                     max_documents: int = 1_000_000, context_start: str = "tokenizer") -> torch.Tensor:
     """int64 [n_sequences, seq_len] token ids built from `documents` as described in the module doc.
 
-    context_start: position-0 convention (`kvtransfer.context.CONTEXT_STARTS`); packed sequences
+    context_start: position-0 convention (`kvtransfer.core.context.CONTEXT_STARTS`); packed sequences
     made of leftovers start with the same start ids. Raises ValueError naming how much text is
     missing when the documents run out.
     """

@@ -55,7 +55,7 @@ def map_layers_reference(source_layers: KVLayers, mapper: MapperBase, positions:
             k, v = source_layers[s]
             k = source_codec.strip(k, positions) if rotate else k
             k, v = (z.transpose(1, 2).reshape(batch * seq, -1) for z in (k, v))  # (head, dim) columns
-            if mapper.needs_hidden:  # [normed input] or [normed input | K or V] (kvtransfer.hidden)
+            if mapper.needs_hidden:  # [normed input] or [normed input | K or V] (kvtransfer.core.hidden)
                 h = source_hidden[s].reshape(batch * seq, -1).to(k.dtype)
                 k, v = (h, h) if mapper.features == "hidden" else (torch.cat([h, k], 1), torch.cat([h, v], 1))
             keys.append(k)
@@ -92,7 +92,7 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
 
     source_hidden: {source layer: [batch, seq, H]} normed layer inputs (`hidden.prefill_with_hidden`), needed
     (for every used source layer) by a mapper whose `needs_hidden` (the hidden kind); ignored otherwise. Each
-    used layer's feature block is then [hidden] or [hidden | K stripped] / [hidden | V] (kvtransfer.hidden).
+    used layer's feature block is then [hidden] or [hidden | K stripped] / [hidden | V] (kvtransfer.core.hidden).
     """
     batch, _, seq, _ = source_layers[0][0].shape
     if positions.dim() == 1:
@@ -178,8 +178,8 @@ class _Gather:
 
 def _check_hidden(source_hidden, used: list[int], batch: int, seq: int, mapper) -> None:
     """Raise a ValueError naming the fix when a hidden-feature mapper is not given the hidden states it reads."""
-    fix = ("prefill the source with kvtransfer.hidden.prefill_with_hidden(source, input_ids, attention_mask, "
-           "layers=kvtransfer.hidden.used_layers(mapper.selected_layers)) and pass its hidden states as "
+    fix = ("prefill the source with kvtransfer.core.hidden.prefill_with_hidden(source, input_ids, attention_mask, "
+           "layers=kvtransfer.core.hidden.used_layers(mapper.selected_layers)) and pass its hidden states as "
            "source_hidden=")
     if source_hidden is None:
         raise ValueError(f"this mapper (kind {mapper.kind!r}, features {mapper.features!r}) maps from the source's "

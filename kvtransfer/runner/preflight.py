@@ -18,8 +18,8 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .eval.sources import Source, eval_sources
-from .hub import data_access, standins_active
+from ..eval.sources import Source, eval_sources
+from ..config.hub import data_access, standins_active
 
 
 class PreflightError(RuntimeError):
@@ -115,7 +115,7 @@ def model_config_differences(cfg: dict) -> tuple[list[str], list[str]]:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from .resources.model_configs import MODEL_CONFIGS, compare_config
+    from ..resources.model_configs import MODEL_CONFIGS, compare_config
 
     diffs, notes = [], []
     online = _hub_reachable()

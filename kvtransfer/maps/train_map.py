@@ -33,12 +33,12 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from . import rope
-from .cache import prefill
-from .models import decoder, kv_shape, text_config
-from .transfer import codec_for
+from ..core import rope
+from ..core.cache import prefill
+from ..core.models import decoder, kv_shape, text_config
+from ..core.transfer import codec_for
 
-OBJECTIVES = ("layer_local", "end_to_end")  # end_to_end: kvtransfer.train_e2e (all layers jointly)
+OBJECTIVES = ("layer_local", "end_to_end")  # end_to_end: kvtransfer.maps.train_e2e (all layers jointly)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def kv_features(model, input_ids: torch.Tensor, *, stride: int = 4, key_space: s
 
     Returns {"k": [batch * kept, len(layers) * width], "v": same} in float32, rows ordered
     (batch, position), columns (layer, feature); keys RoPE-stripped when key_space="stripped".
-    features (kvtransfer.hidden): "kv" (width n_kv * d: the layer's K or V, head by head), "hidden" (width H: the
+    features (kvtransfer.core.hidden): "kv" (width n_kv * d: the layer's K or V, head by head), "hidden" (width H: the
     layer's normed input, the same block for "k" and "v") or "hidden_kv" (width H + n_kv * d: [normed input | K]
     for "k", [normed input | V] for "v"); the normed inputs come from the same prefill (`hidden.capture_hidden`).
     """
@@ -145,7 +145,7 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     keep a bounded sample for training an MLP mapper); not replayed for batches restored from a
     checkpoint.
     progress: optional callable wrapping an iterable (e.g. tqdm).
-    features: the source's features (`kv_features`; kvtransfer.hidden): "kv" (the paper's), "hidden" or
+    features: the source's features (`kv_features`; kvtransfer.core.hidden): "kv" (the paper's), "hidden" or
     "hidden_kv" (the source's normed layer inputs, alone or beside its K/V); the moments' source_width is then
     H or H + n_kv_s * d_s per source layer. The target's features are always its K/V.
     """

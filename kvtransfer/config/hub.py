@@ -4,7 +4,7 @@ A dry run (kvtransfer.dryrun) loads stand-in models saved under the REAL hub ids
 own, offline, while the data stays real: dataset ids resolve against the user's hub (online, or the
 user's offline cache). `standin_models(cache)` switches model resolution (huggingface_hub's cache dir
 and offline flag, which transformers reads on every `from_pretrained`) for the whole run;
-`data_access()` wraps every place that reads a dataset (kvtransfer.data, the eval stage, the
+`data_access()` wraps every place that reads a dataset (kvtransfer.core.data, the eval stage, the
 preflight) and restores the process's own settings there. Outside a dry run both are no-ops.
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..core.cache import cache_to_layers, forward_on_cache
-from .adapter import greedy_decode
+from .decode import greedy_decode
 
 UNTIL = ["\nQ:"]
 

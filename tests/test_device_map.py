@@ -102,7 +102,7 @@ def test_place_on_layers_leaves_placed_tensors_alone_and_checks_depth():
 def test_pair_device_map_reaches_model_loading(tmp_path, monkeypatch):
     """pair.target.device_map=auto reaches load_model for the target only (the models really load with it,
     through accelerate); reversed, the map follows the model written next to it; an explicit map passes as given."""
-    import kvtransfer.runner.pipeline as pipeline
+    import kvtransfer.runner.run as run_module
 
     calls = {}
 
@@ -110,7 +110,7 @@ def test_pair_device_map_reaches_model_loading(tmp_path, monkeypatch):
         calls[Path(ref).name] = kw["device_map"]
         return load_model(ref, **kw)
 
-    monkeypatch.setattr(pipeline, "load_model", spy)
+    monkeypatch.setattr(run_module, "load_model", spy)
     run = Run(_compose("pair=tiny", "pair.target.device_map=auto", "device=cpu"), tmp_path)
     target, source = run.model("target")[0], run.model("source")[0]
     assert calls == {"qwen3-tiny-7m": "auto", "qwen3-tiny-1m": None}

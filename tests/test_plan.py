@@ -333,6 +333,7 @@ def test_plan_run_applies_refuses_or_warns(tmp_path, cfg_14_32, monkeypatch):
 
 def test_a_planner_error_fails_the_run(tmp_path, cfg_14_32, monkeypatch):
     """Issue 20 §3: a bug in the planner must not silently turn enforcement off."""
+    import kvtransfer.runner.run as run_module
     from kvtransfer.runner import pipeline
 
     def broken(*a, **k):
@@ -340,7 +341,7 @@ def test_a_planner_error_fails_the_run(tmp_path, cfg_14_32, monkeypatch):
 
     monkeypatch.setattr(P, "detect_node", lambda cfg: H200)
     monkeypatch.setattr(P, "make_plan", broken)
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ZeroDivisionError, match="a bug in the planner"):
         pipeline.execute(dict(cfg_14_32, cache_dir=str(tmp_path / "cache")), tmp_path / "run")
     monkeypatch.undo()
@@ -352,11 +353,12 @@ def test_a_planner_error_fails_the_run(tmp_path, cfg_14_32, monkeypatch):
 
 
 def test_execute_refuses_before_loading_anything(tmp_path, monkeypatch, cfg_14_32):
+    import kvtransfer.runner.run as run_module
     from kvtransfer.runner import pipeline
 
     monkeypatch.setattr(P, "detect_node", lambda cfg: P.Node("test box", 0, 0.0, 8.0, 16.0))
     monkeypatch.setattr(P.rates, "rates_for", lambda *a, **k: FIXED_RATES)
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = dict(cfg_14_32, stage="calibrate", cache_dir=str(tmp_path / "cache"))
     with pytest.raises(P.PlanError, match="calib.dtype=float32"):
         pipeline.execute(cfg, tmp_path / "run")

@@ -7,7 +7,9 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from kvtransfer.runner import Run, artifact_key, execute, parse_stages
+import kvtransfer.runner.run as run_module
+from kvtransfer.runner import Run, artifact_key, calibrate_stage, execute, fit_family, fit_stage, parse_stages
+from kvtransfer.runner.fidelity import fidelity
 from kvtransfer.core.mapper import load_mapper
 from run_configs import compose_config as _compose
 from tolerance import FORWARD, assert_close, assert_far, forward_factor
@@ -116,18 +118,17 @@ def test_pipeline_calibrate_fit_report_and_artifact_reuse(tiny_pair_dirs, tmp_pa
         execute(cfg, out)
 
     # a second run with another lambda reuses the moments (no calibration) and fits a new mapper
-    import kvtransfer.runner.pipeline as pipeline
 
     def no_calibration(*a, **k):
         raise AssertionError("moments should have been reused")
 
-    monkeypatch.setattr(pipeline, "collect_moments", no_calibration)
+    monkeypatch.setattr(calibrate_stage, "collect_moments", no_calibration)
     cfg2 = _tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", "mapper.lam=1.0")
     s2 = execute(cfg2, tmp_path / "run2")
     assert s2["mapper"]["lambda"] == 1.0 and s2["mapper"]["path"] != summary["mapper"]["path"]
     # the same config again reuses the mapper too
     fitted = []
-    monkeypatch.setattr(pipeline, "fit_ridge", lambda *a, **k: fitted.append(1))
+    monkeypatch.setattr(fit_stage, "fit_ridge", lambda *a, **k: fitted.append(1))
     s3 = execute(cfg2, tmp_path / "run3")
     assert not fitted and s3["mapper"]["path"] == s2["mapper"]["path"]
 
@@ -157,15 +158,14 @@ def test_artifact_keys_follow_the_config(tiny_pair_dirs, tmp_path):
 def test_calibration_artifact_layout_is_part_of_the_moments_key(tiny_pair_dirs, tmp_path, monkeypatch):
     """Issue 10 §2 changed the calibration artifact (held-out raw features; a piece-wise tensor directory):
     an artifact of another layout sits under another key, so it is never read as this one."""
-    import kvtransfer.runner.pipeline as pipeline
 
     run = Run(_tiny_cfg(tiny_pair_dirs, tmp_path), "x")
     now = run.moments_dir("stripped")
-    assert pipeline.MOMENTS_FORMAT == 3
-    monkeypatch.setattr(pipeline, "MOMENTS_FORMAT", 2)
+    assert run_module.MOMENTS_FORMAT == 3
+    monkeypatch.setattr(run_module, "MOMENTS_FORMAT", 2)
     assert Run(_tiny_cfg(tiny_pair_dirs, tmp_path), "x").moments_dir("stripped") != now
     other = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "calib.heldout_observations=64"), "x")
-    monkeypatch.setattr(pipeline, "MOMENTS_FORMAT", 3)
+    monkeypatch.setattr(run_module, "MOMENTS_FORMAT", 3)
     assert other.moments_dir("stripped") != now
 
 
@@ -184,7 +184,6 @@ def test_device_accumulation_through_the_pipeline(tiny_pair_dirs, tmp_path):
 def test_ridge_fit_loads_no_model_and_keeps_the_pair_identity(tiny_pair_dirs, tmp_path, monkeypatch):
     """Issue 10 §2: the ridge fit needs the moments only; the mapper's identity (model id, config hash,
     geometry, RoPE type) comes from the configs and equals the loaded models' identity."""
-    import kvtransfer.runner.pipeline as pipeline
     from kvtransfer.core.models import load_model, model_identity
 
     execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=calibrate"), tmp_path / "cal")
@@ -192,7 +191,7 @@ def test_ridge_fit_loads_no_model_and_keeps_the_pair_identity(tiny_pair_dirs, tm
     def no_load(*a, **k):
         raise AssertionError("the ridge fit loaded a model")
 
-    monkeypatch.setattr(pipeline, "load_model", no_load)
+    monkeypatch.setattr(run_module, "load_model", no_load)
     execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit"), tmp_path / "fit")
     mapper = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit"), "x").mapper()
     assert mapper.source == model_identity(load_model(tiny_pair_dirs["small"])[0])
@@ -202,17 +201,16 @@ def test_ridge_fit_loads_no_model_and_keeps_the_pair_identity(tiny_pair_dirs, tm
 def test_moments_are_read_only_where_needed_and_released(tiny_pair_dirs, tmp_path, monkeypatch):
     """Issue 10 §2: a calibrate-only run reads no moments back; the report's rotated-key calibration does not
     sit next to the stripped moments; nothing holds them after the run's last stage that needs them."""
-    import kvtransfer.runner.pipeline as pipeline
 
     reads, held_at_calibration = [], {}
-    real_load, real_cal = pipeline.load_calibration, Run._calibrate
-    monkeypatch.setattr(pipeline, "load_calibration", lambda d, **k: reads.append(d) or real_load(d, **k))
+    real_load, real_cal = run_module.load_calibration, calibrate_stage.calibrate
+    monkeypatch.setattr(run_module, "load_calibration", lambda d, **k: reads.append(d) or real_load(d, **k))
 
     def spy(self, directory, key_space):
         held_at_calibration[key_space] = [k for k in self._memo if k.startswith("moments/")]
         return real_cal(self, directory, key_space)
 
-    monkeypatch.setattr(Run, "_calibrate", spy)
+    monkeypatch.setattr(calibrate_stage, "calibrate", spy)
     execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=calibrate"), tmp_path / "cal")
     assert reads == [] and held_at_calibration == {"stripped": []}
     released = []
@@ -384,7 +382,7 @@ def test_attention_mass_weighting_through_the_pipeline(tiny_pair_dirs, tmp_path)
     assert not (tmp_path / "bare" / "artifacts").exists()
     run = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "stage=fit", "mapper.weighting=attention_mass", *extra), "x")
     run.moments()
-    sample, weights = run.observation_weights()
+    sample, weights = fit_family.observation_weights(run)
     n = sample["xk"].shape[0]
     assert weights.shape == (n, 3) and 100 <= n < 352  # ceil(100 / 3 batches) per batch
     ids = run.token_ids()
@@ -419,17 +417,16 @@ def test_feature_sample_after_a_calibration_that_kept_none(tiny_pair_dirs, tmp_p
     """Moments calibrated with calib.mlp_samples=0 (the paper's ridge default: at 14B -> 32B a 65,536-row sample
     is 52 GiB) serve a later MLP / attention_mass run: a sample-only pass keeps exactly the rows a calibration
     with that mlp_samples keeps, without calibrating again."""
-    import kvtransfer.runner.pipeline as pipeline
     from kvtransfer.core.io import load_tensors
 
     execute(_tiny_cfg(tiny_pair_dirs, tmp_path / "a", "stage=[calibrate,fit]", "calib.mlp_samples=0"), tmp_path / "r0")
     direct = Run(_tiny_cfg(tiny_pair_dirs, tmp_path / "b", "calib.mlp_samples=100"), "x")
     direct.moments()  # a calibration that keeps the sample itself
-    reference = load_tensors(direct.feature_sample_path())[0]
+    reference = load_tensors(calibrate_stage.feature_sample_path(direct))[0]
     later = Run(_tiny_cfg(tiny_pair_dirs, tmp_path / "a", "calib.mlp_samples=100"), "x")
     assert not (later.moments_dir("stripped") / "mlp_sample.safetensors").exists()
-    monkeypatch.setattr(pipeline, "collect_moments", lambda *a, **k: pytest.fail("calibrated again"))
-    path = later.feature_sample_path()
+    monkeypatch.setattr(calibrate_stage, "collect_moments", lambda *a, **k: pytest.fail("calibrated again"))
+    path = calibrate_stage.feature_sample_path(later)
     assert path.name == f"feature_sample_{later.key('feature_sample')}.safetensors"
     got = load_tensors(path)[0]
     assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
@@ -446,13 +443,13 @@ def test_one_calibration_serves_ridge_and_mlp(tiny_pair_dirs, tmp_path):
                     tmp_path / "ridge")
     assert ridge["mapper"]["kind"] == "ridge"
     calibrated = []
-    monkey = Run._calibrate
-    Run._calibrate = lambda self, d, k: calibrated.append(k) or monkey(self, d, k)
+    monkey = calibrate_stage.calibrate
+    calibrate_stage.calibrate = lambda self, d, k: calibrated.append(k) or monkey(self, d, k)
     try:
         mlp = execute(_tiny_cfg(tiny_pair_dirs, tmp_path, "mapper=mlp", "mapper.hidden=32", "mapper.epochs=1",
                                 "calib.mlp_samples=256", "stage=fit"), tmp_path / "mlp")
     finally:
-        Run._calibrate = monkey
+        calibrate_stage.calibrate = monkey
     assert calibrated == [] and mlp["mapper"]["kind"] == "mlp"
     env = mlp["environment"]
     assert len(env["commit"]) == 40 and isinstance(env["dirty"], bool)  # the checkout that produced the numbers
@@ -626,11 +623,11 @@ def test_concurrent_jobs_calibrate_once(tmp_path, monkeypatch):
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "calibration.json").write_text("{}")
 
-    monkeypatch.setattr(Run, "_calibrate_locked", fake_locked)
+    monkeypatch.setattr(calibrate_stage, "_calibrate_locked", fake_locked)
     run = Run.__new__(Run)
     run.cache_dir = tmp_path
     directory = tmp_path / "moments" / "abc"
-    jobs = [threading.Thread(target=Run._calibrate, args=(run, directory, "stripped"), name=f"job{i}") for i in range(2)]
+    jobs = [threading.Thread(target=calibrate_stage.calibrate, args=(run, directory, "stripped"), name=f"job{i}") for i in range(2)]
     for j in jobs:
         j.start()
     for j in jobs:
@@ -684,7 +681,7 @@ def test_each_seed_calibrates_on_its_own_split(tiny_pair_dirs, tmp_path):
         train_idx, held_idx = split_heldout(ids.shape[0], 0.25, seed)
         assert run.split() == (train_idx, held_idx)
         tokens = kv_features(run.model("source")[0], ids, stride=2)["k"].view(ids.shape[0], 16, -1)
-        sample, weights = run.observation_weights()
+        sample, weights = fit_family.observation_weights(run)
         for rows, own in ((heldout.features["k"]["x"][:heldout.n], held_idx), (sample["xk"], train_idx)):
             found = _locate(rows, tokens)
             unique = [next(iter(f)) for f in found if len(f) == 1]  # rows past any prefix another sequence shares
@@ -695,7 +692,7 @@ def test_each_seed_calibrates_on_its_own_split(tiny_pair_dirs, tmp_path):
             if len(f) == 1:
                 seq, pos = next(iter(f))
                 assert torch.equal(weights[row], mass[train_idx.index(seq), :, pos])  # the same pass, same batches
-        assert set(run.fidelity()["heldout_index"]) <= set(held_idx)
+        assert set(fidelity(run)["heldout_index"]) <= set(held_idx)
         dirs.setdefault(seed, set()).add(run.moments_dir("stripped"))
     assert len(dirs[0]) == 1 and dirs[0] != dirs[1]  # seed 0 again reuses its own calibration
 
@@ -705,7 +702,6 @@ def test_new_weights_at_the_same_path_recompute_every_artifact(tiny_pair_dirs, t
     mapper, evaluation and speed artifacts all get new keys, and the next run calibrates again."""
     import shutil
 
-    import kvtransfer.runner.pipeline as pipeline
     from kvtransfer.runner.artifacts import ARTIFACTS
     from tiny_models import tiny_model
 
@@ -713,8 +709,8 @@ def test_new_weights_at_the_same_path_recompute_every_artifact(tiny_pair_dirs, t
     shutil.copytree(tiny_pair_dirs["small"], source)
     dirs = dict(tiny_pair_dirs, small=str(source))
     calls = []
-    real = pipeline.collect_moments
-    monkeypatch.setattr(pipeline, "collect_moments", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = calibrate_stage.collect_moments
+    monkeypatch.setattr(calibrate_stage, "collect_moments", lambda *a, **k: calls.append(1) or real(*a, **k))
     first = execute(_tiny_cfg(dirs, tmp_path, "stage=[calibrate,fit]"), tmp_path / "r1")
     before = Run(_tiny_cfg(dirs, tmp_path), "x")
     keys = {name: before.key(name) for name in ARTIFACTS}

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 from kvtransfer.core.io import atomic_write_bytes  # noqa: E402
 from kvtransfer.core.ridge import fit_layer, head_r2  # noqa: E402
 from kvtransfer.runner import Run  # noqa: E402
+from kvtransfer.runner.fit_stage import selected_layers  # noqa: E402
 
 RELATIVE = [0.0, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1]
 
@@ -38,7 +39,7 @@ def main() -> None:
     if not (run.moments_dir(run.key_space) / "calibration.json").exists():  # never start a 20-min calibration here
         raise SystemExit("no cached Wikipedia calibration: run experiments/qwen25coder/run.sh (step 1) first")
     train, held, _ = run.moments()
-    selected = run.selected_layers()
+    selected = selected_layers(run)
     head_dim = run.target_head_dim()
     lines = ["# Ridge lambda vs held-out R² (k = 8, Wikipedia calibration, 128 train / 32 held-out sequences)", "",
              "Made by `python experiments/maps/lambda_sweep.py` on the 2-core CPU machine. lambda relative to the",

@@ -1,0 +1,310 @@
+"""One configured run as an artifact cache: its models (loaded once), the identities and keys of its artifacts
+(kvtransfer.runner.artifacts), and the artifacts themselves -- calibration moments, R² matrices, the mapper --
+read from `cache_dir` or computed by their stage (calibrate_stage, fit_stage) when missing."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..config.runconfig import learning_rates, resolve, source_features
+from ..core.calibrate import load_calibration, split_heldout
+from ..core.data import read_documents, stream_hf_documents, token_sequences
+from ..core.io import atomic_save_tensors, load_tensors
+from ..core.mapper import load_mapper
+from ..core.models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model, max_memory_for
+from ..core.moments import HeldOut, Moments
+from ..core.select import r2_matrix
+from . import calibrate_stage, fit_stage
+from .artifacts import ARTIFACTS, KEY_VERSION, compute_key
+
+# Layout of a calibration artifact; part of its cache key, so artifacts of another layout are never misread.
+# 1: train + held-out moments; 2: train moments + held-out raw features (moments.HeldOut), one file each;
+# 3: the same as a tensor directory `calibration/` (calibrate.save_calibration: pieces + manifest), which is
+# also the calibration's checkpoint -- the finished checkpoint is the artifact, nothing is copied.
+MOMENTS_FORMAT = 3
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return lambda it, **kw: tqdm(it, **kw)
+
+
+class Run:
+    """One configured run: lazily loads models and computes or reuses each stage's artifact."""
+
+    def __init__(self, cfg: dict, out_dir: str | Path):
+        self.cfg = cfg
+        self.out_dir = Path(out_dir)
+        self.cache_dir = Path(cfg.get("cache_dir", "artifacts"))
+        self.progress = _progress(cfg.get("progress", True))
+        self._models: dict = {}
+        self._memo: dict = {}
+        resolved = resolve(cfg)   # the same reading of the config as the resource plan's (kvtransfer.config.runconfig)
+        self.key_space, self.rope_at_inference = resolved.key_space, resolved.rope_at_inference
+        self.k, self.lam = resolved.k, resolved.lam
+        self.lrs = learning_rates(cfg["mapper"])  # refused here, before any stage, when a list is not allowed
+
+    @property
+    def context_start(self) -> str:
+        """The run's position-0 convention (kvtransfer.core.context), shared by calibration and eval."""
+        return self.cfg["calib"].get("context_start", "tokenizer")
+
+    # -- models -----------------------------------------------------------------------------------
+    def model_ref(self, side: str) -> str:
+        """Local path (if set) or hub id of the source/target, after applying pair.direction."""
+        pair = self.cfg["pair"]
+        if pair.get("direction", "forward") not in ("forward", "reverse"):
+            raise ValueError(f"pair.direction must be forward or reverse, got {pair['direction']!r}")
+        if pair.get("direction", "forward") == "reverse":
+            side = {"source": "target", "target": "source"}[side]
+        spec = pair[side]
+        ref = spec.get("path") or spec.get("id")
+        if not ref:
+            raise ValueError(f"pair.{side} has neither path nor id: set pair.{side}.path=/local/dir")
+        return str(ref)
+
+    def model(self, side: str):
+        """(model, tokenizer) for "source" or "target", loaded once."""
+        if side not in self._models:
+            self._models[side] = load_model(
+                self.model_ref(side), dtype=self.cfg["pair"].get("dtype", "auto"), device=self.device,
+                device_map=device_map_for(self.cfg, side), max_memory=max_memory_for(self.cfg, side),
+                trust_remote_code=self.cfg.get("trust_remote_code", False),
+                attn_implementation=self.cfg.get("attn_implementation"))
+            if len(self._models) == 2:
+                check_same_tokenizer(self._models["source"][1], self._models["target"][1])
+        return self._models[side]
+
+    def identity(self, side: str):
+        """What `models.model_identity` reads of the source/target -- the loaded model when it is in memory,
+        else a config-only stand-in (config + name_or_path as `load_model` sets it), so no weights load."""
+        if side in self._models:
+            return self._models[side][0]
+        from types import SimpleNamespace
+
+        from transformers import AutoConfig
+
+        ref = self.model_ref(side)
+        cfg = AutoConfig.from_pretrained(ref, trust_remote_code=self.cfg.get("trust_remote_code", False))
+        return SimpleNamespace(config=cfg, name_or_path=ref)
+
+    @property
+    def device(self) -> str:
+        """Resolved compute device."""
+        device = self.cfg.get("device", "auto")
+        return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+    def pair_identity(self) -> dict:
+        """{"source", "target": model identity, "dtype"}: each side's ref, architecture hash and weights
+        identity (kvtransfer.config.identity: hub revision or local-file digest), read without loading weights."""
+        if "pair" not in self._memo:
+            self._memo["pair"] = {side: self.model_identity(side) for side in ("source", "target")}
+            self._memo["pair"]["dtype"] = self.cfg["pair"].get("dtype", "auto")
+        return self._memo["pair"]
+
+    def model_identity(self, side: str) -> dict:
+        """{"ref", "config_hash", "weights"} of the source/target: what its artifacts are keyed by."""
+        from transformers import AutoConfig
+
+        from ..config.identity import weights_identity
+
+        memo = f"identity/{side}"
+        if memo not in self._memo:
+            ref = self.model_ref(side)
+            cfg = AutoConfig.from_pretrained(ref, trust_remote_code=self.cfg.get("trust_remote_code", False))
+            self._memo[memo] = {"ref": ref, "config_hash": config_hash(cfg), "weights": weights_identity(ref)}
+        return self._memo[memo]
+
+    def input_identity(self, name: str):
+        """Identity named by an artifact declaration: "source"/"target" (model identity), "calib_data" /
+        "eval_data" (size + sha256 of the local files the calibration / evaluation reads), "ppl_data" (the
+        perplexity sets' files outside eval.data_dir)."""
+        from ..config.identity import data_identity
+
+        if name in ("source", "target"):
+            return self.model_identity(name)
+        memo = f"identity/{name}"
+        if memo not in self._memo:
+            if name == "calib_data":
+                self._memo[memo] = data_identity(files=self.cfg["calib"].get("files") or ())
+            elif name == "eval_data":
+                self._memo[memo] = data_identity(directory=self.cfg["eval"].get("data_dir"))
+            elif name == "ppl_data":  # perplexity sets read from the repository, outside eval.data_dir
+                from ..eval.sources import ppl_bundled_files
+                self._memo[memo] = data_identity(files=ppl_bundled_files(self.cfg["eval"]))
+            else:
+                raise KeyError(f"no identity named {name!r}")
+        return self._memo[memo]
+
+    def key(self, name: str, key_space: str | None = None) -> str:
+        """Key of artifact `name` under this run's config, from its declaration (kvtransfer.runner.artifacts):
+        its config inputs, upstream keys, identities and runtime values. key_space: the calibration's
+        (default: the run's; a mapper is always fitted on the run's own key space)."""
+        art = ARTIFACTS[name]
+        upstream = {u: self.key(u) for u in art.upstream}
+        runtime = {"key_space": key_space or self.key_space, "format": MOMENTS_FORMAT, "torch": torch.__version__,
+                   "device": torch.cuda.get_device_name(0) if self.device.startswith("cuda") else "cpu"}
+        return compute_key(name, self.cfg, upstream=upstream,
+                           identities={i: self.input_identity(i) for i in art.identities},
+                           extra={e: runtime[e] for e in art.extra})
+
+    # -- calibration ------------------------------------------------------------------------------
+    def moments_dir(self, key_space: str) -> Path:
+        """Artifact directory of the calibration moments for `key_space`."""
+        check_cache_version(self.cache_dir)
+        return self.cache_dir / "moments" / self.key("calibration", key_space)
+
+    def token_ids(self) -> torch.Tensor:
+        """Calibration sequences [n_sequences, seq_len] from calib.files or calib.dataset."""
+        if "token_ids" not in self._memo:
+            calib = self.cfg["calib"]
+            if calib.get("files"):
+                docs = read_documents(calib["files"], calib.get("text_field", "text"))
+            elif calib.get("dataset"):
+                docs = stream_hf_documents(calib["dataset"], calib.get("dataset_name"), calib.get("split", "train"),
+                                           calib.get("text_field", "text"))
+            else:
+                raise ValueError("set calib.files=[...] or calib.dataset=... to calibrate")
+            self._memo["token_ids"] = token_sequences(docs, self.model("source")[1], calib["n_sequences"],
+                                                      calib["seq_len"], context_start=self.context_start)
+        return self._memo["token_ids"]
+
+    def moments(self, key_space: str | None = None) -> tuple[Moments, HeldOut, dict]:
+        """(train, heldout, provenance) calibration moments, computed once per config."""
+        key_space = key_space or self.key_space
+        memo = f"moments/{key_space}"
+        if memo not in self._memo:  # the full moments of a big pair are tens of GB: read them once
+            directory = self.moments_dir(key_space)
+            done = directory / "calibration.json"
+            if not done.exists():
+                calibrate_stage.calibrate(self, directory, key_space)
+            calib = load_calibration(directory / "calibration")
+            self._memo[memo] = (calib.train, calib.heldout, json.loads(done.read_text()))
+        return self._memo[memo]
+
+    def calibration_info(self, key_space: str | None = None) -> dict:
+        """The calibration's provenance (calibration.json), calibrating first when needed; loads no moments."""
+        key_space = key_space or self.key_space
+        directory = self.moments_dir(key_space)
+        done = directory / "calibration.json"
+        if not done.exists():
+            calibrate_stage.calibrate(self, directory, key_space)
+        return json.loads(done.read_text())
+
+    def split(self) -> tuple[list[int], list[int]]:
+        """(train, held-out) calibration sequence indices this run's moments were computed on. The
+        calibration records its held-out sequences; a split that disagrees with them (an artifact made
+        under another seed) is an error, never a silent mix of one seed's rows with another's split."""
+        info = self.calibration_info()
+        calib = self.cfg["calib"]
+        train, held = split_heldout(self.token_ids().shape[0], calib["heldout_fraction"], self.cfg.get("seed", 0))
+        if info.get("heldout_index") != held:
+            raise RuntimeError(f"the calibration at {self.moments_dir(self.key_space)} holds out sequences "
+                               f"{info.get('heldout_index')} but seed={self.cfg.get('seed', 0)} holds out {held}: it "
+                               "was made under another split; delete it (the next run calibrates again)")
+        return train, held
+
+    def release_moments(self) -> None:
+        """Drop the moments read by `moments` (tens of GB at paper scale); a later call reads them again."""
+        for key in [k for k in self._memo if k.startswith("moments/")]:
+            del self._memo[key]
+        import gc
+
+        gc.collect()
+
+    @property
+    def features(self) -> str:
+        """What the calibration and the map read of the source per layer: "kv", or its hidden states under
+        mapper=hidden (runconfig.source_features, kvtransfer.core.hidden)."""
+        return source_features(self.cfg["mapper"])
+
+    def source_prefill(self, ids: torch.Tensor, mapper, attention_mask: torch.Tensor | None = None):
+        """(source cache layers, source_hidden or None) of ids on the source: the normed layer inputs of the
+        source layers `mapper` reads are captured from the same forward only when the mapper needs them."""
+        from ..core.cache import prefill
+        from ..core.hidden import prefill_with_hidden, used_layers
+
+        source = self.model("source")[0]
+        if getattr(mapper, "needs_hidden", False):
+            return prefill_with_hidden(source, ids, attention_mask, layers=used_layers(mapper.selected_layers))
+        return prefill(source, ids, attention_mask), None
+
+    def _release(self, side: str) -> None:
+        self._models.pop(side, None)
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def r2(self, key_space: str | None = None) -> dict:
+        """Single-source R² matrices {"train"|"heldout": {"k"|"v": [L_t, L_s]}} (cached)."""
+        key_space = key_space or self.key_space
+        path = self.moments_dir(key_space) / "r2_matrix.safetensors"
+        if not path.exists():
+            train, heldout, _ = self.moments(key_space)
+            r2 = r2_matrix(train, heldout=heldout, head_dim=self.target_head_dim(), progress=self.progress)
+            atomic_save_tensors(path, {f"{s}.{k}": t for s, per in r2.items() for k, t in per.items()})
+        tensors, _ = load_tensors(path)
+        out: dict = {}
+        for name, t in tensors.items():
+            split, kind = name.split(".")
+            out.setdefault(split, {})[kind] = t
+        return out
+
+    def target_head_dim(self) -> int:
+        """Target head size, from its config (no weights needed)."""
+        from transformers import AutoConfig
+
+        return kv_shape(AutoConfig.from_pretrained(self.model_ref("target"),
+                                                   trust_remote_code=self.cfg.get("trust_remote_code", False))).head_dim
+
+    # -- fit ----------------------------------------------------------------------------------------
+    def mapper_dir(self) -> Path:
+        """Artifact directory of the mapper this config fits."""
+        check_cache_version(self.cache_dir)
+        return self.cache_dir / "mappers" / self.key("mapper")
+
+    def mapper(self):
+        """The fitted mapper (ridge or mlp), loaded from cache or fitted now."""
+        directory = self.mapper_dir()
+        if not (directory / "mapper.json").exists():
+            fit_stage.fit(self, directory)
+        return load_mapper(directory)  # a fresh copy each call: callers move it to their device/dtype
+
+    def native_sink(self, mapper=None) -> int:
+        """Leading context positions the target computes itself: the mapper artifact's `native_sink`
+        (mapper.native_sink when it was fitted). eval.native_sink, when set, must agree with it."""
+        mapper = mapper or self.mapper()
+        asked = self.cfg.get("eval", {}).get("native_sink")
+        if asked is not None and int(asked) != mapper.native_sink:
+            raise ValueError(f"eval.native_sink={asked} but the mapper at {self.mapper_dir()} was fitted to be applied "
+                             f"with native_sink={mapper.native_sink}; the sink is part of the map: set "
+                             f"mapper.native_sink={asked} (fits that map) and drop eval.native_sink")
+        return mapper.native_sink
+
+    # -- fidelity on held-out text ------------------------------------------------------------------
+
+
+def check_cache_version(cache_dir: Path) -> None:
+    """Say once per cache when it holds artifacts keyed under older key rules (they are never read: their
+    inputs are not known to match), and stamp the cache with the current KEY_VERSION."""
+    stamp = cache_dir / "KEYS_VERSION"
+    if stamp.exists() and stamp.read_text().strip() == str(KEY_VERSION):
+        return
+    old = [d.name for d in (cache_dir / "moments", cache_dir / "mappers", cache_dir / "eval", cache_dir / "bench")
+           if d.is_dir() and any(d.iterdir())]
+    if old:
+        import warnings
+
+        warnings.warn(f"{cache_dir} holds artifacts ({', '.join(old)}) keyed under key version "
+                      f"{stamp.read_text().strip() if stamp.exists() else 1}; version {KEY_VERSION} keys every artifact "
+                      "by the seed and the model weights too (kvtransfer.runner.artifacts), so none of them is reused "
+                      "and this run computes its own. Delete the old ones when no longer needed.", stacklevel=3)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(f"{KEY_VERSION}\n")

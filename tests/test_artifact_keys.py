@@ -16,7 +16,7 @@ import pytest
 
 from kvtransfer.config.identity import data_identity, directory_weights_digest, hub_revision, weights_identity
 from kvtransfer.runner.artifacts import (ARTIFACTS, NOT_INPUTS, OPAQUE, classify, compute_key, key_inputs, leaf_keys,
-                                         lookup)
+                                         lookup, upstream_of)
 from run_configs import ROOT, compose_config
 
 GROUPS = {"calib": ["fineweb_edu", "local", "tiny"], "mapper": ["ridge", "mlp", "trained", "hidden"], "eval": ["default", "tiny"],
@@ -85,7 +85,7 @@ def _set(cfg: dict, dotted: str, value) -> dict:
 
 def _key(name: str, cfg: dict, **change) -> str:
     art = ARTIFACTS[name]
-    ctx = {"upstream": {u: f"up-{u}" for u in art.upstream},
+    ctx = {"upstream": {u: f"up-{u}" for u in upstream_of(name, cfg)},
            "identities": {i: {"id": i} for i in art.identities},
            "extra": {e: f"x-{e}" for e in art.extra}}
     for part, (entry, value) in change.items():
@@ -93,9 +93,18 @@ def _key(name: str, cfg: dict, **change) -> str:
     return compute_key(name, cfg, **ctx)
 
 
-# configs under which every conditional input is read: the paper's ridge, the attention metric, the MLP
+def _chain_key(name: str, cfg: dict) -> str:
+    """The key as the runner computes it: upstream keys from the same config, down the chain (fixed identities)."""
+    art = ARTIFACTS[name]
+    return compute_key(name, cfg, upstream={u: _chain_key(u, cfg) for u in upstream_of(name, cfg)},
+                       identities={i: {"id": i} for i in art.identities}, extra={e: f"x-{e}" for e in art.extra})
+
+
+# a base per map kind and per weighting, so every conditional input and every conditional upstream is read by one
 BASES = {"ridge": compose_config("pair=qwen3_14b_32b"),
          "attention": compose_config("pair=qwen3_14b_32b", "mapper.weighting=attention", "mapper.rank=64"),
+         "attention_mass": compose_config("pair=qwen3_14b_32b", "mapper.weighting=attention_mass",
+                                          "calib.mlp_samples=65536"),
          "mlp": compose_config("pair=qwen3_14b_32b", "mapper=mlp", "calib.mlp_samples=65536"),
          "trained": compose_config("pair=qwen3_14b_32b", "mapper=trained"),
          "hidden": compose_config("pair=qwen3_14b_32b", "mapper=hidden"),
@@ -115,17 +124,55 @@ def test_a_key_changes_with_each_input_and_nothing_else(name, base):
         elif not any(dotted == c[0] for c in ARTIFACTS[name].when.values()):  # a condition selects inputs
             assert changed == key, f"{name}: {dotted} is not an input but changed the key"
     art = ARTIFACTS[name]
-    for part, names in (("upstream", art.upstream), ("identities", art.identities), ("extra", art.extra)):
+    for part, names in (("upstream", upstream_of(name, cfg)), ("identities", art.identities), ("extra", art.extra)):
         for entry in names:
             assert _key(name, cfg, **{part: (entry, "other")}) != key, f"{name}: {part} {entry} not keyed"
 
 
+@pytest.mark.parametrize("name", sorted(ARTIFACTS))
+@pytest.mark.parametrize("base", sorted(BASES))
+def test_through_the_chain_every_input_of_what_is_read_moves_the_key(name, base):
+    """The structural rule (issue 32): an input of any artifact `name` reads, directly or through its upstream
+    chain, changes `name`'s key; a leaf no artifact of the chain reads leaves it."""
+    cfg = BASES[base]
+    key = _chain_key(name, cfg)
+    chain, todo = set(), [name]
+    while todo:
+        chain.add(todo[-1])
+        todo += [u for u in upstream_of(todo.pop(), cfg) if u not in chain]
+    read = {k for a in chain for k in key_inputs(a, cfg)}
+    conditions = {c[0] for a in chain for c in ARTIFACTS[a].when.values()} | {
+        leaf for a in chain for alts in ARTIFACTS[a].reads.values() for leaf, _ in alts}
+    for dotted in leaf_keys(cfg):
+        changed = _chain_key(name, _set(cfg, dotted, _mutated(lookup(cfg, dotted))))
+        if dotted in read:
+            assert changed != key, f"{name} under {base}: {dotted} is read down its chain but left the key unchanged"
+        elif dotted not in conditions:
+            assert changed == key, f"{name} under {base}: nothing down its chain reads {dotted} but it moved the key"
+
+
+def test_the_attention_mass_map_follows_its_feature_sample():
+    """Issue 32: the attention-mass fit reads the kept feature rows, so 1,000 vs 65,536 of them are two maps."""
+    mass = BASES["attention_mass"]
+    assert set(upstream_of("mapper", mass)) == {"calibration", "feature_sample", "attention_mass"}
+    few = _set(mass, "calib.mlp_samples", 1000)
+    assert _chain_key("feature_sample", few) != _chain_key("feature_sample", mass)
+    assert _chain_key("mapper", few) != _chain_key("mapper", mass)
+    # a map that reads no feature rows keeps its key (one calibration serves ridge and MLP fits)
+    ridge = BASES["ridge"]
+    assert _chain_key("mapper", _set(ridge, "calib.mlp_samples", 1000)) == _chain_key("mapper", ridge)
+
+
 def test_conditional_inputs_enter_only_when_read():
-    ridge, attention, mlp = BASES["ridge"], BASES["attention"], BASES["mlp"]
-    assert "mapper.metric_sequences" not in key_inputs("mapper", ridge)
-    assert "mapper.metric_sequences" in key_inputs("mapper", attention)
-    assert "mapper.hidden" in key_inputs("mapper", mlp) and "calib.mlp_samples" in key_inputs("mapper", mlp)
-    assert "calib.mlp_samples" not in key_inputs("mapper", ridge)  # one calibration serves ridge and MLP fits
+    ridge, attention, mlp, mass = BASES["ridge"], BASES["attention"], BASES["mlp"], BASES["attention_mass"]
+    assert upstream_of("mapper", ridge) == ("calibration",)
+    assert "query_energy" in upstream_of("mapper", attention)  # mapper.metric_sequences keys it
+    assert "mapper.hidden" in key_inputs("mapper", mlp) and "feature_sample" in upstream_of("mapper", mlp)
+    assert "feature_sample" in upstream_of("mapper", mass) and "attention_mass" in upstream_of("mapper", mass)
+    # no knob of an upstream artifact is repeated as a direct input (its key carries it)
+    for art in ARTIFACTS.values():
+        for up in art.upstream:
+            assert not set(art.inputs) & set(ARTIFACTS[up].inputs) - set(ARTIFACTS["calibration"].inputs), (art.name, up)
 
 
 def test_the_trained_maps_knobs_key_only_the_trained_map():
@@ -252,7 +299,50 @@ def test_data_files_are_identified_by_their_bytes(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         data_identity(files=[tmp_path / "missing.jsonl"])
     (tmp_path / "README.md").write_text("a note")  # a data directory's notes are not data
-    assert [d["path"] for d in data_identity(directory=tmp_path)] == [str(f)]
+    assert [d["name"] for d in data_identity(directory=tmp_path)] == [f.name]
+    # the bytes, not the path (issue 32): the same file in a moved checkout is the same data
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / f.name).write_bytes(f.read_bytes())
+    assert data_identity(files=[moved / f.name]) == data_identity(files=[f])
+
+
+def test_a_local_models_identity_holds_its_config_and_tokenizer(tmp_path):
+    """Issue 32: a config.json edit (layer_types / sliding_window change the logits) or an edited tokenizer config
+    (it decides the calibration token ids) is a new identity; the same bytes in a moved directory are the same."""
+    _save_model(tmp_path / "m", seed=1)
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    first = weights_identity(str(tmp_path / "m"))
+    cfg_path = tmp_path / "m" / "config.json"
+    raw = cfg_path.read_text()
+    cfg_path.write_text(json.dumps({**json.loads(raw), "sliding_window": 4, "use_sliding_window": True}))
+    assert weights_identity(str(tmp_path / "m")) != first
+    cfg_path.write_text(raw)
+    assert weights_identity(str(tmp_path / "m")) == first
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 65}))
+    assert weights_identity(str(tmp_path / "m")) != first
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    (tmp_path / "m").rename(tmp_path / "elsewhere")
+    assert weights_identity(str(tmp_path / "elsewhere")) == first
+
+
+def test_a_hub_dataset_is_keyed_by_its_revision(tmp_path, monkeypatch):
+    """Issue 32: a streamed calibration dataset's revision enters calib_data (offline: the HF cache's ref)."""
+    import huggingface_hub
+    import huggingface_hub.constants as hub
+
+    from kvtransfer.config.identity import hub_dataset_revision
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
+    with pytest.raises(ValueError, match="calib.files"):
+        hub_dataset_revision("Org/Data")
+    refs = tmp_path / "datasets--Org--Data" / "refs"
+    refs.mkdir(parents=True)
+    (refs / "main").write_text("c" * 40)
+    assert hub_dataset_revision("Org/Data") == "c" * 40
+    (refs / "main").write_text("d" * 40)  # the dataset was updated: a new identity, so new moments
+    assert hub_dataset_revision("Org/Data") == "d" * 40
 
 
 def test_a_cache_of_older_keys_is_named_once_and_never_read(tmp_path):

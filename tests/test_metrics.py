@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvtransfer.eval import metrics as M
+from tolerance import assert_within
 
 
 def test_definitions_by_hand():
@@ -44,14 +45,63 @@ def test_paired_se_is_smaller_than_the_two_own_ses_when_items_are_shared():
 
 
 def test_paired_bootstrap_and_gap_difference():
-    target, floor = [1, 1, 1, 0, 1, 0], [0, 1, 0, 0, 0, 0]
+    # target - floor per item is 0 on two items of six: (2/6)^6 = 0.14 % of resamples tie (below MAX_DROPPED)
+    target, floor = [1, 1, 1, 1, 1, 0], [0, 1, 0, 0, 0, 0]
     a = {"target": target, "no_context": floor, "transfer": [1, 1, 0, 0, 1, 0]}
     point, se = M.paired_bootstrap(a, lambda m: M.gap_closed(m["transfer"], m["target"], m["no_context"]), seed=1)
-    assert point == (3 / 6 - 1 / 6) / (4 / 6 - 1 / 6) and se > 0
+    assert point == (3 / 6 - 1 / 6) / (5 / 6 - 1 / 6) and se > 0
     same = M.gap_closed_difference(a, a)
     assert same["difference"] == 0.0 and same["se"] == 0.0
     with pytest.raises(ValueError, match="same items"):
         M.gap_closed_difference(a, dict(a, target=[0] * 6))
+
+
+def test_the_paired_bootstrap_se_of_a_linear_statistic_is_the_analytic_one():
+    """Issue 32: for a mean difference the bootstrap SE has a closed form, the plug-in SE of the paired
+    differences, std(a - b, ddof 0) / sqrt(n); the bootstrap's own Monte Carlo error on an SE is ~ SE / sqrt(2 B).
+    A resample not shared between modes would give the unpaired SE (here > 3x larger)."""
+    rng = np.random.default_rng(0)
+    n, n_boot = 200, 20000
+    a = rng.normal(size=n)
+    b = a + 0.3 * rng.normal(size=n)  # the same items: strongly correlated
+    point, se = M.paired_bootstrap({"a": a, "b": b}, lambda m: m["a"] - m["b"], n_boot=n_boot, seed=3)
+    analytic = float((a - b).std(ddof=0) / math.sqrt(n))
+    unpaired = math.hypot(a.std(ddof=0), b.std(ddof=0)) / math.sqrt(n)
+    assert unpaired > 3 * analytic
+    assert_within(se, analytic, atol=5 * analytic / math.sqrt(2 * n_boot),
+                  reason="5 Monte Carlo sigma of a bootstrap SE (SE / sqrt(2 B), B = 20000)",
+                  headroom_exempt="a seeded Monte Carlo draw: the error is this seed's, the same on every machine")
+    # and the SE of one mode's mean: std(ddof 0) / sqrt(n)
+    _, se_a = M.paired_bootstrap({"a": a}, lambda m: m["a"], n_boot=n_boot, seed=4)
+    assert_within(se_a, float(a.std(ddof=0) / math.sqrt(n)), atol=5 * float(a.std()) / math.sqrt(n) / math.sqrt(2 * n_boot),
+                  reason="5 Monte Carlo sigma of a bootstrap SE (SE / sqrt(2 B))",
+                  headroom_exempt="a seeded Monte Carlo draw: the error is this seed's, the same on every machine")
+
+
+def test_the_bootstrap_counts_dropped_replicates_and_withholds_the_se_past_the_threshold():
+    """Issue 32: a ratio's replicates are non-finite where its denominator resamples to 0. They used to be
+    dropped silently (an n = 10 case: point None, an SE from 699 of 1,000 replicates)."""
+    # target and floor tie on the means (point undefined) and on many resamples
+    target, floor = [1, 0, 0, 0, 0, 0, 0, 0, 0, 1], [0, 1, 0, 0, 0, 0, 0, 0, 1, 0]
+    tie = {"target": target, "no_context": floor, "transfer": [1, 1, 0, 0, 0, 0, 0, 0, 0, 0]}
+    gap = lambda m: M.gap_closed(m["transfer"], m["target"], m["no_context"])  # noqa: E731
+    point, se, dropped = M.paired_bootstrap(tie, gap, seed=0, return_dropped=True)
+    assert point is None and se is None and dropped > 10
+    # a defined point whose denominator still resamples to 0 often: counted, SE withheld
+    close = dict(tie, target=[1, 0, 0, 0, 0, 0, 0, 0, 1, 1])
+    point, se, dropped = M.paired_bootstrap(close, gap, seed=0, return_dropped=True)
+    assert point is not None and dropped > M.MAX_DROPPED * 1000 and se is None
+    # a clear denominator: nothing dropped, an SE
+    clear = dict(tie, target=[1] * 10, no_context=[0] * 10)
+    point, se, dropped = M.paired_bootstrap(clear, gap, seed=0, return_dropped=True)
+    assert dropped == 0 and se is not None and se > 0
+    assert M.bootstrap_se([1.0, 2.0, float("nan")]) == (None, 1)  # 1 of 3 > 1 %
+    assert M.ppl_gap_closed({"target": [1.0, 2.0], "transfer": [1.5, 2.5], "no_context": [1.0, 2.0]},
+                            n_boot=50)["gap_closed_se"] is None
+    from kvtransfer.eval.retention import task_summary
+
+    row = task_summary({m: close[m] for m in ("target", "transfer", "no_context")})
+    assert row["bootstrap_dropped"]["gap_closed"] > 10 and row["stderr_gap_closed"] is None
 
 
 def test_upgrade_of_a_schema_1_summary():

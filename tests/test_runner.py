@@ -140,12 +140,14 @@ def test_artifact_keys_follow_the_config(tiny_pair_dirs, tmp_path):
     assert base.moments_dir("stripped") == lam.moments_dir("stripped") and base.mapper_dir() != lam.mapper_dir()
     assert rot.moments_dir(rot.key_space) != base.moments_dir(base.key_space)
     assert artifact_key({"a": 1, "b": 2}) == artifact_key({"b": 2, "a": 1})
-    # eval.native_tail changes the mapped results' key only (baselines never read a mapped cache)
+    # eval.native_tail changes the keys of what reads the tail: the mapped results and native_injected (a split mode,
+    # issue 32), never the other baselines
     from kvtransfer.runner.eval_stage import result_dirs
 
     tail = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "eval.native_tail=8"), "x")
     assert result_dirs(tail)["baseline"] == result_dirs(base)["baseline"]
     assert result_dirs(tail)["mapped"] != result_dirs(base)["mapped"]
+    assert result_dirs(tail)["native"] != result_dirs(base)["native"]
     # whether perplexity runs selects what is computed, not how: a tasks-only run reads the full run's files,
     # while a perplexity setting that changes the numbers still changes both keys
     no_ppl = Run(_tiny_cfg(tiny_pair_dirs, tmp_path, "eval.ppl.enabled=false"), "x")
@@ -596,9 +598,11 @@ def test_k_sweep_and_sink_change_compute_baselines_once(tiny_pair_dirs, tmp_path
     assert [s["native_tail"] for s in summaries] == [1, 1, 1, 1, 6]
     modes = ["target", "source", "transfer", "native_injected", "no_context"]
     mapped_controls = ["transfer_wrong", "mean_map", "random_map"]
-    # the content controls: target_wrong is a baseline, computed once; the mapped ones follow the map
-    assert computed == modes + ["target_wrong", *mapped_controls] + ["transfer", *mapped_controls] * 4, computed
-    assert target_forwards == []  # no baseline forward after the first run
+    # the content controls: target_wrong is a baseline, computed once; the mapped ones follow the map; native_injected
+    # follows eval.native_tail (the last run's 6-token tail is computed, not read from the 1-token run's files)
+    assert computed == (modes + ["target_wrong", *mapped_controls] + ["transfer", *mapped_controls] * 3
+                        + ["transfer", "native_injected", *mapped_controls]), computed
+    assert set(target_forwards) <= {"native_injected"}  # no other baseline forward after the first run
     for s in summaries[1:]:
         for task, row in s["tasks"].items():
             assert row["target"] == summaries[0]["tasks"][task]["target"]

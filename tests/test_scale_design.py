@@ -9,7 +9,7 @@ import kvtransfer as kt
 from kvtransfer.core.calibrate import load_calibration, subsample_positions
 from kvtransfer.core.moments import HeldOut, Moments
 from tiny_models import random_ids, tiny_model
-from tolerance import assert_close
+from tolerance import assert_close, assert_within
 
 HEAD_DIM = 8
 STRIDE, BATCH = 2, 4
@@ -321,8 +321,17 @@ def test_float32_device_accumulation_on_the_trained_tiny_pair():
     for kind in ("k", "v"):
         err = {name: float((f.r2["heldout"][kind] - f_ref.r2["heldout"][kind]).abs().max()) for name, f in fits.items()}
         assert err["device"] <= min(4 * err["products32"] + 64 * eps32, 1e-4), (kind, err)
-        for t, a, b in zip(ref.train.target_layers, f_ref.weights[kind], fits["device"].weights[kind]):
-            x = held.x(kind)[:, a.columns].double()
-            y = held.y(kind)[:, held.target_columns(t)].double()
-            diff = x @ (a.weight - b.weight) + (a.bias - b.bias)
-            assert float(diff.norm() / (y - y.mean(0)).norm()) <= 2e-3, (kind, t)
+        rel = {name: [] for name in fits}
+        for name, fit in fits.items():
+            for t, a, b in zip(ref.train.target_layers, f_ref.weights[kind], fit.weights[kind]):
+                x = held.x(kind)[:, a.columns].double()
+                y = held.y(kind)[:, held.target_columns(t)].double()
+                diff = x @ (a.weight - b.weight) + (a.bias - b.bias)
+                rel[name].append(float(diff.norm() / (y - y.mean(0)).norm()))
+        # the map's held-out outputs, relative to the target's spread: the device path's error is the float32
+        # products' error (both round each product once), amplified by the same conditioning; the accumulator adds a
+        # few eps32 of the sums, so per layer device <= 32 x products32 + 64 eps32 (issue 32: was an absolute 2e-3)
+        allowed = torch.tensor(rel["products32"], dtype=torch.float64) * 32 + 64 * eps32
+        got = torch.tensor(rel["device"], dtype=torch.float64)
+        assert_within(got / allowed, torch.zeros_like(got), atol=1.0,
+                      reason="per layer: device output error / (32 x the float32-products path's + 64 eps32) <= 1")

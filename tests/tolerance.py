@@ -186,8 +186,14 @@ def assert_rounded(reported, exact, *, decimals: int, reason: str) -> Record:
 
 
 def assert_far(actual, other, *, atol: float, reason: str, headroom_exempt: str | None = None) -> Record:
-    """Assert max |actual - other| > atol: the two really differ (e.g. a change had an effect)."""
+    """Assert max |actual - other| > atol: the two really differ (e.g. a change had an effect). Both must be
+    finite: a NaN or inf is no evidence of an effect (it would read as an infinite difference)."""
     a, e = _as_tensors(actual, other)
+    for name, t in (("actual", a), ("other", e)):
+        bad = int((~torch.isfinite(t.double())).sum())
+        if bad:
+            raise AssertionError(f"assert_far: {name} holds {bad} non-finite value(s), so the difference proves "
+                                 f"nothing: {reason}")
     rec = _record("far", _max_error(a, e), float(atol), reason, headroom_exempt)
     assert rec.observed > atol, f"max |actual - other| = {rec.observed:.3g} <= {atol:.3g}: {reason}"
     return _keep(rec)

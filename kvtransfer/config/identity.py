@@ -12,7 +12,13 @@ a new hub revision under the same id, or an edited calibration file never reuse 
   headers plus 3 small reads per tensor, never a full read: 57 ms for a 60 GiB, 1,008-tensor, 14-shard
   checkpoint on the 2-core EPYC dev machine without device I/O (experiments/identity_cost.py), plus
   ~3,000 random 64-byte reads on a real disk (~0.3 s on an SSD at ~0.1 ms each).
-- A data file is identified by its size and sha256 (calibration text and benchmark samples are small).
+  A local directory's identity also holds the sha256 of every file that decides what the model computes or
+  reads besides its weights (`MODEL_FILES`: config.json, generation_config.json, the tokenizer's files, a
+  remote-code module): an edited `layer_types` or `tokenizer_config.json` is a new identity.
+- A data file is identified by its name, size and sha256 (calibration text and benchmark samples are small),
+  never by the directory it sits in: moving a checkout keeps every key (issue 32). A local model likewise is
+  its bytes, not its path (the runner keys a hub model by id + revision, a local one by its files only).
+- A hub dataset is identified by the revision the hub resolves it to (`hub_dataset_revision`).
 """
 from __future__ import annotations
 
@@ -24,6 +30,25 @@ from pathlib import Path
 
 SAMPLE_BYTES = 64
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# files besides the weights that change what a loaded model computes (config) or reads (tokenizer)
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+               "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+               "chat_template.jinja", "chat_template.json")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def model_files_digest(directory: str | Path) -> dict:
+    """{file name: sha256[:16]} of the MODEL_FILES and remote-code modules (*.py) present in a model directory."""
+    directory = Path(directory)
+    return {p.name: _sha256(p) for p in sorted(directory.iterdir())
+            if p.is_file() and (p.name in MODEL_FILES or p.suffix == ".py")}
 
 
 def _safetensors_digest(path: Path, h) -> int:
@@ -87,12 +112,12 @@ def hub_revision(repo_id: str, revision: str | None = None) -> str | None:
 
 
 def weights_identity(ref: str, revision: str | None = None) -> dict:
-    """Identity of the weights behind a model reference: a local directory's digest, or the hub snapshot
-    commit an id resolves to. Call after the model's config was read (that fills the HF cache).
+    """Identity of the weights behind a model reference: a local directory's digest (weights, plus the
+    `model_files` digest of its config and tokenizer files), or the hub snapshot commit an id resolves to. Call after the model's config was read (that fills the HF cache).
 
     Raises ValueError when a hub id resolves to no snapshot (offline and never downloaded)."""
     if os.path.isdir(ref):
-        return directory_weights_digest(ref)
+        return {**directory_weights_digest(ref), "model_files": model_files_digest(ref)}
     commit = hub_revision(ref, revision)
     if commit is None:
         raise ValueError(f"cannot tell which weights {ref!r} is: the HF cache holds no snapshot of it. Run once "
@@ -101,15 +126,33 @@ def weights_identity(ref: str, revision: str | None = None) -> dict:
 
 
 def file_identity(path: str | Path) -> dict:
-    """{"path", "bytes", "sha256"} of a data file (raises FileNotFoundError with the path when missing)."""
+    """{"name", "bytes", "sha256"} of a data file: its bytes and file name, not where it lies (raises
+    FileNotFoundError with the path when missing)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return {"path": str(path), "bytes": path.stat().st_size, "sha256": h.hexdigest()[:16]}
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def hub_dataset_revision(repo_id: str, revision: str | None = None) -> str:
+    """Commit sha a hub dataset `repo_id`@`revision` (default main) resolves to: asked of the hub, or, offline,
+    read from the HF cache's refs (what `datasets` read). Raises ValueError naming the fix when neither knows it."""
+    try:
+        from huggingface_hub import HfApi
+
+        sha = HfApi().dataset_info(repo_id, revision=revision).sha
+        if sha:
+            return sha
+    except Exception:  # offline, or an unreachable hub: fall back to the cache
+        pass
+    from huggingface_hub import constants
+
+    ref = Path(constants.HF_HUB_CACHE) / f"datasets--{repo_id.replace('/', '--')}" / "refs" / (revision or "main")
+    if ref.is_file():
+        return ref.read_text().strip()
+    raise ValueError(f"cannot tell which revision of hub dataset {repo_id!r} a run reads (the hub is unreachable and "
+                     "the HF cache holds no ref of it): run once with hub access, or point the run at local files "
+                     "(calib.files / eval.data_dir)")
 
 
 DATA_SUFFIXES = (".jsonl", ".json", ".txt", ".csv", ".parquet")

@@ -84,6 +84,7 @@ def control_statistics(per_item: Mapping[str, Sequence[float]], *, n_boot: int =
       target_content_gain, transfer_content_gain   target - target_wrong, transfer - transfer_wrong (+ _se: the
                                                    SE of the paired mean difference)
       gap_closed_above_<c> (+ _se)                 gap_closed(transfer, target, c) for each control c that ran
+    and for each bootstrapped ratio <name>_se_dropped: its non-finite replicates (SE None past MAX_DROPPED).
     """
     have = {m: v for m, v in per_item.items() if v is not None}
     for need in ("target", "transfer"):
@@ -92,9 +93,9 @@ def control_statistics(per_item: Mapping[str, Sequence[float]], *, n_boot: int =
     out: dict = {}
     if "target_wrong" in have and "transfer_wrong" in have:
         items = {m: have[m] for m in ("target", "transfer", "target_wrong", "transfer_wrong")}
-        out["content_share"], out["content_share_se"] = paired_bootstrap(
+        out["content_share"], out["content_share_se"], out["content_share_se_dropped"] = paired_bootstrap(
             items, lambda m: content_share(m["transfer"], m["transfer_wrong"], m["target"], m["target_wrong"]),
-            n_boot=n_boot, seed=seed)
+            n_boot=n_boot, seed=seed, return_dropped=True)
     for mode, wrong in (("target", "target_wrong"), ("transfer", "transfer_wrong")):
         if wrong in have:
             d = paired_difference(have[mode], have[wrong])
@@ -102,8 +103,10 @@ def control_statistics(per_item: Mapping[str, Sequence[float]], *, n_boot: int =
     for control in CONTROL_MODES:
         if control in have:
             items = {"target": have["target"], "transfer": have["transfer"], "control": have[control]}
-            out[f"gap_closed_above_{control}"], out[f"gap_closed_above_{control}_se"] = paired_bootstrap(
-                items, lambda m: gap_closed(m["transfer"], m["target"], m["control"]), n_boot=n_boot, seed=seed)
+            key = f"gap_closed_above_{control}"
+            out[key], out[f"{key}_se"], out[f"{key}_se_dropped"] = paired_bootstrap(
+                items, lambda m: gap_closed(m["transfer"], m["target"], m["control"]), n_boot=n_boot, seed=seed,
+                return_dropped=True)
     return out
 
 
@@ -120,14 +123,32 @@ def as_float(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
+# a bootstrap SE is withheld (None) when more than this share of its replicates is non-finite (a ratio whose
+# denominator resamples to 0): the finite rest is a conditional distribution, not the statistic's
+MAX_DROPPED = 0.01
+
+
+def bootstrap_se(values) -> tuple[float | None, int]:
+    """(SE, dropped) of bootstrap replicates [n_boot]: the standard deviation (ddof 1) of the finite ones and the
+    count of non-finite ones dropped; SE None when more than MAX_DROPPED of them were dropped or < 2 are left."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    finite = v[np.isfinite(v)]
+    dropped = int(v.size - finite.size)
+    if finite.size < 2 or dropped > MAX_DROPPED * v.size:
+        return None, dropped
+    return float(finite.std(ddof=1)), dropped
+
+
 def paired_bootstrap(per_item: Mapping[str, Sequence[float]], statistic: Callable[[dict], np.ndarray], *,
-                     n_boot: int = 1000, seed: int = 0) -> tuple[float | None, float | None]:
-    """(point, SE) of statistic({mode: mean}) with one shared resample of the items for every mode.
+                     n_boot: int = 1000, seed: int = 0, return_dropped: bool = False):
+    """(point, SE) of statistic({mode: mean}) with one shared resample of the items for every mode
+    ((point, SE, dropped) with return_dropped: how many of the n_boot replicates were non-finite).
 
     per_item: {mode: per-item scores [n]} over the same items in the same order (n >= 2).
     statistic: maps {mode: mean} to a value; it is called once on the point means (floats) and once
     on the bootstrap means (arrays [n_boot]), so it must be elementwise (the functions above are).
-    The SE is the standard deviation (ddof 1) of the finite bootstrap values; None when fewer than two are.
+    The SE is `bootstrap_se` of the replicates: None when more than MAX_DROPPED of them are non-finite, when
+    fewer than two are finite, or when the point itself is undefined (None).
     """
     arrays = {m: np.asarray(v, dtype=np.float64) for m, v in per_item.items()}
     lengths = {len(v) for v in arrays.values()}
@@ -140,8 +161,10 @@ def paired_bootstrap(per_item: Mapping[str, Sequence[float]], statistic: Callabl
     point = as_float(statistic({m: v.mean() for m, v in arrays.items()}))
     idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
     boot = np.asarray(statistic({m: v[idx].mean(-1) for m, v in arrays.items()}), dtype=np.float64)
-    boot = boot[np.isfinite(boot)]
-    return point, (float(boot.std(ddof=1)) if boot.size >= 2 else None)
+    se, dropped = bootstrap_se(boot)
+    if point is None:
+        se = None
+    return (point, se, dropped) if return_dropped else (point, se)
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict:
@@ -164,15 +187,15 @@ def gap_closed_difference(a: Mapping[str, Sequence[float]], b: Mapping[str, Sequ
 
     a, b: {"target", "transfer", "no_context": per-item scores}, the same items in one order (the baselines
     of the two runs must be the same numbers: they are the same modes on the same items). Returns
-    {"difference", "se"}."""
+    {"difference", "se", "se_dropped" (non-finite bootstrap replicates; SE None past MAX_DROPPED)}."""
     for name in ("target", "no_context"):
         if not np.array_equal(np.asarray(a[name], dtype=float), np.asarray(b[name], dtype=float)):
             raise ValueError(f"the two runs' {name} scores differ: they were not evaluated on the same items")
     items = {"target": a["target"], "no_context": a["no_context"], "a": a["transfer"], "b": b["transfer"]}
-    point, se = paired_bootstrap(
+    point, se, dropped = paired_bootstrap(
         items, lambda m: gap_closed(m["a"], m["target"], m["no_context"]) - gap_closed(m["b"], m["target"], m["no_context"]),
-        n_boot=n_boot, seed=seed)
-    return {"difference": point, "se": se}
+        n_boot=n_boot, seed=seed, return_dropped=True)
+    return {"difference": point, "se": se, "se_dropped": dropped}
 
 
 def ppl_gap_closed(window_nll: Mapping[str, Sequence[float]], *, n_boot: int = 1000, seed: int = 0) -> dict:
@@ -180,13 +203,13 @@ def ppl_gap_closed(window_nll: Mapping[str, Sequence[float]], *, n_boot: int = 1
 
     window_nll: {"target", "transfer", "no_context": [W] mean NLL of each window}, one window order; every
     window scores the same number of tokens, so the mean over windows is the run's NLL and log(ppl).
-    Returns {"gap_closed", "gap_closed_se", "windows"}."""
+    Returns {"gap_closed", "gap_closed_se", "windows", "gap_closed_se_dropped" (non-finite bootstrap replicates)}."""
     x = {m: np.asarray(window_nll[m], dtype=np.float64) for m in ("target", "transfer", "no_context")}
     if any(v.ndim != 1 or v.size < 2 for v in x.values()):
         raise ValueError("ppl_gap_closed needs >= 2 windows per mode, in the same order for every mode")
-    point, se = paired_bootstrap(x, lambda m: gap_closed(m["transfer"], m["target"], m["no_context"]),
-                                 n_boot=n_boot, seed=seed)
-    return {"gap_closed": point, "gap_closed_se": se, "windows": int(x["target"].size)}
+    point, se, dropped = paired_bootstrap(x, lambda m: gap_closed(m["transfer"], m["target"], m["no_context"]),
+                                          n_boot=n_boot, seed=seed, return_dropped=True)
+    return {"gap_closed": point, "gap_closed_se": se, "windows": int(x["target"].size), "gap_closed_se_dropped": dropped}
 
 
 # task-row fields of schema 1 -> their schema-2 names (the SE of each is stderr_<name>)

@@ -18,7 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .metrics import gap_closed, gap_closed_vs_source, ppl_gap_closed, retention, retention_vs_chance  # noqa: F401
+from .metrics import (bootstrap_se, gap_closed, gap_closed_vs_source, ppl_gap_closed, retention,  # noqa: F401
+                      retention_vs_chance)
 
 CHANCE = {"arc_challenge": 0.25, "hellaswag": 0.25, "mmlu": 0.25, "winogrande": 0.5, "gsm8k": 0.0, "gsm8k_cot": 0.0}
 MODES = ("target", "transfer", "source", "native_injected", "no_context")
@@ -103,8 +104,13 @@ def task_summary(scores: dict[str, Sequence[float]], *, chance: float = 0.0, met
         row[key] = None if value is None or np.isnan(value) else float(value)
     for m in MODES:
         row[f"stderr_{m}"] = float(boot[m].std(ddof=1)) if m in boot else None
+    dropped = {}
     for key, value in stats(boot).items():
-        row[f"stderr_{key}"] = None if value is None else float(np.nanstd(value, ddof=1))
+        # a ratio's replicates are non-finite where its denominator resampled to 0: counted, and no SE past
+        # metrics.MAX_DROPPED of them (the finite rest is a conditional distribution), nor for an undefined point
+        se, dropped[key] = (None, 0) if value is None else bootstrap_se(value)
+        row[f"stderr_{key}"] = None if row[key] is None else se
+    row["bootstrap_dropped"] = {k: n for k, n in dropped.items() if n}
     # a transfer below the no-context floor by more than its paired SE destroys the context
     if "no_context" in arrays:
         diff = boot["transfer"] - boot["no_context"]

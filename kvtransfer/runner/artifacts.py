@@ -18,20 +18,29 @@ from .keys import artifact_key
 # Bumped whenever the key rules change what an existing key means. Version 2 (issue 20): the seed and the
 # model weights (hub revision or a digest of the local files) entered the keys; artifacts under version-1
 # keys are never read (their inputs are not known to match) -- `check_cache_version` says so once.
-KEY_VERSION = 2
+# Version 3 (issue 32): an artifact read by a fit is its upstream (the attention-mass map follows its feature
+# sample), a local model is identified by its config and tokenizer files too, data and local models by their bytes
+# (not their path), hub datasets by their revision, and native_injected by eval.native_tail.
+KEY_VERSION = 3
 
 
 @dataclass(frozen=True)
 class Artifact:
     """One cached artifact: `inputs` (dotted config leaves), `upstream` artifacts, `identities` of the
     models/data it reads, `extra` runtime values. `when` maps an input to (config leaf, values): the input
-    enters the key only while that leaf takes one of those values (a knob read only by some map kinds)."""
+    enters the key only while that leaf takes one of those values (a knob read only by some map kinds).
+
+    The upstream rule is structural: every artifact a computation reads is in its `upstream`, and a knob that
+    only shapes an upstream artifact is that artifact's input, never repeated here (its key carries it).
+    `reads` maps an upstream artifact that is read only under some configs to the alternatives
+    ((config leaf, values), ...) under which it is read (any one suffices)."""
     name: str
     inputs: tuple[str, ...]
     upstream: tuple[str, ...] = ()
     identities: tuple[str, ...] = ()
     extra: tuple[str, ...] = ()
     when: dict = field(default_factory=dict)
+    reads: dict = field(default_factory=dict)
     doc: str = ""
 
 
@@ -71,12 +80,16 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
     Artifact("mapper", doc="the fitted map (ridge, its families, the trained map, the hidden-state map, or the MLP)",
              inputs=("mapper.kind", "mapper.k", "mapper.lam", "mapper.selection", "mapper.force",
                      "mapper.native_sink", "mapper.support", "mapper.rank", "mapper.weighting",
-                     "mapper.metric_sequences", "calib.mlp_samples", "calib.batch_size", "ablation.k", "ablation.lam",
+                     "calib.batch_size", "ablation.k", "ablation.lam",
                      "mapper.features", *_MLP, *_TRAINING, *_TRAINED, *_END_TO_END),
-             upstream=("calibration",),
-             when={"mapper.metric_sequences": ("mapper.weighting", ("attention",)),
-                   "calib.mlp_samples": ("mapper.kind", ("mlp",)),
-                   "mapper.features": ("mapper.kind", ("hidden",)),
+             # what each fit reads besides the moments (Run._fit): the MLP and the attention-mass weighting fit on the
+             # kept feature rows, the attention-mass weighting on the target's attention mass, the attention metric on
+             # the query energy; their own knobs (calib.mlp_samples, mapper.metric_sequences) key them, and so the map
+             upstream=("calibration", "feature_sample", "attention_mass", "query_energy"),
+             reads={"feature_sample": (("mapper.kind", ("mlp",)), ("mapper.weighting", ("attention_mass",))),
+                    "attention_mass": (("mapper.weighting", ("attention_mass",)),),
+                    "query_energy": (("mapper.weighting", ("attention",)),)},
+             when={"mapper.features": ("mapper.kind", ("hidden",)),
                    # the trained map's collection batches its forwards by calib.batch_size (kernel rounding)
                    "calib.batch_size": ("mapper.kind", ("trained",)),
                    **{k: ("mapper.kind", ("mlp",)) for k in _MLP},
@@ -94,6 +107,13 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
              inputs=(*_PPL, *_EVAL_COMMON), identities=("source", "target", "eval_data", "ppl_data")),
     Artifact("eval_coqa", doc="multi-turn CoQA drift of the baseline modes",
              inputs=(*_COQA, *_EVAL_COMMON), identities=("source", "target", "eval_data")),
+    # native_injected reads the target's own cache with its last eval.native_tail tokens recomputed: a split mode
+    Artifact("eval_tasks_native", doc="lm-eval task scores of native_injected (the tail > 1 plumbing check)",
+             inputs=(*_TASKS, *_EVAL_COMMON, "eval.native_tail"), identities=("source", "target", "eval_data")),
+    Artifact("eval_ppl_native", doc="prefix perplexity of native_injected",
+             inputs=(*_PPL, *_EVAL_COMMON, "eval.native_tail"), identities=("source", "target", "eval_data", "ppl_data")),
+    Artifact("eval_coqa_native", doc="CoQA drift of native_injected",
+             inputs=(*_COQA, *_EVAL_COMMON, "eval.native_tail"), identities=("source", "target", "eval_data")),
     Artifact("eval_tasks_mapped", doc="lm-eval task scores through the map",
              inputs=(*_TASKS, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",)),
     Artifact("eval_ppl_mapped", doc="prefix perplexity through the map",
@@ -183,6 +203,17 @@ def classify(dotted: str) -> list[str]:
     return []
 
 
+def _holds(cfg: dict, alternatives) -> bool:
+    return any(lookup(cfg, leaf) in values for leaf, values in alternatives)
+
+
+def upstream_of(name: str, cfg: dict) -> tuple[str, ...]:
+    """The upstream artifacts artifact `name` reads under this config (all of `upstream` but those of `reads`
+    whose conditions do not hold)."""
+    art = ARTIFACTS[name]
+    return tuple(u for u in art.upstream if u not in art.reads or _holds(cfg, art.reads[u]))
+
+
 def key_inputs(name: str, cfg: dict) -> dict:
     """{dotted key: value} of the config leaves artifact `name` reads under this config."""
     art = ARTIFACTS[name]
@@ -198,8 +229,8 @@ def key_inputs(name: str, cfg: dict) -> dict:
 def compute_key(name: str, cfg: dict, *, upstream: dict[str, str], identities: dict, extra: dict) -> str:
     """Key of artifact `name`: the hash of its version, inputs, upstream keys, identities and extra values.
 
-    upstream/identities/extra must hold every name the declaration lists (KeyError otherwise: a caller
-    that forgets an input fails, it does not hash without it)."""
+    upstream (every one of `upstream_of(name, cfg)`), identities and extra must hold every name the declaration
+    lists (KeyError otherwise: a caller that forgets an input fails, it does not hash without it)."""
     art = ARTIFACTS[name]
-    return artifact_key(KEY_VERSION, name, key_inputs(name, cfg), {u: upstream[u] for u in art.upstream},
+    return artifact_key(KEY_VERSION, name, key_inputs(name, cfg), {u: upstream[u] for u in upstream_of(name, cfg)},
                         {i: identities[i] for i in art.identities}, {e: extra[e] for e in art.extra})

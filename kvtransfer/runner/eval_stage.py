@@ -159,7 +159,8 @@ PARTS = ("tasks", "ppl", "coqa")
 
 
 def result_dirs(run, part: str = "tasks") -> dict[str, Path]:
-    """{"baseline": dir, "mapped": dir}: where per-mode results of `part` ("tasks", "ppl" or "coqa") live.
+    """{"baseline": dir, "native": dir, "mapped": dir}: where per-mode results of `part` ("tasks", "ppl" or "coqa")
+    live ("native": native_injected's, keyed by eval.native_tail too).
 
     Each is the artifact `eval_<part>` / `eval_<part>_mapped` of kvtransfer.runner.artifacts, keyed by the
     eval keys that part reads: switching CoQA or perplexity on or off, or adding a task or a mode, reuses
@@ -168,6 +169,7 @@ def result_dirs(run, part: str = "tasks") -> dict[str, Path]:
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     return {"baseline": run.cache_dir / "eval" / "baseline" / run.key(f"eval_{part}"),
+            "native": run.cache_dir / "eval" / "native" / run.key(f"eval_{part}_native"),
             "mapped": run.cache_dir / "eval" / run.key(f"eval_{part}_mapped")}
 
 
@@ -201,7 +203,7 @@ def evaluate(run, on_compute=None) -> dict:
     per_mode = {}
     ppl_sets = ppl_set_names(ecfg) if ecfg["ppl"].get("enabled") else []
     for mode in modes:
-        kind = "baseline" if mode in BASELINE_MODES else "mapped"
+        kind = "native" if mode == "native_injected" else "baseline" if mode in BASELINE_MODES else "mapped"
         limits = ecfg.get("limits") or {}
         moded: list = []  # the control's LM, built on first use (mean/random maps read the calibration moments)
 

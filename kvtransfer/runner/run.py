@@ -11,13 +11,13 @@ import torch
 from ..config.runconfig import learning_rates, resolve, source_features
 from ..core.calibrate import load_calibration, split_heldout
 from ..core.data import read_documents, stream_hf_documents, token_sequences
-from ..core.io import atomic_save_tensors, load_tensors
+from ..core.io import atomic_save_tensors, exclusive_lock, load_tensors
 from ..core.mapper import load_mapper
 from ..core.models import check_same_tokenizer, config_hash, device_map_for, kv_shape, load_model, max_memory_for
 from ..core.moments import HeldOut, Moments
 from ..core.select import r2_matrix
 from . import calibrate_stage, fit_stage
-from .artifacts import ARTIFACTS, KEY_VERSION, compute_key
+from .artifacts import ARTIFACTS, KEY_VERSION, compute_key, upstream_of
 
 # Layout of a calibration artifact; part of its cache key, so artifacts of another layout are never misread.
 # 1: train + held-out moments; 2: train moments + held-out raw features (moments.HeldOut), one file each;
@@ -87,11 +87,7 @@ class Run:
             return self._models[side][0]
         from types import SimpleNamespace
 
-        from transformers import AutoConfig
-
-        ref = self.model_ref(side)
-        cfg = AutoConfig.from_pretrained(ref, trust_remote_code=self.cfg.get("trust_remote_code", False))
-        return SimpleNamespace(config=cfg, name_or_path=ref)
+        return SimpleNamespace(config=self.auto_config(side), name_or_path=self.model_ref(side))
 
     @property
     def device(self) -> str:
@@ -108,16 +104,28 @@ class Run:
         return self._memo["pair"]
 
     def model_identity(self, side: str) -> dict:
-        """{"ref", "config_hash", "weights"} of the source/target: what its artifacts are keyed by."""
-        from transformers import AutoConfig
+        """{"ref", "config_hash", "weights"} of the source/target: what its artifacts are keyed by. A hub model's
+        ref is its id (the weights its revision); a local directory is its bytes only (ref "local": weights,
+        config and tokenizer files, `identity.weights_identity`), so a moved checkout keeps its keys."""
+        import os
 
         from ..config.identity import weights_identity
 
         memo = f"identity/{side}"
         if memo not in self._memo:
             ref = self.model_ref(side)
-            cfg = AutoConfig.from_pretrained(ref, trust_remote_code=self.cfg.get("trust_remote_code", False))
-            self._memo[memo] = {"ref": ref, "config_hash": config_hash(cfg), "weights": weights_identity(ref)}
+            self._memo[memo] = {"ref": "local" if os.path.isdir(ref) else ref,
+                                "config_hash": config_hash(self.auto_config(side)), "weights": weights_identity(ref)}
+        return self._memo[memo]
+
+    def auto_config(self, side: str):
+        """The source/target's `AutoConfig`, read once per run (every identity, shape and head-size query shares it)."""
+        memo = f"config/{side}"
+        if memo not in self._memo:
+            from transformers import AutoConfig
+
+            self._memo[memo] = AutoConfig.from_pretrained(self.model_ref(side),
+                                                          trust_remote_code=self.cfg.get("trust_remote_code", False))
         return self._memo[memo]
 
     def input_identity(self, name: str):
@@ -131,9 +139,17 @@ class Run:
         memo = f"identity/{name}"
         if memo not in self._memo:
             if name == "calib_data":
-                self._memo[memo] = data_identity(files=self.cfg["calib"].get("files") or ())
+                calib = self.cfg["calib"]
+                self._memo[memo] = data_identity(files=calib.get("files") or ())
+                if not calib.get("files") and calib.get("dataset"):  # streamed from the hub: its revision
+                    self._memo[memo].append(_hub_dataset(calib["dataset"], calib.get("dataset_name")))
             elif name == "eval_data":
+                from ..eval.sources import eval_sources
+
                 self._memo[memo] = data_identity(directory=self.cfg["eval"].get("data_dir"))
+                # hub datasets the benchmarks, perplexity or CoQA read (eval.data_dir: null): their revisions
+                hub = {(s.dataset, s.name) for s in eval_sources(self.cfg["eval"]) if s.dataset}
+                self._memo[memo] += [_hub_dataset(d, n) for d, n in sorted(hub, key=str)]
             elif name == "ppl_data":  # perplexity sets read from the repository, outside eval.data_dir
                 from ..eval.sources import ppl_bundled_files
                 self._memo[memo] = data_identity(files=ppl_bundled_files(self.cfg["eval"]))
@@ -146,7 +162,7 @@ class Run:
         its config inputs, upstream keys, identities and runtime values. key_space: the calibration's
         (default: the run's; a mapper is always fitted on the run's own key space)."""
         art = ARTIFACTS[name]
-        upstream = {u: self.key(u) for u in art.upstream}
+        upstream = {u: self.key(u) for u in upstream_of(name, self.cfg)}
         runtime = {"key_space": key_space or self.key_space, "format": MOMENTS_FORMAT, "torch": torch.__version__,
                    "device": torch.cuda.get_device_name(0) if self.device.startswith("cuda") else "cpu"}
         return compute_key(name, self.cfg, upstream=upstream,
@@ -259,10 +275,7 @@ class Run:
 
     def target_head_dim(self) -> int:
         """Target head size, from its config (no weights needed)."""
-        from transformers import AutoConfig
-
-        return kv_shape(AutoConfig.from_pretrained(self.model_ref("target"),
-                                                   trust_remote_code=self.cfg.get("trust_remote_code", False))).head_dim
+        return kv_shape(self.auto_config("target")).head_dim
 
     # -- fit ----------------------------------------------------------------------------------------
     def mapper_dir(self) -> Path:
@@ -271,11 +284,20 @@ class Run:
         return self.cache_dir / "mappers" / self.key("mapper")
 
     def mapper(self):
-        """The fitted mapper (ridge or mlp), loaded from cache or fitted now."""
+        """The fitted mapper (any kind), loaded from cache or fitted now. The file is read (and its hash checked)
+        once per run; each call returns a fresh copy of it (callers move it to their device/dtype)."""
+        import copy
+
         directory = self.mapper_dir()
-        if not (directory / "mapper.json").exists():
-            fit_stage.fit(self, directory)
-        return load_mapper(directory)  # a fresh copy each call: callers move it to their device/dtype
+        memo = f"mapper/{directory.name}"
+        if memo not in self._memo:
+            if not (directory / "mapper.json").exists():
+                # jobs of one sweep sharing a mapper key: one fits, the others wait and then read its artifact
+                with exclusive_lock(self.cache_dir / "locks" / f"mappers-{directory.name}.lock"):
+                    if not (directory / "mapper.json").exists():
+                        fit_stage.fit(self, directory)
+            self._memo[memo] = load_mapper(directory)
+        return copy.deepcopy(self._memo[memo])
 
     def native_sink(self, mapper=None) -> int:
         """Leading context positions the target computes itself: the mapper artifact's `native_sink`
@@ -308,3 +330,10 @@ def check_cache_version(cache_dir: Path) -> None:
                       "and this run computes its own. Delete the old ones when no longer needed.", stacklevel=3)
     cache_dir.mkdir(parents=True, exist_ok=True)
     stamp.write_text(f"{KEY_VERSION}\n")
+
+
+def _hub_dataset(dataset: str, name: str | None) -> dict:
+    """Identity of a hub dataset a run streams: its id, config name and resolved revision (identity.hub_dataset_revision)."""
+    from ..config.identity import hub_dataset_revision
+
+    return {"hub": dataset, "name": name, "revision": hub_dataset_revision(dataset)}

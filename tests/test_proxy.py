@@ -1,0 +1,463 @@
+"""The handoff proxy (kvtransfer.serve.proxy) against in-process fake engines (no vLLM, no sockets).
+
+The fakes speak the part of vLLM's OpenAI server the proxy uses: /v1/models, /tokenize (a character
+tokenizer and a toy chat template), /v1/completions and /v1/chat/completions (streaming too). The fake
+producer records every prompt it read into a shared store; the fake consumer reports the tokens it could
+take from that store as `usage.prompt_tokens_details.cached_tokens`, with the connector's rule (a stored
+prompt maps all but its last token; `kvtransfer_source_len` = n maps the first n tokens when stored).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+import httpx  # the [dev] extra installs httpx and fastapi
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the (string) annotations here
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvtransfer.serve import proxy as P
+
+START = [7]
+
+
+class Engine:
+    """A fake vLLM OpenAI server: `name` is its served model; `store` is shared by producer and consumer."""
+
+    def __init__(self, name: str, store: set, *, consumer: bool, report_cached: bool = True):
+        self.name, self.store, self.consumer, self.report_cached = name, store, consumer, report_cached
+        self.calls: list[tuple[str, dict]] = []
+        self.maps = True
+        self.fail_status = 0  # answer every generation request with this HTTP status
+        self.app = self._app()
+
+    @staticmethod
+    def template(messages, add_generation_prompt=True) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def reply_text(self, ids: list[int]) -> str:
+        return f"{self.name}:{len(ids)}:{sum(ids) % 97}"
+
+    def cached(self, ids: list[int], params: dict) -> int:
+        if not self.consumer or not self.maps:
+            return 0
+        n = params.get("kvtransfer_source_len", len(ids))
+        if tuple(ids[:n]) not in self.store:
+            return 0
+        return min(n, len(ids) - 1)
+
+    def _app(self):
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.name}]}
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            body = await request.json()
+            self.calls.append(("tokenize", body))
+            if "messages" in body:
+                ids = self.encode(self.template(body["messages"], body.get("add_generation_prompt", True)))
+            else:
+                ids = self.encode(body["prompt"])
+            return {"tokens": ids, "count": len(ids)}
+
+        async def generate(kind: str, request: Request):
+            body = await request.json()
+            self.calls.append((kind, body))
+            if self.fail_status:
+                return JSONResponse({"error": {"message": "boom"}}, status_code=self.fail_status)
+            if body.get("model") != self.name:
+                return JSONResponse({"error": {"message": f"model {body.get('model')} not found"}}, status_code=404)
+            if kind == "chat":
+                ids = self.encode(self.template(body["messages"]))
+            else:
+                ids = list(body["prompt"]) if isinstance(body["prompt"], list) else self.encode(body["prompt"])
+            if not self.consumer:
+                self.store.add(tuple(ids))  # the producer's connector saves every prompt it prefills
+            cached = self.cached(ids, body.get("kv_transfer_params") or {})
+            usage = {"prompt_tokens": len(ids), "completion_tokens": 3, "total_tokens": len(ids) + 3}
+            if self.report_cached:
+                usage["prompt_tokens_details"] = {"cached_tokens": cached}
+            text = self.reply_text(ids)
+            logprobs = None
+            if kind == "completion" and body.get("logprobs") is not None:
+                logprobs = {"tokens": ["a"], "token_logprobs": [-0.5],
+                            "top_logprobs": [{"a": -0.5, "b": -1.5}][: 1]}
+            if not body.get("stream"):
+                if kind == "chat":
+                    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                    return {"id": "chatcmpl-x", "object": "chat.completion", "model": self.name,
+                            "choices": [choice], "usage": usage}
+                return {"id": "cmpl-x", "object": "text_completion", "model": self.name,
+                        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": "length"}],
+                        "usage": usage}
+            options = body.get("stream_options") or {}
+
+            async def events():
+                pieces = [text[:4], text[4:]]
+                for i, piece in enumerate(pieces):
+                    if kind == "chat":
+                        choice = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
+                    else:
+                        choice = {"index": 0, "text": piece, "finish_reason": "length" if i else None}
+                    event = {"id": "x", "choices": [choice]}
+                    if options.get("continuous_usage_stats"):
+                        event["usage"] = usage
+                    yield f"data: {json.dumps(event)}\n\n"
+                if options.get("include_usage"):
+                    yield f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await generate("completion", request)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await generate("chat", request)
+
+        return app
+
+
+class Router(httpx.AsyncBaseTransport):
+    """Sends each host's requests to its fake engine; a host in `dead` refuses the connection."""
+
+    def __init__(self, engines: dict):
+        self.transports = {host: httpx.ASGITransport(app=e.app) for host, e in engines.items()}
+        self.dead: set[str] = set()
+
+    async def handle_async_request(self, request):
+        host = request.url.host
+        if host in self.dead:
+            raise httpx.ConnectError("connection refused", request=request)
+        return await self.transports[host].handle_async_request(request)
+
+
+class Rig:
+    """A proxy in front of a fake producer ("src", host source) and consumer ("tgt", host target)."""
+
+    def __init__(self, **kwargs):
+        self.store: set = set()
+        self.source = Engine("src", self.store, consumer=False)
+        self.target = Engine("tgt", self.store, consumer=True, **kwargs)
+        self.router = Router({"source": self.source, "target": self.target})
+        upstream = httpx.AsyncClient(transport=self.router)
+        self.proxy = P.HandoffProxy("http://source", "http://target", start_ids=START, client=upstream)
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=P.build_app(self.proxy)),
+                                        base_url="http://proxy")
+
+    async def chat(self, messages, model="src", session=None, **extra):
+        headers = {P.SESSION_HEADER: session} if session else {}
+        headers.update(extra.pop("headers", {}))
+        return await self.client.post("/v1/chat/completions", json={"model": model, "messages": messages, **extra},
+                                      headers=headers)
+
+    def gen_calls(self, engine, kind="completion"):
+        return [body for k, body in engine.calls if k == kind]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+MSGS = [{"role": "user", "content": "hello there"}]
+
+
+def _ids(messages):
+    return START + Engine.encode(Engine.template(messages))
+
+
+def test_source_serves_a_session_until_it_asks_for_the_target():
+    async def go():
+        rig = Rig()
+        r = await rig.chat(MSGS, session="s")
+        assert r.status_code == 200 and r.headers[P.STATUS_HEADER] == "source"
+        assert r.json()["choices"][0]["message"]["content"].startswith("src:")
+        assert r.json()["kvtransfer"]["status"] == "source"
+        assert rig.gen_calls(rig.target, "chat") == [] and rig.gen_calls(rig.target) == []
+    run(go())
+
+
+def test_handoff_saves_on_the_producer_then_maps_on_the_consumer():
+    async def go():
+        rig = Rig()
+        await rig.chat(MSGS, session="s")
+        r = await rig.chat(MSGS, model="tgt", session="s", max_tokens=5)
+        ids = _ids(MSGS)
+        save = rig.gen_calls(rig.source)[-1]
+        assert save["prompt"] == ids and save["max_tokens"] == 1 and save["model"] == "src"
+        served = rig.gen_calls(rig.target)[-1]
+        assert served["prompt"] == ids and served["model"] == "tgt" and served["max_tokens"] == 5
+        assert "kv_transfer_params" not in served  # the whole prompt is the stored one
+        assert r.status_code == 200
+        assert r.headers[P.STATUS_HEADER] == f"mapped {len(ids) - 1} tokens, prefilled 1"
+        body = r.json()
+        assert body["object"] == "chat.completion" and body["model"] == "tgt"
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": rig.target.reply_text(ids)}
+        assert body["kvtransfer"]["mapped"] == len(ids) - 1 and body["kvtransfer"]["prefilled"] == 1
+        assert body["kvtransfer"]["save_s"] >= 0
+        stats = (await rig.client.get("/kvtransfer/stats")).json()
+        assert stats["counts"]["mapped"] == 1 and stats["counts"]["source"] == 1 and stats["counts"]["requests"] == 2
+    run(go())
+
+
+def test_later_turns_map_the_handed_over_prefix_and_prefill_the_rest():
+    async def go():
+        rig = Rig()
+        await rig.chat(MSGS, model="tgt", session="s")
+        handed = _ids(MSGS)
+        turn2 = MSGS + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
+        n_saves = len(rig.gen_calls(rig.source))
+        r = await rig.chat(turn2, model="tgt", session="s")
+        assert len(rig.gen_calls(rig.source)) == n_saves  # no second save
+        served = rig.gen_calls(rig.target)[-1]
+        assert served["kv_transfer_params"] == {"kvtransfer_source_len": len(handed)}
+        total = len(_ids(turn2))
+        assert r.headers[P.STATUS_HEADER] == f"mapped {len(handed)} tokens, prefilled {total - len(handed)}"
+        # an edited history no longer starts with the handed-over ids: the proxy hands the new prompt over again
+        edited = [{"role": "user", "content": "other"}]
+        r = await rig.chat(edited, model="tgt", session="s")
+        assert len(rig.gen_calls(rig.source)) == n_saves + 1
+        assert rig.gen_calls(rig.source)[-1]["prompt"] == _ids(edited)
+        assert r.headers[P.STATUS_HEADER].startswith("mapped ")
+        # another session is independent: its first target request is a handoff of its own
+        await rig.chat(turn2, model="tgt", session="other")
+        assert rig.gen_calls(rig.source)[-1]["prompt"] == _ids(turn2)
+    run(go())
+
+
+def test_header_and_alias_select_the_target():
+    async def go():
+        rig = Rig()
+        r = await rig.chat(MSGS, model="src", headers={P.MODEL_HEADER: "target"})
+        assert r.headers[P.STATUS_HEADER].startswith("mapped ")
+        r = await rig.chat(MSGS, model="target")
+        assert r.headers[P.STATUS_HEADER].startswith("mapped ")
+        r = await rig.client.post("/v1/completions", json={"prompt": "abc"})  # no model: the source
+        assert r.headers[P.STATUS_HEADER] == "source"
+    run(go())
+
+
+def test_completions_text_and_ids_get_start_ids_once():
+    async def go():
+        rig = Rig()
+        r = await rig.client.post("/v1/completions", json={"model": "tgt", "prompt": "abcd"})
+        assert rig.gen_calls(rig.source)[-1]["prompt"] == START + Engine.encode("abcd")
+        assert r.json()["object"] == "text_completion" and r.json()["kvtransfer"]["status"] == "mapped"
+        r = await rig.client.post("/v1/completions", json={"model": "tgt", "prompt": START + [50, 51, 52]})
+        assert rig.gen_calls(rig.source)[-1]["prompt"] == START + [50, 51, 52]
+        assert r.headers[P.STATUS_HEADER] == "mapped 3 tokens, prefilled 1"
+    run(go())
+
+
+def test_dead_producer_falls_back_to_a_target_prefill():
+    async def go():
+        rig = Rig()
+        rig.router.dead.add("source")
+        r = await rig.chat(MSGS, model="tgt", session="s")
+        assert r.status_code == 200
+        assert r.headers[P.STATUS_HEADER].startswith("fallback_reprefill: save_failed")
+        assert r.json()["kvtransfer"]["prefilled"] == len(_ids(MSGS)) and r.json()["kvtransfer"]["mapped"] == 0
+        stats = (await rig.client.get("/kvtransfer/stats")).json()
+        assert stats["fallbacks"] == {"fallback_reprefill:save_failed": 1}
+        # the next turn, with the producer back, is a fresh handoff (nothing was handed over)
+        rig.router.dead.clear()
+        r = await rig.chat(MSGS, model="tgt", session="s")
+        assert r.headers[P.STATUS_HEADER].startswith("mapped ")
+    run(go())
+
+
+def test_producer_error_status_is_a_save_failure_not_a_crash():
+    async def go():
+        rig = Rig()
+        rig.source.fail_status = 500
+        r = await rig.chat(MSGS, model="tgt")
+        assert r.status_code == 200 and r.headers[P.STATUS_HEADER].startswith("fallback_reprefill: save_failed")
+    run(go())
+
+
+def test_consumer_declining_is_counted_as_its_fallback():
+    async def go():
+        rig = Rig()
+        rig.target.maps = False
+        r = await rig.chat(MSGS, model="tgt")
+        assert r.headers[P.STATUS_HEADER] == "fallback_reprefill: consumer_fallback"
+        stats = (await rig.client.get("/kvtransfer/stats")).json()
+        assert stats["fallbacks"] == {"fallback_reprefill:consumer_fallback": 1}
+    run(go())
+
+
+def test_dead_target_is_served_by_the_source():
+    async def go():
+        rig = Rig()
+        rig.router.dead.add("target")
+        rig.proxy.models = {"source": "src", "target": "tgt"}
+        r = await rig.chat(MSGS, model="tgt", session="s")
+        assert r.status_code == 200
+        assert r.headers[P.STATUS_HEADER].startswith("fallback_source: ")
+        assert r.json()["choices"][0]["message"]["content"].startswith("src:")
+        rig.target.fail_status = 503
+        rig.router.dead.clear()
+        r = await rig.client.post("/v1/completions", json={"model": "tgt", "prompt": [7, 1, 2]})
+        assert r.status_code == 200 and r.headers[P.STATUS_HEADER].startswith("fallback_source: ")
+    run(go())
+
+
+def test_both_engines_down_is_a_502_and_the_proxy_keeps_serving():
+    async def go():
+        rig = Rig()
+        rig.proxy.models = {"source": "src", "target": "tgt"}
+        rig.router.dead.update({"source", "target"})
+        r = await rig.chat(MSGS, model="tgt")
+        assert r.status_code == 502 and "error" in r.json()
+        r = await rig.chat(MSGS)
+        assert r.status_code == 502
+        rig.router.dead.clear()
+        r = await rig.chat(MSGS, model="tgt")
+        assert r.status_code == 200 and r.headers[P.STATUS_HEADER].startswith("mapped ")
+        stats = (await rig.client.get("/kvtransfer/stats")).json()
+        assert stats["errors"] == {"engines_down": 2}
+    run(go())
+
+
+@pytest.mark.parametrize("payload", [
+    b"not json", b"[1, 2]", b'{"model": ["tgt"], "messages": []}', b'{"model": "nope", "messages": []}',
+    b'{"model": "tgt", "messages": "hi"}', b'{"model": "tgt", "messages": [], "stream": "yes"}',
+    b'{"model": "tgt", "messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": "2"}',
+])
+def test_bad_requests_are_400s(payload):
+    async def go():
+        rig = Rig()
+        r = await rig.client.post("/v1/chat/completions", content=payload, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert (await rig.client.get("/kvtransfer/stats")).json()["errors"] == {"bad_request": 1}
+        r = await rig.chat(MSGS, model="tgt")  # and the proxy still serves
+        assert r.status_code == 200
+    run(go())
+
+
+def test_bad_completion_prompts_and_headers_are_400s():
+    async def go():
+        rig = Rig()
+        for body, headers in [({"model": "tgt"}, {}), ({"model": "tgt", "prompt": [["a"], 3]}, {}),
+                              ({"model": "tgt", "prompt": ["a", "b"]}, {}), ({"prompt": "a"}, {P.MODEL_HEADER: "big"})]:
+            r = await rig.client.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 400, body
+        # an engine's own 4xx (e.g. its model refuses the request) reaches the client as a 400, not a fallback
+        r = await rig.client.post("/v1/completions", json={"model": "tgt", "prompt": "ab"},
+                                  headers={P.MODEL_HEADER: "target"})
+        assert r.status_code == 200
+    run(go())
+
+
+def test_streaming_handoff_is_chat_chunks_with_the_status():
+    async def go():
+        rig = Rig()
+        plain = (await rig.chat(MSGS, model="tgt")).json()["choices"][0]["message"]["content"]
+        r = await rig.chat(MSGS, model="tgt", stream=True)
+        assert r.status_code == 200 and r.headers[P.STATUS_HEADER].startswith("mapped ")
+        lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        events = [json.loads(x) for x in lines[:-1]]
+        assert all(e["object"] == "chat.completion.chunk" for e in events)
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert "role" not in events[1]["choices"][0]["delta"]
+        assert "".join(e["choices"][0]["delta"]["content"] for e in events) == plain
+        assert events[0]["kvtransfer"]["status"] == "mapped"
+        assert all("usage" not in e for e in events)  # the client did not ask for usage
+        upstream = rig.gen_calls(rig.target)[-1]
+        assert upstream["stream"] and upstream["stream_options"]["continuous_usage_stats"]
+        r = await rig.chat(MSGS, model="tgt", stream=True, stream_options={"include_usage": True})
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["prompt_tokens"] == len(_ids(MSGS))
+    run(go())
+
+
+def test_streaming_from_the_source_is_relayed():
+    async def go():
+        rig = Rig()
+        r = await rig.client.post("/v1/completions", json={"model": "src", "prompt": "abc", "stream": True})
+        assert r.headers[P.STATUS_HEADER] == "source"
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                       if line.startswith("data: {"))
+        assert text == rig.source.reply_text(Engine.encode("abc"))
+    run(go())
+
+
+def test_chat_only_fields_go_to_the_target_as_chat_unmapped():
+    async def go():
+        rig = Rig()
+        r = await rig.chat(MSGS, model="tgt", tools=[{"type": "function", "function": {"name": "f"}}])
+        assert r.status_code == 200 and r.headers[P.STATUS_HEADER] == "fallback_reprefill: chat fields tools"
+        assert rig.gen_calls(rig.target, "chat") and not rig.gen_calls(rig.source)
+    run(go())
+
+
+def test_unknown_mapped_count_says_how_to_get_it():
+    async def go():
+        rig = Rig(report_cached=False)
+        r = await rig.chat(MSGS, model="tgt")
+        assert r.status_code == 200 and "--enable-prompt-tokens-details" in r.headers[P.STATUS_HEADER]
+    run(go())
+
+
+def test_chat_logprobs_are_converted():
+    async def go():
+        rig = Rig()
+        r = await rig.chat(MSGS, model="tgt", logprobs=True, top_logprobs=2, max_completion_tokens=4)
+        upstream = rig.gen_calls(rig.target)[-1]
+        assert upstream["logprobs"] == 2 and upstream["max_tokens"] == 4 and "messages" not in upstream
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert content == [{"token": "a", "logprob": -0.5, "top_logprobs": [{"token": "a", "logprob": -0.5},
+                                                                             {"token": "b", "logprob": -1.5}]}]
+    run(go())
+
+
+def test_concurrent_sessions_stay_apart():
+    async def go():
+        rig = Rig()
+
+        async def session(i):
+            msgs = [{"role": "user", "content": f"session {i}"}]
+            out = []
+            for turn in range(4):
+                model = "tgt" if turn >= 2 else "src"
+                r = await rig.chat(msgs, model=model, session=f"s{i}")
+                out.append(r.headers[P.STATUS_HEADER])
+                msgs = msgs + [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                               {"role": "user", "content": f"turn {turn}"}]
+            return out
+
+        results = await asyncio.gather(*(session(i) for i in range(8)))
+        for statuses in results:
+            assert statuses[:2] == ["source", "source"]
+            assert all(s.startswith("mapped ") for s in statuses[2:])
+        assert len(rig.gen_calls(rig.source, "chat")) == 8 * 2  # 2 source turns per session
+        assert len(rig.gen_calls(rig.source)) == 8  # and 1 save
+    run(go())
+
+
+def test_session_table_is_bounded():
+    async def go():
+        rig = Rig()
+        rig.proxy.max_sessions = 3
+        for i in range(6):
+            await rig.chat(MSGS, session=f"s{i}")
+        assert list(rig.proxy.sessions) == ["s3", "s4", "s5"]
+    run(go())
+
+
+def test_start_ids_argument():
+    assert P._ids("151643") == [151643] and P._ids("1,2") == [1, 2]
+    with pytest.raises(Exception, match="comma-separated"):
+        P._ids("a,b")

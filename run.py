@@ -41,6 +41,9 @@ def main(cfg: DictConfig) -> None:
 
         torch.set_num_threads(threads)
         print(f"[kvtransfer] torch threads: {threads} (hydra.launcher.cpus_per_task)")
+    from kvtransfer.runner.console import warn_once_per_run
+
+    warn_once_per_run()  # lm-eval repeats its generation_kwargs warning per mode and task: show each warning once
     plain = OmegaConf.to_container(cfg, resolve=True)
     if plain.get("dry_run"):  # stand-in models, the real data sources, tiny sizes (kvtransfer.dryrun)
         from kvtransfer.dryrun import dry_run

@@ -333,10 +333,19 @@ def test_a_hub_dataset_is_keyed_by_its_revision(tmp_path, monkeypatch):
 
     from kvtransfer.config.identity import hub_dataset_revision
 
+    import datasets.config
+
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "prepared"))
     monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
     with pytest.raises(ValueError, match="calib.files"):
         hub_dataset_revision("Org/Data")
+    # offline with only the `datasets` cache's prepared copy (what `datasets` then reads): its fingerprint
+    (tmp_path / "prepared" / "Org___Data" / "default" / "0.0.0" / "abc123").mkdir(parents=True)
+    assert hub_dataset_revision("Org/Data") == "datasets-cache:default/0.0.0/abc123"
+    (tmp_path / "prepared" / "Org___Data" / "default" / "0.0.0" / "abc123").rename(
+        tmp_path / "prepared" / "Org___Data" / "default" / "0.0.0" / "fed456")   # re-prepared from new files
+    assert hub_dataset_revision("Org/Data") == "datasets-cache:default/0.0.0/fed456"
     refs = tmp_path / "datasets--Org--Data" / "refs"
     refs.mkdir(parents=True)
     (refs / "main").write_text("c" * 40)

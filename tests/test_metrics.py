@@ -134,7 +134,7 @@ def test_rounding_to_what_the_se_supports():
 
 
 def test_provenance_ignores_results_and_runs(tmp_path):
-    from kvtransfer import provenance
+    from kvtransfer.config import provenance
 
     def git(*args):
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)

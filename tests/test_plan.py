@@ -285,7 +285,7 @@ def test_the_applied_figures_are_the_plan_of_the_applied_config(cfg_14_32):
 
 
 def test_the_plan_parses_stages_with_the_runners_resolver(cfg_14_32):
-    from kvtransfer import runconfig
+    from kvtransfer.config import runconfig
     from kvtransfer.runner import parse_stages
 
     assert parse_stages is runconfig.parse_stages

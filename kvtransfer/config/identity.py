@@ -150,9 +150,24 @@ def hub_dataset_revision(repo_id: str, revision: str | None = None) -> str:
     ref = Path(constants.HF_HUB_CACHE) / f"datasets--{repo_id.replace('/', '--')}" / "refs" / (revision or "main")
     if ref.is_file():
         return ref.read_text().strip()
+    prepared = _datasets_cache_fingerprint(repo_id)
+    if prepared:  # `datasets` reads its prepared copy offline ("Using the latest cached version"): key that copy
+        return prepared
     raise ValueError(f"cannot tell which revision of hub dataset {repo_id!r} a run reads (the hub is unreachable and "
                      "the HF cache holds no ref of it): run once with hub access, or point the run at local files "
                      "(calib.files / eval.data_dir)")
+
+
+def _datasets_cache_fingerprint(repo_id: str) -> str | None:
+    """"datasets-cache:<config>/<version>/<fingerprint>,..." of the prepared copies of `repo_id` in the `datasets`
+    cache (the fingerprint directory names `datasets` derives from the files it prepared), or None when it has none."""
+    try:
+        from datasets import config as datasets_config
+    except ImportError:
+        return None
+    root = Path(datasets_config.HF_DATASETS_CACHE) / repo_id.replace("/", "___")
+    leaves = sorted(str(p.relative_to(root)) for p in root.glob("*/*/*") if p.is_dir()) if root.is_dir() else []
+    return "datasets-cache:" + ",".join(leaves) if leaves else None
 
 
 DATA_SUFFIXES = (".jsonl", ".json", ".txt", ".csv", ".parquet")

@@ -23,9 +23,49 @@ _SITES = pytest.StashKey[list]()  # the session's worst record per call site, fo
 
 
 def pytest_addoption(parser):
+    parser.addoption("--float-only", action="store_true", default=False,
+                     help="run only the float comparisons: tests whose own source calls a tests/tolerance.py helper "
+                          "(.ci/run reruns these under each CPU capability torch can select)")
     parser.addoption("--headroom", type=float, default=None, metavar="RATIO",
                      help="exit with status 1 if any tolerance comparison (tests/tolerance.py) used more than "
                           "RATIO of its allowed error, unless it is headroom_exempt (CI: 0.1)")
+
+
+HELPERS = ("assert_close", "assert_within", "assert_far", "assert_rounded")
+
+
+def uses_tolerance(item) -> bool:
+    """Whether a test item's own function (or a module-level helper it calls by name) calls a tolerance helper."""
+    import inspect
+
+    fn = getattr(item, "function", None)
+    if fn is None:
+        return False
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return True  # cannot tell: keep it
+    if any(h in source for h in HELPERS):
+        return True
+    module = inspect.getmodule(fn)
+    for name, obj in vars(module).items() if module else ():
+        if inspect.isfunction(obj) and obj.__module__ == module.__name__ and obj is not fn and f"{name}(" in source:
+            try:
+                if any(h in inspect.getsource(obj) for h in HELPERS):
+                    return True
+            except (OSError, TypeError):
+                return True
+    return False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if not config.getoption("float_only"):
+        return
+    keep = [i for i in items if uses_tolerance(i)]
+    dropped = [i for i in items if not uses_tolerance(i)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
 
 
 def pytest_sessionstart(session):

@@ -65,11 +65,18 @@ MAP_REASON = ("float32 map of p = 2 layers x 16 stripped features: a length-p GE
 
 def planted_ridge(moments, kind, cols, w, lam):
     """The ridge solution on data planted exactly on w: (Cxx + lam I)^-1 Cxx w = w - lam (Cxx + lam I)^-1 w,
-    over the selected columns, and the rounding bound's factor p kappa (a length-p solve, backward stable)."""
+    over the selected columns, and the rounding bound's factor (3p + 1 + n) kappa(Cxx + lam I), first order:
+    - the fit's Cholesky solve of the p x p system is backward stable with |dA| <= (3p + 1) eps |R^T||R|
+      (Higham, Thm 10.4), hence a forward error (3p + 1) eps kappa |W|;
+    - the planted identity Cxy = Cxx w holds for exact sums only: the computed Cxy and Cxx are two different
+      float64 sums over the n rows (y = x w + b rounded first), each within n eps of its |terms|, and that
+      residual reaches W through (Cxx + lam I)^-1, i.e. n eps kappa |W|. This term is the one whose rounding
+      moves with the CPU capability (the SIMD width reorders the n-row sums); issue 32 found the earlier
+      p kappa bound, which left it out, used 0.123 of its allowance on an AVX2 EPYC."""
     a = moments.stats[kind]["cxx"][cols][:, cols]
     reg = a + lam * torch.eye(len(cols), dtype=a.dtype)
     eig = torch.linalg.eigvalsh(reg)
-    return w - lam * torch.linalg.solve(reg, w), len(cols) * float(eig[-1] / eig[0])
+    return w - lam * torch.linalg.solve(reg, w), (3 * len(cols) + 1 + moments.n) * float(eig[-1] / eig[0])
 
 
 def _planted(source, n_tokens=600, target_kv=(2, 8), seed=0, plan=None):
@@ -115,7 +122,8 @@ def test_planted_cross_layer_map_is_recovered_also_from_shards(qwen):
                 cols = torch.cat([torch.arange(width_s) + s * width_s for s in plan[t]])
                 want, factor = planted_ridge(moments, kind, cols, w[t, kind], 1e-9)  # w to ~1e-8 (lam / sigma_min)
                 assert_close(fit.weights[kind][t].weight, want, factor=factor, reason=(
-                    "float64 solve of a p x p system: backward stable, so p eps kappa(Cxx + lam I) of |W|"))
+                    "float64 Cholesky solve of a p x p system on n-row sums: (3p + 1 + n) eps kappa(Cxx + lam I) of "
+                    "|W| (planted_ridge)"))
                 x_bar = moments.stats[kind]["mean_x"][cols]
                 assert_close(fit.weights[kind][t].bias, b[t, kind] + x_bar @ (w[t, kind] - want), factor=2 * factor,
                              magnitude=float(x_bar.abs().sum() * w[t, kind].abs().max() + b[t, kind].abs().max()),

@@ -240,3 +240,24 @@ def test_standin_keeps_the_real_layout(hub_id):
     odd = "Ünïcödé ∑ 漢字 \t tabs\n  and  spaces 12345.678 <|not special|>"
     assert tok.decode(tok(odd, add_special_tokens=False).input_ids) == odd  # byte-level: every string round-trips
     assert max(tok(text + odd, add_special_tokens=False).input_ids) < row["vocab_size"]
+
+
+def test_a_model_cache_holding_real_snapshots_is_refused(tmp_path):
+    """Issue 32: dry.model_cache pointed at a real HF cache wrote stand-in revisions into its refs/main (later real
+    runs would load random weights). A cache with any non-stand-in snapshot is refused before anything is written."""
+    from kvtransfer.dryrun.standin import check_standin_cache, write_standins
+
+    real = tmp_path / "hub" / "models--Qwen--Qwen3-14B"
+    (real / "snapshots" / ("a" * 40)).mkdir(parents=True)
+    (real / "snapshots" / ("a" * 40) / "config.json").write_text("{}")
+    (real / "refs").mkdir()
+    (real / "refs" / "main").write_text("a" * 40)
+    with pytest.raises(ValueError, match="non-stand-in"):
+        write_standins(["Qwen/Qwen3-14B"], tmp_path / "hub")
+    assert (real / "refs" / "main").read_text() == "a" * 40  # untouched
+    # a cache of stand-ins only, or an empty one, is accepted
+    standin = tmp_path / "dry" / "models--Qwen--Qwen3-14B" / "snapshots" / ("b" * 40)
+    standin.mkdir(parents=True)
+    (standin / "STANDIN.json").write_text("{}")
+    check_standin_cache(tmp_path / "dry")
+    check_standin_cache(tmp_path / "empty")

@@ -320,12 +320,15 @@ def test_plan_run_applies_refuses_or_warns(tmp_path, cfg_14_32, monkeypatch):
     assert plan["applied"] == [] and ran["calib"] == cfg["calib"] and (tmp_path / "b" / "plan.md").exists()
     ran, plan = plan_run(cfg, tmp_path / "c", [], log=lambda *_: None)   # refuses for the stages asked for only
     assert ran == cfg and plan["refused"] == {}
-    # on one H200 the knobs are applied to the config the run gets
+    # on one H200 the fit needs float32 moments, which change the numbers: refused with the overrides to type
+    # (issue 32: applied silently, the same command gave other numbers on 8 x H100); typed, they run everywhere
     monkeypatch.setattr(P, "detect_node", lambda cfg: H200)
+    with pytest.raises(P.PlanError, match=r"changes the numbers.*calib.dtype=float32"):
+        plan_run(cfg, tmp_path / "d", log=lambda *_: None)
+    typed = dict(cfg, calib=dict(cfg["calib"], dtype="float32"))
     logged = []
-    ran, plan = plan_run(cfg, tmp_path / "d", log=logged.append)
-    assert ran["calib"]["dtype"] == "float32" and cfg["calib"]["dtype"] == "float64"
-    assert any("applying calib.dtype=float32" in line for line in logged)
+    ran, plan = plan_run(typed, tmp_path / "d2", log=logged.append)
+    assert ran["calib"]["dtype"] == "float32" and not [e for e in plan["applied"] if e.get("changes")]
     manual = dict(cfg, plan=dict(cfg["plan"], auto=False))
     with pytest.raises(P.PlanError, match="plan.auto=false"):
         plan_run(manual, tmp_path / "e", log=lambda *_: None)

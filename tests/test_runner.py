@@ -639,6 +639,44 @@ def test_concurrent_jobs_calibrate_once(tmp_path, monkeypatch):
     assert len(calls) == 1 and (directory / "calibration.json").exists()
 
 
+def test_concurrent_jobs_fit_a_shared_mapper_once(tmp_path, monkeypatch):
+    """Issue 32: sweep jobs sharing a mapper key used to all fit it, the losers dying in `save` with
+    FileExistsError after a full fit; the fit is locked as calibration is, and the file is read once per run."""
+    import threading
+    import time as _time
+
+    import kvtransfer.runner.pipeline as pipeline
+
+    calls, loads = [], []
+    directory = tmp_path / "mappers" / "abc"
+
+    def fake_fit(self, d):
+        calls.append(threading.current_thread().name)
+        _time.sleep(0.3)
+        d.mkdir(parents=True, exist_ok=False)  # a second fit into the same directory fails, as save does
+        (d / "mapper.json").write_text("{}")
+
+    monkeypatch.setattr(Run, "_fit", fake_fit)
+    monkeypatch.setattr(Run, "mapper_dir", lambda self: directory)
+    monkeypatch.setattr(pipeline, "load_mapper", lambda d: loads.append(d) or {"loaded": str(d)})
+    runs = []
+    for _ in range(2):
+        run = Run.__new__(Run)
+        run.cache_dir, run._memo = tmp_path, {}
+        runs.append(run)
+    errors = []
+    jobs = [threading.Thread(target=lambda r=r: errors.append(None) if r.mapper() else None, name=f"job{i}")
+            for i, r in enumerate(runs)]
+    for j in jobs:
+        j.start()
+    for j in jobs:
+        j.join()
+    assert len(calls) == 1 and len(errors) == 2 and (directory / "mapper.json").exists()
+    first = runs[0].mapper()
+    assert first == {"loaded": str(directory)} and first is not runs[0].mapper()  # a fresh copy each call
+    assert len(loads) == 2  # one read per run, not per call
+
+
 def test_switching_coqa_on_reuses_every_task_and_perplexity_result(tiny_pair_dirs, tmp_path, monkeypatch):
     import kvtransfer.runner.eval_stage as stage
 

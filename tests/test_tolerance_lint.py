@@ -181,3 +181,28 @@ def test_the_guard_reports_a_possibly_vacuous_bound():
     far = tolerance.Record("t", "f.py:4", "far", 1.0, 1e-6, "r", None)
     assert loose.ratio < headroom_guard.VACUOUS < fine.ratio
     assert headroom_guard.vacuous([(r, 1) for r in (loose, fine, exact, far)]) == [(loose, 1)]
+
+
+def _float_test():
+    tolerance.assert_close(1.0, 1.0, factor=1, reason="r")
+
+
+def _calls_a_float_helper():
+    _float_test()
+
+
+def _exact_test():
+    assert 1 == 1
+
+
+def test_float_only_selects_the_tests_that_call_a_tolerance_helper():
+    """.ci/run's per-capability rerun (issue 32) runs the tests `uses_tolerance` keeps: those whose own source, or a
+    module-level function it calls, calls a tolerance helper."""
+    from types import SimpleNamespace
+
+    import headroom_guard
+
+    assert headroom_guard.uses_tolerance(SimpleNamespace(function=_float_test))
+    assert headroom_guard.uses_tolerance(SimpleNamespace(function=_calls_a_float_helper))
+    assert not headroom_guard.uses_tolerance(SimpleNamespace(function=_exact_test))
+    assert headroom_guard.uses_tolerance(SimpleNamespace(function=test_the_helper_derives_its_bound_and_records_the_ratio))

@@ -174,6 +174,22 @@ def write_standin(hub_id: str, cache: str | Path, *, seed: int = 0, **shrink) ->
     return snapshot
 
 
+def check_standin_cache(cache: str | Path) -> None:
+    """Refuse a model cache that holds any snapshot which is not a stand-in (no STANDIN.json): dry.model_cache
+    pointed at a real HF cache would get stand-in revisions written into its refs/main, and later real runs would
+    load random weights (issue 32). Raises ValueError naming the fix."""
+    cache = Path(cache)
+    real = sorted(str(snap.relative_to(cache)) for repo in cache.glob("models--*") for snap in (repo / "snapshots").glob("*")
+                  if snap.is_dir() and not (snap / "STANDIN.json").exists()) if cache.is_dir() else []
+    if real:
+        raise ValueError(f"dry.model_cache={cache} holds real (non-stand-in) model snapshots ({', '.join(real[:3])}"
+                         f"{' ...' if len(real) > 3 else ''}): a dry run would point their refs/main at random stand-in "
+                         "weights. Leave dry.model_cache unset (stand-ins go under cache_dir/standins) or point it at "
+                         "an empty directory")
+
+
 def write_standins(hub_ids, cache: str | Path, **shrink) -> dict[str, Path]:
-    """`write_standin` for each id (each once); {id: snapshot dir}."""
+    """`write_standin` for each id (each once); {id: snapshot dir}. Refuses a cache holding real snapshots
+    (`check_standin_cache`)."""
+    check_standin_cache(cache)
     return {hub_id: write_standin(hub_id, cache, seed=i, **shrink) for i, hub_id in enumerate(dict.fromkeys(hub_ids))}

@@ -138,7 +138,8 @@ NOT_INPUTS: dict[str, str] = {
     "device_map": "placement across GPUs", "trust_remote_code": "permission to run hub code; the model's "
     "config hash and weights identity are keyed", "context_start": "read through calib.context_start "
     "(interpolated from it)", "pair.name": "a label (the models are keyed by their identity)",
-    "pair.family": "a label", "pair.k": "read through mapper.k (interpolated from it)",
+    "pair.family": "a label", "pair.k": "read through mapper.k (interpolated from it by mapper=ridge/mlp/trained; "
+    "mapper=hidden fixes k=2 and ignores pair.k: set mapper.k there)",
     "pair.source.id": "keyed through the model identity", "pair.source.path": "keyed through the model identity",
     "pair.target.id": "keyed through the model identity", "pair.target.path": "keyed through the model identity",
     "pair.direction": "keyed through the model identities (it swaps them)",

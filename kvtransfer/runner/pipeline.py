@@ -29,7 +29,10 @@ def plan_run(cfg: dict, out_dir: str | Path, stages: list[str] | None = None, *,
     out_dir/plan.json + plan.md, and return (the config to run, the plan).
 
     plan.enforce=true (default): with plan.auto=true (default) the knob set the plan recommends for `stages`
-    (default cfg.stage) is applied to the returned config and printed; a stage that does not fit even so, or
+    (default cfg.stage) is applied to the returned config and printed when every knob of it is number-neutral
+    (placement, offload, a skipped report figure); a set holding a knob that changes the numbers (its `changes`:
+    calib.dtype=float32, calib.accumulate=device) raises PlanError naming the overrides to type, so one command
+    gives the same numbers on every node it fits; a stage that does not fit even so, or
     whose estimate exceeds plan.max_hours, raises PlanError before anything loads. plan.auto=false: the
     config is run as typed and any stage that does not fit raises PlanError naming the knobs (the behaviour
     before plan.auto). plan.enforce=false: the config is run as typed whatever the plan says (a warning).
@@ -49,6 +52,14 @@ def plan_run(cfg: dict, out_dir: str | Path, stages: list[str] | None = None, *,
         raise resource_plan.PlanError(msg)
     if msg:
         warnings.warn(msg + "\n(plan.enforce=false: running as typed)", stacklevel=2)
+    changing = [e for e in plan["applied"] if e.get("changes")]
+    if changing and enforce:  # one command, one number, on every node (issue 32)
+        sets = " ".join(e["set"] for e in plan["applied"])
+        raise resource_plan.PlanError(
+            f"resource plan: on {plan['node']['name']} the run fits only with {sets}, and "
+            f"{', '.join(e['set'] for e in changing)} changes the numbers ({'; '.join(e['changes'] for e in changing)}): "
+            "applied here only, the same command would give other numbers on a node where it fits as typed. Set them "
+            f"yourself (append `{sets}` to the command; every node then runs them), or use a larger node")
     if plan["applied"]:
         log(f"resource plan: applying {plan['overrides']} (plan.auto=false to refuse instead)")
     return resource_plan.applied_config(cfg, plan), plan

@@ -365,3 +365,18 @@ def test_two_processes_on_one_directory_a_writer_evicting_and_a_reader(tmp_path)
     assert reads > 0
     assert probe.usage() <= 6 * block_bytes
     assert not list((tmp_path / "store").rglob("*.tmp"))  # no temporary file left behind
+
+
+def test_a_failed_load_is_reclassified_and_stays_failed(tmp_path, models):
+    store = KVStore(tmp_path / "store", block_size=16)
+    prompt = _prompt(40)
+    store.write(prompt, _layers(models["src_id"], 40, 0), models["src_id"])
+    counters = Counters()
+    decider = Decider(store, _spec(models), counters)
+    assert decider.get("r", prompt, 0).reason == MAPPED
+    decider.fail("r", "checksum")
+    assert counters.reasons == {policy.LOAD_FAILED: 1} and counters.requests["r"]["mapped"] == 0
+    assert counters.requests["r"]["prefilled"] == 40
+    assert decider.get("r", prompt, 16).reason == policy.LOAD_FAILED  # never mapped again
+    decider.fail("r", "again")
+    assert counters.reasons == {policy.LOAD_FAILED: 1}

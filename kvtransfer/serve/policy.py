@@ -27,6 +27,7 @@ from .store import BadEntry, KVStore, Prefix
 log = logging.getLogger("kvtransfer.serve")
 
 MAPPED = "mapped"
+LOAD_FAILED = "load_failed"
 
 
 class BadRequest(ValueError):
@@ -195,6 +196,15 @@ class Counters:
                         decision.reason, decision.detail)
         self._schedule()
 
+    def move(self, request_id: str, prompt_len: int, old_reason: str, decision: Decision) -> None:
+        """Re-classify a request counted as `old_reason` (a mapped request whose load then failed)."""
+        with self._lock:
+            if self.reasons.get(old_reason, 0) > 0:
+                self.reasons[old_reason] -= 1
+                if not self.reasons[old_reason]:
+                    del self.reasons[old_reason]
+        self.record(request_id, prompt_len, decision)
+
     def _schedule(self) -> None:
         if self.path is None:
             return
@@ -282,8 +292,8 @@ class Decider:
         prompt = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
         n = len(prompt) if isinstance(prompt, list) else 0
         known = self._memo.get(request_id)
-        if known is not None and known[:2] == (n, num_computed):
-            return known[2]
+        if known is not None and (known[:2] == (n, num_computed) or known[2].reason == LOAD_FAILED):
+            return known[2]  # a failed load stays failed: the request is recomputed, never mapped again
         decision = safe_decide(prompt, num_computed, self.store, self.spec, params=params,
                                prefix_caching=self.prefix_caching, salted=cache_salt == self.salt)
         tag = params.get("kvtransfer_tag") if isinstance(params, dict) else None
@@ -297,6 +307,16 @@ class Decider:
         while len(self._memo) > self.keep:
             self._memo.popitem(last=False)
         return decision
+
+    def fail(self, request_id: str, detail: str) -> None:
+        """The worker could not load a mapped request's blocks (vLLM recomputes them): its reason becomes
+        "load_failed" -- in the counts (moved from "mapped"), its record and the response field."""
+        known = self._memo.get(request_id)
+        if known is None or known[2].reason != MAPPED:
+            return
+        failed = Decision(LOAD_FAILED, detail=detail)
+        self._memo[request_id] = (known[0], known[1], failed)
+        self.counters.move(request_id, known[0], MAPPED, failed)
 
     def forget(self, request_id: str) -> Decision | None:
         """Drop a finished request; returns its last decision (None if unknown)."""

@@ -141,7 +141,7 @@ def main(out: Path) -> None:
     store = KVStore(out / "store")
     ps = prompts()
     names = [n for n in ps if n not in BAD_FIELDS]
-    report = {"prompts": {k: len(v) for k, v in ps.items()}, "block_size": store.block_size}
+    report = {"prompts": {k: len(v) for k, v in ps.items()} | {"turn2": len(turn2(ps))}, "block_size": store.block_size}
     mappers(out)
 
     llm = engine(TARGET, kv=kv_config("kv_producer", out / "store"))

@@ -211,7 +211,7 @@ def test_decide_maps_the_longest_stored_prefix_and_leaves_the_rest(tmp_path, mod
     d = decide(prompt, 0, store, spec)
     assert (d.reason, d.matched, d.lo, d.hi, d.tail) == (MAPPED, 32, 0, 32, 8)
     assert d.summary(40) | {"detail": ""} == {"reason": MAPPED, "mapped": 32, "cached": 0, "prefilled": 8,
-                                              "prompt": 40, "detail": ""}
+                                              "prompt": 40, "detail": "", "matched": 32, "lo": 0, "tail": 8}
     d = decide(prompt[:32], 0, store, spec)  # the prompt is exactly the stored prefix: the tail stays native
     assert (d.matched, d.hi, d.tail) == (31, 31, 1)
     d = decide(prompt, 16, store, spec)  # 16 tokens already in vLLM's own cache: map the rest

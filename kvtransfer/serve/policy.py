@@ -48,13 +48,14 @@ class Decision:
     detail: str = ""
 
     def summary(self, prompt_len: int) -> dict:
-        """JSON-ready {"reason", "mapped", "cached", "prefilled", "prompt", "detail"}: mapped = tokens taken from the
-        map, cached = tokens vLLM already held (its prefix cache), prefilled = tokens the target computed."""
+        """JSON-ready {"reason", "mapped", "cached", "prefilled", "prompt", "detail", "matched", "lo", "tail"}:
+        mapped = tokens taken from the map, cached = tokens vLLM already held (its prefix cache), prefilled = tokens
+        the target computed; matched / lo / tail are the earlier records' names of the same three numbers."""
         mapped = self.matched if self.reason == MAPPED else 0
         cached = self.lo if self.reason == MAPPED else 0
-        return {"reason": self.reason, "mapped": mapped, "cached": cached,
-                "prefilled": prompt_len - mapped - cached if self.reason == MAPPED else prompt_len,
-                "prompt": prompt_len, "detail": self.detail[:500]}
+        prefilled = prompt_len - mapped - cached if self.reason == MAPPED else prompt_len
+        return {"reason": self.reason, "mapped": mapped, "cached": cached, "prefilled": prefilled,
+                "prompt": prompt_len, "detail": self.detail[:500], "matched": mapped, "lo": cached, "tail": prefilled}
 
 
 @dataclass(frozen=True)

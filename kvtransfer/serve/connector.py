@@ -81,7 +81,7 @@ DEFAULT_SALT = "kvtransfer-mapped"
 @dataclass
 class LoadSpec:
     """Worker instruction: map stored tokens lo..hi-1 (blocks `hashes` of model `model_key`) into the request's
-    blocks; `prompt` is the request's prompt ids 0..hi-1 (the worker checks every stored block against it).
+    blocks; `prompt` is the request's prompt ids over the blocks read (the worker checks every block against it).
     `error`: the scheduler failed building this load -- the worker reports the blocks as load errors."""
 
     req_id: str
@@ -278,7 +278,8 @@ class KVTransferConnector(KVConnectorBase_V1):
             try:
                 prefix = decision.prefix
                 n_blocks = (decision.hi - 1) // prefix.block_size + 1
-                prompt = list(self._requests[req_id].prompt_token_ids)[:decision.hi]
+                # whole blocks: the worker compares each stored block's ids with the prompt's
+                prompt = list(self._requests[req_id].prompt_token_ids)[:n_blocks * prefix.block_size]
                 meta.loads.append(LoadSpec(req_id, prefix.model_key, list(prefix.hashes[:n_blocks]), decision.lo,
                                            decision.hi, blocks, prompt))
                 first, last = decision.lo // self.block_size, (decision.hi - 1) // self.block_size

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..io import atomic_save_tensors, atomic_write_json
@@ -203,10 +203,8 @@ class KVStore:
                 header = json.loads((f.metadata() or {}).get("kvtransfer", "{}"))
                 shapes = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
                           for name in f.keys()}
-        except FileNotFoundError as err:
-            raise BadEntry("evicted", f"{path}: evicted ({err})") from err
-        except (SafetensorError, OSError, ValueError, TypeError) as err:
-            raise BadEntry("corrupt", f"{path}: unreadable ({err})") from err
+        except Exception as err:  # noqa: BLE001 -- safetensors raises RuntimeError for a file removed meanwhile
+            raise _unreadable(path, err) from err
         if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
             raise BadEntry("corrupt", f"{path}: not a {FORMAT} v{VERSION} block")
         m = header.get("model")
@@ -276,10 +274,8 @@ class KVStore:
                 with safe_open(str(path), framework="pt") as f:
                     header = json.loads((f.metadata() or {}).get("kvtransfer", "{}"))
                 tensors = load_file(str(path))
-            except FileNotFoundError as err:
-                raise BadEntry("evicted", f"{path}: evicted after the lookup ({err})") from err
-            except (SafetensorError, OSError, ValueError, TypeError) as err:
-                raise BadEntry("corrupt", f"{path}: unreadable ({err})") from err
+            except Exception as err:  # noqa: BLE001 -- safetensors raises RuntimeError for a file removed meanwhile
+                raise _unreadable(path, err) from err
             try:
                 bid, k, v = tensors["token_ids"], tensors["k"], tensors["v"]
                 ok = isinstance(header, dict) and checksum(bid, k, v) == header.get("checksum")
@@ -334,6 +330,13 @@ class KVStore:
                 continue
             total -= size
         return removed
+
+
+def _unreadable(path: Path, err: Exception) -> BadEntry:
+    """The BadEntry for a block that could not be opened: "evicted" when it no longer exists, else "corrupt"."""
+    if not Path(path).exists():
+        return BadEntry("evicted", f"{path}: evicted after the lookup ({type(err).__name__}: {err})")
+    return BadEntry("corrupt", f"{path}: unreadable ({type(err).__name__}: {err})")
 
 
 def _touch(path: Path) -> None:

@@ -9,17 +9,18 @@ from tiny_models import random_ids, tiny_model
 from tolerance import FORWARD, assert_close, forward_factor
 
 from kvtransfer import Mapper, model_identity, transfer
-from kvtransfer.core.cache import prefill
+from kvtransfer.cache import prefill
 from kvtransfer.serve.mapping import ServeMap, codec_from_config, identity_mapper
-from kvtransfer.serve.policy import MAPPED, Counters, MapSpec, decide
-from kvtransfer.serve.store import BadEntry, KVStore, identity_from_config, prompt_key, save_prefill
-from kvtransfer.core.transfer import codec_for
+from kvtransfer.serve.store import identity_from_config
+from kvtransfer.transfer import codec_for
 
 
 # the paged layouts (slot mapping, GPU and CPU packings): tests/test_serve_paged.py
 
 
-# ---------------------------------------------------------------- store
+# the block store and the scheduler's decisions: tests/test_serve_store.py
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A tiny source/target pair with different KV geometry, saved as HF directories, and a random ridge map."""
@@ -42,118 +43,6 @@ def _prompt(n=20, seed=0):
     return [5] + random_ids(1, n - 1, seed=seed)[0].tolist()
 
 
-def test_store_round_trip_keeps_tensors_header_and_extras(tmp_path, pair):
-    store = KVStore(tmp_path / "store")
-    prompt = _prompt()
-    layers = [(k[0], v[0]) for k, v in prefill(pair["src"], torch.tensor([prompt]))]
-    ident = model_identity(pair["src"])
-    path = store.write(prompt, layers, ident, extras={"hidden": torch.ones(20, 4)})
-    assert path == store.path(prompt, ident["config_hash"]) and path.name.startswith(prompt_key(prompt))
-    entry = store.read_header(path, prompt)
-    assert entry.n_tokens == 20 and entry.model == ident and entry.header["positions"] == [0, 20]
-    assert entry.header["dtype"] == "float32" and entry.header["extras"] == ["hidden"]
-    back = store.read(entry, 3, 20)
-    assert all(torch.equal(k[:, 3:], bk) and torch.equal(v[:, 3:], bv) for (k, v), (bk, bv) in zip(layers, back))
-    assert store.write(prompt, layers, ident) is None  # never overwritten
-    assert save_prefill(store, pair["src"], prompt) is None  # the HF prefill writes the same entry (same path)
-
-
-def test_store_refuses_bad_entries_with_a_reason(tmp_path, pair):
-    store = KVStore(tmp_path / "store")
-    prompt = _prompt()
-    path = save_prefill(store, pair["src"], prompt)
-    data = path.read_bytes()
-    with pytest.raises(BadEntry, match="stored token ids differ") as err:
-        store.read_header(path, [6] + prompt[1:])
-    assert err.value.reason == "corrupt"
-    path.write_bytes(data[: len(data) // 2])  # truncated
-    with pytest.raises(BadEntry) as err:
-        store.read_header(path, prompt)
-    assert err.value.reason == "corrupt"
-    with pytest.raises(ValueError, match="do not match the model's"):
-        store.write(prompt[:5], [(torch.zeros(2, 5, 8), torch.zeros(2, 5, 8))], model_identity(pair["src"]))
-
-
-def _write_raw(store, prompt, ident, *, positions=None, k_shape=None):
-    """An entry written by hand (what a buggy producer could leave): header fields or shapes wrong."""
-    from kvtransfer.core.io import atomic_save_tensors
-
-    n = len(prompt)
-    tensors = {"token_ids": torch.tensor(prompt)}
-    for i in range(ident["n_layers"]):
-        tensors[f"layers.{i}.k"] = torch.zeros(k_shape or (ident["n_kv"], n, ident["head_dim"]))
-        tensors[f"layers.{i}.v"] = torch.zeros(ident["n_kv"], n, ident["head_dim"])
-    header = {"format": "kvtransfer.kv_entry", "version": 1, "model": ident, "n_tokens": n,
-              "positions": positions or [0, n], "dtype": "float32", "extras": []}
-    path = store.path(prompt, ident["config_hash"])
-    atomic_save_tensors(path, tensors, header)
-    return path
-
-
-def test_store_refuses_shifted_positions_and_mis_shaped_layers(tmp_path, pair):
-    store = KVStore(tmp_path / "store")
-    ident = model_identity(pair["src"])
-    prompt = _prompt()
-    for kwargs, reason in (({"positions": [3, 23]}, "positions"), ({"k_shape": (2, 20, 4)}, "mis-shaped")):
-        path = _write_raw(store, prompt, ident, **kwargs)
-        with pytest.raises(BadEntry) as err:
-            store.read_header(path, prompt)
-        assert err.value.reason == reason
-        path.unlink()
-
-
-# ---------------------------------------------------------------- decisions (scheduler side)
-def _spec(pair, **kw):
-    return MapSpec(source_hash=model_identity(pair["src"])["config_hash"], start_ids=(5,), native_sink=1, **kw)
-
-
-def test_decide_maps_all_but_the_native_tail(tmp_path, pair):
-    store = KVStore(tmp_path)
-    prompt = _prompt()
-    save_prefill(store, pair["src"], prompt)
-    d = decide(prompt, 0, store, _spec(pair))
-    assert (d.reason, d.matched, d.lo, d.hi, d.tail) == (MAPPED, 19, 0, 19, 1)
-    d = decide(prompt, 0, store, _spec(pair, native_tail=3))
-    assert (d.matched, d.tail) == (17, 3)
-    d = decide(prompt, 8, store, _spec(pair))  # 8 tokens already cached locally: map the rest
-    assert (d.matched, d.lo, d.hi) == (11, 8, 19)
-    longer = prompt + [7, 8, 9]  # the source read a prefix of this prompt
-    assert decide(longer, 0, store, _spec(pair)).reason == "no_entry"
-    d = decide(longer, 0, store, _spec(pair), source_len=20)
-    assert (d.reason, d.matched, d.tail) == (MAPPED, 20, 3)
-
-
-def test_decide_falls_back_with_a_reason_for_every_bad_case(tmp_path, pair):
-    store = KVStore(tmp_path)
-    prompt = _prompt()
-    spec = _spec(pair)
-    assert decide(prompt, 0, store, spec).reason == "no_entry"
-    save_prefill(store, pair["tgt"], prompt)  # an entry from another model (the mapper's target, not source)
-    assert decide(prompt, 0, store, spec).reason == "wrong_pair"
-    path = save_prefill(store, pair["src"], prompt)
-    assert decide(prompt, 0, store, MapSpec(source_hash="", unusable="mapper for another target")).reason == "wrong_pair"
-    assert decide([6] + prompt[1:], 0, store, spec).reason == "context_start"
-    assert decide(prompt, 0, store, spec, prefix_caching=True).reason == "unsalted"
-    assert decide(prompt, 0, store, spec, off=True).reason == "off"
-    assert decide(prompt, 0, store, spec, prefix_caching=True, salted=True).reason == MAPPED
-    assert decide(prompt, 19, store, spec).reason == "too_short"
-    assert decide(prompt[:1] + prompt[1:2], 0, store, spec).reason in ("no_entry", "too_short")
-    path.write_bytes(path.read_bytes()[:-100])
-    assert decide(prompt, 0, store, spec).reason == "corrupt"
-
-
-def test_counters_log_and_write_every_decision(tmp_path, pair):
-    counters = Counters(tmp_path / "stats.json")
-    store = KVStore(tmp_path / "store")
-    prompt = _prompt()
-    counters.record("a", len(prompt), decide(prompt, 0, store, _spec(pair)))
-    save_prefill(store, pair["src"], prompt)
-    counters.record("b", len(prompt), decide(prompt, 0, store, _spec(pair)))
-    got = Counters.load(tmp_path / "stats.json")
-    assert got["reasons"] == {"no_entry": 1, MAPPED: 1}
-    assert got["requests"]["a"]["tail"] == 20 and got["requests"]["b"] | {"detail": ""} == {
-        "prompt": 20, "reason": MAPPED, "matched": 19, "lo": 0, "tail": 1, "detail": ""}
-
 
 # ---------------------------------------------------------------- the map as served == the harness's transfer
 def test_codec_from_config_is_the_models_own_rope(pair):
@@ -171,7 +60,7 @@ def test_codec_from_config_is_the_models_own_rope(pair):
 
 
 def test_serve_map_equals_the_harness_transfer_on_any_token_range(pair):
-    """ServeMap.map_range (configs only, sink precomputed) == kvtransfer.core.transfer (models loaded, native_sink=1),
+    """ServeMap.map_range (configs only, sink precomputed) == kvtransfer.transfer (models loaded, native_sink=1),
     for the whole prompt and for a later range (positions lo..hi-1 strip and re-rotate at their own angles):
     bit for bit on the mapped positions; the sink (position 0) is the target's own 1-token prefill on both sides,
     run by a reloaded model (sdpa, not the in-memory model's eager attention), so equal to float32 rounding."""
@@ -233,3 +122,29 @@ def test_the_connector_module_imports_without_vllm():
             connector.KVTransferConnector(None, None, None)
     meta = connector.ServeMetadata()
     assert meta.loads == [] and meta.saves == []
+
+
+def test_the_pair_check_and_the_sink_use_the_weights_identity(tmp_path, pair):
+    """A mapper that records its models' weights refuses a source (or target) of the same architecture with other
+    weights; the native-sink cache is named by the target's weights key, so another checkpoint never reads it."""
+    from kvtransfer.identity import weights_identity
+    from kvtransfer.serve.ident import serving_identity
+
+    root = pair["root"]
+    twin = tiny_model("qwen3", seed=9, name="twin", layers=3, head_dim=16, hidden=48)  # the target's architecture
+    twin.save_pretrained(tmp_path / "twin")
+    tgt_id, twin_id = serving_identity(str(root / "tgt")), serving_identity(str(tmp_path / "twin"))
+    assert tgt_id["config_hash"] == twin_id["config_hash"] and tgt_id["key"] != twin_id["key"]
+    identity_mapper(pair["tgt"].config, model_id="tgt", start_ids=[5], weights=weights_identity(str(root / "tgt"))
+                    ).save(tmp_path / "id")
+    smap = ServeMap(tmp_path / "id", pair["tgt"].config, pair["tgt"].config, source_identity=tgt_id,
+                    target_identity=tgt_id, target_path=str(root / "tgt"), sink_cache=tmp_path / "sinks")
+    assert smap.source_hash == tgt_id["key"]
+    assert [p.name for p in (tmp_path / "sinks").iterdir()] == [f"sink.{tgt_id['key']}.5.safetensors"]
+    for side in ("source_identity", "target_identity"):
+        with pytest.raises(ValueError, match="same architecture with other weights"):
+            ServeMap(tmp_path / "id", pair["tgt"].config, pair["tgt"].config, **{side: twin_id})
+    twin_map = ServeMap(tmp_path / "id", twin.config, twin.config, target_path=str(tmp_path / "twin"),
+                        sink_cache=tmp_path / "sinks")  # no identities given: the sink is still keyed by weights
+    assert len(list((tmp_path / "sinks").iterdir())) == 2
+    assert not torch.equal(twin_map.sink[0][0], smap.sink[0][0])

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tolerance import assert_within
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,32 +43,62 @@ def _shared_logprobs(a: dict, b: dict) -> tuple[list[float], list[float]]:
     return [a["first_logprobs"][t] for t in shared], [b["first_logprobs"][t] for t in shared]
 
 
+def _by_name(tiny) -> dict[str, tuple[dict, dict]]:
+    """name -> (the consumer's output, its stats record), via the request tags the script sent."""
+    stats = tiny["consumer_stats"]
+    out = {}
+    for key, got in tiny["consumer"].items():
+        name = key.split(":", 1)[1]
+        out.setdefault(name, []).append((got, stats["requests"][stats["tags"][key]]))
+    return out
+
+
 def test_plumbing_identity_map_reproduces_the_cold_prefill(tiny):
     """Target -> target with the identity map through the connector == vLLM's cold prefill: greedy tokens
-    exactly, first-token top-5 logprobs to float32 rounding."""
-    cold = tiny["cold"]
-    stats = tiny["consumer_stats"]["requests"]
-    mapped = [k for k, v in stats.items() if v["reason"] == "mapped"]
-    assert len(mapped) == 4 and {v["tail"] for k, v in stats.items() if v["reason"] == "mapped"} == {1}
-    for key in ("0:good", "1:short_block", "8:good"):
-        got, want = tiny["consumer"][key], cold[key.split(":")[1]]
-        assert got["tokens"] == want["tokens"]
-        assert set(got["first_logprobs"]) == set(want["first_logprobs"])
-        # tol: float32 logits over 6 layers, K re-rotated (strip/apply: a few ulps), two attention kernels
-        assert_within(*_shared_logprobs(got, want), atol=1e-4,
-                      reason="float32 logits over 6 layers, K re-rotated (strip/apply: a few ulps), two attention kernels")
+    exactly, first-token top-5 logprobs to float32 rounding; the longest stored prefix (whole 16-token blocks) is
+    mapped and only the rest prefilled -- also for a second turn of the conversation, whose new tokens are not
+    stored -- and the response's kv_transfer_params says so."""
+    cold, rows, B = tiny["cold"], _by_name(tiny), tiny["block_size"]
+    for name in ("good", "short_block", "turn2"):
+        for got, rec in rows[name]:
+            n = tiny["prompts"][name]
+            stored = tiny["prompts"]["good"] if name == "turn2" else n  # turn 2's new tokens were never stored
+            want_mapped = min(stored // B * B, n - 1)
+            assert rec["reason"] == "mapped" and rec["mapped"] == want_mapped, (name, rec)
+            assert rec["prompt"] == n and rec["prefilled"] == n - want_mapped and rec["cached"] == 0
+            assert got["kv_transfer_params"] == {"kvtransfer": {k: v for k, v in rec.items() if k != "tag"}}
+            want = cold[name]
+            assert got["tokens"] == want["tokens"], name
+            assert set(got["first_logprobs"]) == set(want["first_logprobs"])
+            # tol: float32 logits over 6 layers, K re-rotated (strip/apply: a few ulps), two attention kernels
+            assert_within(*_shared_logprobs(got, want), atol=1e-4,
+                          reason="float32 logits over 6 layers, K re-rotated (strip/apply: a few ulps), two attention kernels")
+    assert tiny["prompts"]["turn2"] - tiny["prompts"]["good"] == 40 and len(rows["good"]) == 2
+
+
+BAD = {"no_entry": "no_entry", "other_model": "wrong_pair", "foreign": "wrong_pair", "context_start": "context_start",
+       "corrupt": "corrupt", "mis_shaped": "mis-shaped", "n_layers_two": "corrupt", "model_list": "corrupt",
+       "flipped": "load_failed", "nan": "load_failed", "field_str": "bad_request", "field_float": "bad_request",
+       "field_bool": "bad_request"}
 
 
 def test_every_bad_input_falls_back_to_the_cold_prefill_and_the_engine_keeps_serving(tiny):
-    cold, got = tiny["cold"], tiny["consumer"]
-    reasons = {k.split(":")[1]: v for k, v in zip(got, tiny["consumer_stats"]["requests"].values())}
-    assert {n: reasons[n]["reason"] for n in ("no_entry", "other_model", "context_start", "corrupt", "mis_shaped")} == {
-        "no_entry": "no_entry", "other_model": "wrong_pair", "context_start": "context_start", "corrupt": "corrupt",
-        "mis_shaped": "mis-shaped"}
-    for key, out in got.items():  # every request, bad or good, served the cold output
-        assert out["tokens"] == cold[key.split(":")[1]]["tokens"], key
-    failed = [load for load in tiny["consumer_worker"]["loads"] if "failed" in load]
-    assert len(failed) == 1 and "NaN" in failed[0]["failed"]  # the NaN entry: a worker-side failure, recomputed
+    """Issue 31 §1: each crash of the review, fed to a running engine, gives a normal prefill and its counted reason:
+    block headers with "n_layers": "two" / "model": [...], kvtransfer_source_len "5" / 2.5 / true, flipped bytes in K
+    (header intact: the worker's checksum), a same-architecture model with other weights; every request is counted
+    once."""
+    cold, rows = tiny["cold"], _by_name(tiny)
+    stats = tiny["consumer_stats"]
+    assert {name: rows[name][0][1]["reason"] for name in BAD} == BAD
+    for name in BAD:
+        got, rec = rows[name][0]
+        assert got["tokens"] == cold[name if name in cold else "good"]["tokens"], name  # the cold output
+        assert rec["mapped"] == 0 and rec["prefilled"] == rec["prompt"], name
+        assert got["kv_transfer_params"]["kvtransfer"]["reason"] == BAD[name], name
+    assert sum(stats["reasons"].values()) == len(tiny["consumer"])  # one count per request, no double counting
+    assert not [r for r in stats["reasons"] if r.startswith("error")]
+    failed = [load["failed"] for load in tiny["consumer_worker"]["loads"] if "failed" in load]
+    assert len(failed) == 2 and sum("checksum" in f for f in failed) == 1 and sum("NaN" in f for f in failed) == 1
     assert tiny["wrong_pair_stats"]["reasons"] == {"wrong_pair": 1}  # a mapper for another target: no mapping
     assert tiny["wrong_pair"]["good"]["tokens"] == cold["good"]["tokens"]
 

@@ -47,8 +47,10 @@ def generate(llm, prompts: list[list[int]], max_tokens: int, *, logprobs: int = 
                             extra_args={"kv_transfer_params": params} if params else None)
         prompt = {"prompt_token_ids": list(ids)} | ({"cache_salt": salt} if salt else {})
         t0 = time.perf_counter()
-        res = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        request_out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        res = request_out.outputs[0]
         seconds = time.perf_counter() - t0
         first = {int(t): float(lp.logprob) for t, lp in res.logprobs[0].items()}
-        out.append({"tokens": list(res.token_ids), "first_logprobs": first, "seconds": seconds})
+        out.append({"tokens": list(res.token_ids), "first_logprobs": first, "seconds": seconds,
+                    "kv_transfer_params": getattr(request_out, "kv_transfer_params", None)})
     return out

@@ -7,27 +7,38 @@ Selected with
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {...}}'
 extra config
-    store          directory of the KV store (both roles); the consumer keeps the target's native sink
+    store          directory of the KV store (both roles; kvtransfer.serve.store: token blocks keyed by a chained hash
+                   and the producer's weights identity); the consumer keeps the target's native sink
                    K/V in <store>/sinks (computed by one HF prefill of the start tokens on first use)
-    mapper         consumer: a saved mapper directory (kvtransfer.core.mapper)
+    block_size     tokens per store block (default 16; fixed by the first engine that opens the store)
+    store_max_bytes  producer: size cap of the store's blocks, least-recently-used evicted (default: no cap)
+    mapper         consumer: a saved mapper directory (kvtransfer.mapper)
     source_model   consumer: the source model's directory (its config builds the source RoPE)
     native_tail    consumer: prompt tokens the target always computes itself (default 1, the paper's)
     mapped_cache_salt  consumer with prefix caching on: only requests with this cache_salt are mapped
                    (default "kvtransfer-mapped"), so mapped blocks never serve unsalted requests as exact hits
-    per request    kv_transfer_params (SamplingParams.extra_args["kv_transfer_params"]): {"kvtransfer": "off"} asks
-                   for a normal prefill; {"kvtransfer_source_len": n}: the source read the first n prompt tokens
-    stats          optional JSON path: fallback reasons and per-request records (scheduler side);
-                   "<stats>.worker.json" gets the worker's per-load timings
+    per request    kv_transfer_params (SamplingParams.extra_args["kv_transfer_params"]; the OpenAI server's
+                   `kv_transfer_params` body field): {"kvtransfer": "off"} asks for a normal prefill;
+                   {"kvtransfer_source_len": n} maps at most the first n prompt tokens; {"kvtransfer_tag": "..."}
+                   names the request in the stats file. A field of the wrong type is reason "bad_request".
+    response       the consumer returns {"kvtransfer": {"reason", "mapped", "cached", "prefilled", "prompt",
+                   "detail"}} as the finished request's kv_transfer_params (the OpenAI response's
+                   `kv_transfer_params` field; RequestOutput.kv_transfer_params offline)
+    stats          optional JSON path: fallback reasons and per-request records (scheduler side, bounded, written
+                   on a timer); "<stats>.worker.json" gets the worker's last 1,000 per-load timings
 
 Producer: each prompt's K/V is gathered layer by layer (`save_kv_layer`) once its prefill is
 complete and written as one store entry (`wait_for_save`). Consumer: the scheduler decides per
 request (kvtransfer.serve.policy.decide); the worker reads the entry, maps it
 (kvtransfer.serve.mapping.ServeMap) and scatters it into the paged cache (kvtransfer.serve.paged)
-before the forward pass, in the layout of the attention backend the worker registered
+before the forward pass (checking each block's checksum and token ids against the request's prompt), in
+the layout of the attention backend the worker registered
 (`worker_layout`: FLASH_ATTN / FLASHINFER / TRITON_ATTN on GPUs, CPU_ATTN's vec and AMX packings); a
 backend whose layout is not implemented disables mapping for the engine, by name, and every request is
 prefilled normally. A worker-side failure reports the request's blocks as load errors, which
-kv_load_failure_policy="recompute" turns into a normal prefill.
+kv_load_failure_policy="recompute" turns into a normal prefill. Every scheduler-side hook turns any
+exception into a fallback with a counted reason ("error:<hook>"): no request and no store content can
+raise into vLLM's scheduler.
 
 Importing this module without vLLM installed works (the default test suite has no vLLM); only
 constructing the connector needs it.
@@ -42,10 +53,9 @@ from typing import Any
 
 import torch
 
-from ..core.io import atomic_write_json
 from . import paged
-from .policy import MAPPED, Counters, MapSpec, decide
-from .store import KVStore, identity_from_config
+from .policy import MAPPED, Counters, Decider, MapSpec, Timings
+from .store import KVStore, Prefix
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -70,13 +80,18 @@ DEFAULT_SALT = "kvtransfer-mapped"
 
 @dataclass
 class LoadSpec:
-    """Worker instruction: map entry tokens lo..hi-1 into the request's blocks."""
+    """Worker instruction: map stored tokens lo..hi-1 (blocks `hashes` of model `model_key`) into the request's
+    blocks; `prompt` is the request's prompt ids over the blocks read (the worker checks every block against it).
+    `error`: the scheduler failed building this load -- the worker reports the blocks as load errors."""
 
     req_id: str
-    path: str
+    model_key: str
+    hashes: list[str]
     lo: int
     hi: int
     block_ids: list[int]
+    prompt: list[int] = field(default_factory=list)
+    error: str = ""
 
 
 @dataclass
@@ -152,12 +167,15 @@ class KVTransferConnector(KVConnectorBase_V1):
         extra = cfg.kv_connector_extra_config or {}
         if "store" not in extra:
             raise ValueError("kv_connector_extra_config needs 'store': the KV store directory")
-        self.store = KVStore(extra["store"])
+        cap = extra.get("store_max_bytes")
+        self.store = KVStore(extra["store"], block_size=extra.get("block_size"),
+                             max_bytes=int(cap) if cap is not None else None)
         self.block_size = vllm_config.cache_config.block_size
         self.model_path = vllm_config.model_config.model
         self.producer = cfg.is_kv_producer and not cfg.is_kv_consumer
         self.stats_path = extra.get("stats")
         self.counters = Counters(self.stats_path)
+        self.timings = Timings(f"{self.stats_path}.worker.json" if self.stats_path else None)
         self.salt = extra.get("mapped_cache_salt", DEFAULT_SALT)
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.native_tail = int(extra.get("native_tail", 1))
@@ -168,6 +186,7 @@ class KVTransferConnector(KVConnectorBase_V1):
         self._requests: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self._saved: set[str] = set()
+        self._loading: dict[str, set[int]] = {}  # request -> the blocks its load writes (load errors come back as ids)
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._smap = None
@@ -175,8 +194,9 @@ class KVTransferConnector(KVConnectorBase_V1):
         self._layout: paged.PagedLayout | None = None
         self._layer_parts: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._failed_blocks: set[int] = set()
-        self._timings: list[dict] = []
         self.spec = None if self.producer else self._scheduler_spec(role)
+        self.decider = (Decider(self.store, self.spec, self.counters, prefix_caching=self.prefix_caching,
+                                salt=self.salt) if self.spec is not None else None)
 
     # ------------------------------------------------------------------ set-up
     def _configs(self):
@@ -190,51 +210,89 @@ class KVTransferConnector(KVConnectorBase_V1):
         for key in ("mapper", "source_model"):
             if key not in self._extra:
                 raise ValueError(f"a kv_consumer needs kv_connector_extra_config[{key!r}]")
+        from .ident import serving_identity
+
         source_cfg, target_cfg = self._configs()
+        source_id = serving_identity(str(self._extra["source_model"]), source_cfg)
+        target_id = serving_identity(str(self.model_path), target_cfg)
         return ServeMap(self._extra["mapper"], source_cfg, target_cfg,
                         target_path=self.model_path if with_sink else None, dtype=dtype,
-                        sink_cache=self.store.root / "sinks")
+                        sink_cache=self.store.root / "sinks", source_identity=source_id, target_identity=target_id)
 
     def _scheduler_spec(self, role) -> MapSpec | None:
         if HAVE_VLLM and role != KVConnectorRole.SCHEDULER:
             return None
         try:
             smap = self._build_map(with_sink=False)
-        except (ValueError, OSError, KeyError) as err:  # never down: every request falls back, with this reason
+        except Exception as err:  # noqa: BLE001 -- never down: every request falls back, with this reason
             log.error("kvtransfer: mapping disabled for this engine: %s", err)
             return MapSpec(source_hash="", unusable=str(err), native_tail=self.native_tail)
         return MapSpec(smap.source_hash, tuple(smap.start_ids), smap.native_sink, self.native_tail)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        self._requests[request.request_id] = request
-        if self.producer:
+        """Tokens the map provides beyond num_computed_tokens (memoised per request; never raises)."""
+        try:
+            self._requests[request.request_id] = request
+            if self.producer or self.decider is None:
+                return 0, False
+            decision = self.decider.get(request.request_id, request.prompt_token_ids, num_computed_tokens,
+                                        request.kv_transfer_params, request.cache_salt)
+            if decision.reason != MAPPED:
+                self._pending.pop(request.request_id, None)
+                return 0, False
+            self._pending[request.request_id] = decision
+            return decision.matched, False
+        except Exception as err:  # noqa: BLE001 -- never down: a fault here is a normal prefill
+            self._fault("get_num_new_matched_tokens", err, request)
             return 0, False
-        prompt = list(request.prompt_token_ids or [])
-        params = request.kv_transfer_params or {}
-        decision = decide(prompt, num_computed_tokens, self.store, self.spec, prefix_caching=self.prefix_caching,
-                          salted=request.cache_salt == self.salt, source_len=params.get("kvtransfer_source_len"),
-                          off=params.get("kvtransfer") == "off")
-        self.counters.record(request.request_id, len(prompt), decision)
-        if decision.reason != MAPPED:
-            return 0, False
-        self._pending[request.request_id] = decision
-        return decision.matched, False
+
+    def _fault(self, hook: str, err: Exception, request=None) -> None:
+        """Count and log a scheduler-side hook's exception (the request, if any, falls back)."""
+        req_id = getattr(request, "request_id", None)
+        log.error("kvtransfer: %s failed for request %s (%s: %s); normal prefill", hook, req_id,
+                  type(err).__name__, err)
+        self.counters.count(f"error:{hook}")
+        if req_id is not None:
+            self._pending.pop(req_id, None)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        if num_external_tokens == 0:
-            self._pending.pop(request.request_id, None)
+        try:
+            if num_external_tokens == 0:
+                self._pending.pop(request.request_id, None)
+        except Exception as err:  # noqa: BLE001
+            self._fault("update_state_after_alloc", err, request)
 
     def build_connector_meta(self, scheduler_output) -> ServeMetadata:
         meta = ServeMetadata()
         for req_id, decision in list(self._pending.items()):
-            if req_id not in scheduler_output.num_scheduled_tokens:
+            try:
+                if req_id not in scheduler_output.num_scheduled_tokens:
+                    continue
+                del self._pending[req_id]
+                blocks = list(self._kv_cache_manager.get_block_ids(req_id)[0])
+            except Exception as err:  # noqa: BLE001 -- nothing to load, nothing promised can be kept: skip it
+                self._fault("build_connector_meta", err)
+                self._pending.pop(req_id, None)
                 continue
-            blocks = self._kv_cache_manager.get_block_ids(req_id)[0]
-            meta.loads.append(LoadSpec(req_id, str(decision.entry.path), decision.lo, decision.hi, list(blocks)))
-            del self._pending[req_id]
+            try:
+                prefix = decision.prefix
+                n_blocks = (decision.hi - 1) // prefix.block_size + 1
+                # whole blocks: the worker compares each stored block's ids with the prompt's
+                prompt = list(self._requests[req_id].prompt_token_ids)[:n_blocks * prefix.block_size]
+                meta.loads.append(LoadSpec(req_id, prefix.model_key, list(prefix.hashes[:n_blocks]), decision.lo,
+                                           decision.hi, blocks, prompt))
+                first, last = decision.lo // self.block_size, (decision.hi - 1) // self.block_size
+                self._loading[req_id] = set(blocks[first:last + 1])
+            except Exception as err:  # noqa: BLE001 -- the worker reports the promised blocks as load errors
+                self._fault("build_connector_meta", err)
+                meta.loads.append(LoadSpec(req_id, "", [], decision.lo, decision.hi, blocks,
+                                           error=f"{type(err).__name__}: {err}"))
         if self.producer:
-            self._plan_saves(scheduler_output, meta)
+            try:
+                self._plan_saves(scheduler_output, meta)
+            except Exception as err:  # noqa: BLE001 -- a missed save is a future miss, not a failed request
+                self._fault("build_connector_meta", err)
         return meta
 
     def _plan_saves(self, scheduler_output, meta: ServeMetadata) -> None:
@@ -251,11 +309,44 @@ class KVTransferConnector(KVConnectorBase_V1):
                 self._saved.add(req_id)
                 meta.saves.append(SaveSpec(req_id, prompt, list(self._kv_cache_manager.get_block_ids(req_id)[0])))
 
+    def update_connector_output(self, connector_output) -> None:
+        """Scheduler side: a mapped request whose blocks the worker reported as load errors is re-classified
+        "load_failed" (vLLM recomputes it), so its counts and response field say what happened."""
+        try:
+            invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+            if not invalid or self.decider is None:
+                return
+            for req_id, blocks in list(self._loading.items()):
+                if blocks & invalid:
+                    self.decider.fail(req_id, "the worker could not load the mapped blocks (checksum, eviction, "
+                                              "map or layout error: see the stats' .worker.json); recomputed")
+                    del self._loading[req_id]
+        except Exception as err:  # noqa: BLE001
+            self._fault("update_connector_output", err)
+
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
-        for table in (self._requests, self._pending):
-            table.pop(request.request_id, None)
-        self._saved.discard(request.request_id)
-        return False, None
+        """Frees the request's state; a consumer returns {"kvtransfer": Decision.summary} as its kv_transfer_params."""
+        try:
+            for table in (self._requests, self._pending, self._loading):
+                table.pop(request.request_id, None)
+            self._saved.discard(request.request_id)
+            if self.decider is None:
+                return False, None
+            decision = self.decider.forget(request.request_id)
+            if decision is None:
+                return False, None
+            return False, {"kvtransfer": decision.summary(len(request.prompt_token_ids or []))}
+        except Exception as err:  # noqa: BLE001
+            self._fault("request_finished", err, request)
+            return False, None
+
+    def shutdown(self):
+        self.counters.flush()
+        self.timings.flush()
+        try:
+            super().shutdown()
+        except Exception:  # noqa: BLE001 -- base classes without shutdown
+            pass
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -274,7 +365,7 @@ class KVTransferConnector(KVConnectorBase_V1):
             self._layout = worker_layout(self._vllm_config, dtype, self._smap.target_head_dim)
             for layer in kv_caches.values():
                 self._layout.check(layer, self._smap.target_n_kv, self._smap.target_head_dim, self._cache_dtype)
-        except (ValueError, OSError, KeyError, ImportError, AttributeError) as err:
+        except Exception as err:  # noqa: BLE001 -- never down: every load is recomputed
             self._smap, self._layout = None, None
             self._smap_error = str(err)
             log.error("kvtransfer: worker cannot map (%s); every load will be recomputed", err)
@@ -303,18 +394,18 @@ class KVTransferConnector(KVConnectorBase_V1):
                 first, last = spec.lo // self.block_size, (spec.hi - 1) // self.block_size
                 self._failed_blocks.update(spec.block_ids[first:last + 1])
                 timing = {"failed": f"{type(err).__name__}: {err}"}
-            self._timings.append({"req_id": spec.req_id, "tokens": spec.hi - spec.lo,
-                                  "total_s": time.perf_counter() - t0, **timing})
-        if meta.loads and self.stats_path:
-            atomic_write_json(f"{self.stats_path}.worker.json", {"loads": self._timings[-1000:]})
+            self.timings.add({"req_id": spec.req_id, "tokens": spec.hi - spec.lo,
+                              "total_s": time.perf_counter() - t0, **timing})
 
     def _load(self, spec: LoadSpec) -> dict:
         """Read, map and scatter one request's tokens spec.lo..spec.hi-1; returns its timings (seconds)."""
+        if spec.error:
+            raise RuntimeError(f"the scheduler could not plan this load: {spec.error}")
         if self._smap is None:
             raise RuntimeError(self._smap_error or "no mapper")
         t0 = time.perf_counter()
-        entry = self.store.read_header(spec.path, self._entry_ids(spec.path))
-        source = self.store.read(entry, spec.lo, spec.hi)
+        prefix = Prefix(spec.model_key, self.store.block_size, tuple(spec.hashes))
+        source = self.store.read(prefix, spec.prompt, spec.lo, spec.hi)  # checksums, ids vs the prompt
         t1 = time.perf_counter()
         mapped = self._smap.map_range(source, spec.lo, spec.hi)
         t2 = time.perf_counter()
@@ -324,13 +415,6 @@ class KVTransferConnector(KVConnectorBase_V1):
             self._layout.scatter(layer, k, v, slots)
         t3 = time.perf_counter()
         return {"read_s": t1 - t0, "map_s": t2 - t1, "scatter_s": t3 - t2}
-
-    @staticmethod
-    def _entry_ids(path: str) -> list[int]:
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            return f.get_tensor("token_ids").tolist()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous (start_load_kv finishes before the forward pass)
@@ -352,15 +436,15 @@ class KVTransferConnector(KVConnectorBase_V1):
                 continue
             try:
                 self.store.write(spec.token_ids, [parts[i] for i in sorted(parts)], self._identity())
-            except (ValueError, OSError) as err:  # a failed save is a future miss, not a failed request
+            except Exception as err:  # noqa: BLE001 -- a failed save (disk full, ...) is a future miss, not a failure
                 log.error("kvtransfer: could not store request %s: %s", spec.req_id, err)
 
     def _identity(self) -> dict:
-        """The served model's identity, as the store's entry headers record it (read once)."""
+        """The served model's identity with its weights (kvtransfer.serve.ident), as store blocks record it (read once)."""
         if not hasattr(self, "_model_identity"):
-            from transformers import AutoConfig
+            from .ident import serving_identity
 
-            self._model_identity = identity_from_config(AutoConfig.from_pretrained(self.model_path), str(self.model_path))
+            self._model_identity = serving_identity(str(self.model_path))
         return self._model_identity
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -1,45 +1,67 @@
 """The consumer's scheduler-side decision: how many prompt tokens a request takes from the map, and why not.
 
-Everything is checked before vLLM is promised a token (a promise the worker then cannot keep would
-fail the request under kv_load_failure_policy="fail", or cost a recompute under "recompute"):
-the mapper is usable for this engine, the prompt starts with the mapper's position-0 tokens
-(its context_start), a store entry exists for this prompt from the mapper's source model and
-its header, shapes and token ids check out. Any failure -> 0 matched tokens and a normal
-prefill, with a reason that is logged and counted (`Counters`).
+Everything is checked before vLLM is promised a token (a promise the worker then cannot keep costs a
+recompute under kv_load_failure_policy="recompute"): the request's fields have the right types, the
+mapper is usable for this engine, the prompt starts with the mapper's position-0 tokens (its
+context_start), and the store holds a prefix of the prompt written by the mapper's source model (same
+architecture *and* weights: kvtransfer.serve.ident) whose block headers check out. Any failure -> 0
+matched tokens and a normal prefill, with a reason that is logged and counted (`Counters`).
+
+`decide` is a pure function of (prompt, num_computed, store contents, spec, request fields); `safe_decide`
+wraps it so that nothing -- a malformed field, a block header of any shape, a bug -- raises out of it.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
-from collections import Counter
-from dataclasses import dataclass, field
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.io import atomic_write_json
-from .store import BadEntry, EntryHeader, KVStore
+from ..io import atomic_write_json
+from .store import BadEntry, KVStore, Prefix
 
 log = logging.getLogger("kvtransfer.serve")
 
 MAPPED = "mapped"
+LOAD_FAILED = "load_failed"
+
+
+class BadRequest(ValueError):
+    """A request field of the wrong type or value (reason "bad_request")."""
 
 
 @dataclass(frozen=True)
 class Decision:
-    """matched = hi - lo tokens loaded from the map (0 unless reason == "mapped"); tail = prompt - hi."""
+    """matched = hi - lo tokens loaded from the map (0 unless reason == "mapped"); tail = prompt - hi, the tokens
+    the target prefills itself beyond the lo it already had cached."""
 
     reason: str
     matched: int = 0
     lo: int = 0
     hi: int = 0
     tail: int = 0
-    entry: EntryHeader | None = None
+    prefix: Prefix | None = None
     detail: str = ""
+
+    def summary(self, prompt_len: int) -> dict:
+        """JSON-ready {"reason", "mapped", "cached", "prefilled", "prompt", "detail", "matched", "lo", "tail"}:
+        mapped = tokens taken from the map, cached = tokens vLLM already held (its prefix cache), prefilled = tokens
+        the target computed; matched / lo / tail are the earlier records' names of the same three numbers."""
+        mapped = self.matched if self.reason == MAPPED else 0
+        cached = self.lo if self.reason == MAPPED else 0
+        prefilled = prompt_len - mapped - cached if self.reason == MAPPED else prompt_len
+        return {"reason": self.reason, "mapped": mapped, "cached": cached, "prefilled": prefilled,
+                "prompt": prompt_len, "detail": self.detail[:500], "matched": mapped, "lo": cached, "tail": prefilled}
 
 
 @dataclass(frozen=True)
 class MapSpec:
-    """What the scheduler knows of the mapper: source model hash, position-0 tokens, sink and tail sizes.
-    `unusable` holds the reason the mapper cannot serve this engine at all (every request falls back)."""
+    """What the scheduler knows of the mapper: the source model's store key (architecture + weights), position-0
+    tokens, sink and tail sizes. `unusable` holds the reason the mapper cannot serve this engine at all."""
 
     source_hash: str
     start_ids: tuple[int, ...] = ()
@@ -48,14 +70,35 @@ class MapSpec:
     unusable: str = ""
 
 
+def parse_params(params) -> tuple[bool, int | None]:
+    """(off, source_len) from a request's kv_transfer_params; BadRequest naming the field on a wrong type.
+
+    {"kvtransfer": "off"} asks for a normal prefill ("on"/absent: map when possible); {"kvtransfer_source_len": n}
+    (an int >= 0) limits the lookup to the first n prompt tokens. Unknown keys are ignored (other connectors'
+    and the proxy's fields travel in the same dict).
+    """
+    if params is None:
+        return False, None
+    if not isinstance(params, dict):
+        raise BadRequest(f"kv_transfer_params must be an object, not {type(params).__name__}")
+    mode = params.get("kvtransfer")
+    if mode not in (None, "on", "off"):
+        raise BadRequest(f"kv_transfer_params.kvtransfer={mode!r}: use \"off\" (normal prefill) or \"on\"")
+    n = params.get("kvtransfer_source_len")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        raise BadRequest(f"kv_transfer_params.kvtransfer_source_len={n!r}: a non-negative integer number of tokens")
+    return mode == "off", n
+
+
 def decide(prompt: list[int], num_computed: int, store: KVStore, spec: MapSpec, *, prefix_caching: bool = False,
            salted: bool = False, source_len: int | None = None, off: bool = False) -> Decision:
     """The decision for one request whose first `num_computed` prompt tokens are already in the cache.
 
     prefix_caching / salted: with vLLM's prefix cache on, only requests carrying the connector's cache
-    salt are mapped, so mapped blocks are hashed apart from every unsalted request's. source_len:
-    the request names the length of the prompt prefix the source read (default: the whole prompt).
-    off: the request asked for a normal prefill (kv_transfer_params {"kvtransfer": "off"}).
+    salt are mapped, so mapped (lossy) blocks are hashed apart from every unsalted request's and never serve an
+    exact prefix-cache hit. source_len: map at most the first source_len prompt tokens. off: the request asked
+    for a normal prefill. The mapped range is tokens lo..hi-1 with lo = num_computed and hi = the longest stored
+    prefix, capped to leave the last `native_tail` prompt tokens to the target.
     """
     if off:
         return Decision("off", detail="the request asked for a normal prefill")
@@ -68,54 +111,215 @@ def decide(prompt: list[int], num_computed: int, store: KVStore, spec: MapSpec, 
         return Decision("context_start", detail=f"the prompt does not start with the mapper's position-0 ids "
                                                 f"{list(spec.start_ids)}")
     key_ids = prompt if source_len is None else prompt[:source_len]
-    path = store.path(key_ids, spec.source_hash)
-    if not path.is_file():
+    prefix = store.lookup(key_ids, spec.source_hash)
+    if prefix.n_blocks == 0:
+        if prefix.detail:
+            reason, _, detail = prefix.detail.partition(": ")
+            return Decision(reason, detail=detail)
         other = store.others(key_ids, spec.source_hash)
         if other:
-            return Decision("wrong_pair", detail=f"{other[0].name} was written by another source model")
-        return Decision("no_entry")
-    try:
-        entry = store.read_header(path, key_ids)
-    except BadEntry as err:
-        return Decision(err.reason, detail=str(err))
-    if entry.model.get("config_hash") != spec.source_hash:
-        return Decision("wrong_pair", detail=f"{path.name}: header names model {entry.model.get('config_hash')}")
-    hi = min(entry.n_tokens, len(prompt) - spec.native_tail)
+            return Decision("wrong_pair", detail=f"the store holds this prompt from model {other[0]}, not the "
+                                                 f"mapper's source {spec.source_hash} (other weights or architecture)")
+        return Decision("no_entry", detail=f"no stored block of the first {store.block_size} tokens")
+    hi = min(prefix.n_tokens, len(prompt) - spec.native_tail)
     lo = num_computed
     if hi <= max(lo, spec.native_sink):
-        return Decision("too_short", detail=f"nothing to map beyond {lo} cached tokens with a tail of "
-                                            f"{spec.native_tail} (prompt {len(prompt)})")
-    return Decision(MAPPED, hi - lo, lo, hi, len(prompt) - hi, entry)
+        return Decision("too_short", detail=f"nothing to map beyond {lo} cached tokens: {prefix.n_tokens} stored, "
+                                            f"tail {spec.native_tail}, prompt {len(prompt)}")
+    return Decision(MAPPED, hi - lo, lo, hi, len(prompt) - hi, prefix, prefix.detail)
+
+
+def safe_decide(prompt, num_computed, store: KVStore, spec: MapSpec, *, params=None, prefix_caching: bool = False,
+                salted: bool = False) -> Decision:
+    """`decide` for a request as vLLM hands it (its raw kv_transfer_params): never raises. A malformed field is
+    reason "bad_request"; any other exception (a store or code fault) is reason "error", with the exception named."""
+    try:
+        off, source_len = parse_params(params)
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise BadRequest("the request has no prompt token ids")
+        if not isinstance(num_computed, int) or num_computed < 0:
+            raise BadRequest(f"num_computed_tokens={num_computed!r}")
+        return decide(prompt, num_computed, store, spec, prefix_caching=prefix_caching, salted=salted,
+                      source_len=source_len, off=off)
+    except BadRequest as err:
+        return Decision("bad_request", detail=str(err))
+    except BadEntry as err:
+        return Decision(err.reason, detail=str(err))
+    except Exception as err:  # noqa: BLE001 -- never down: the scheduler must not see it
+        return Decision("error", detail=f"{type(err).__name__}: {err}")
 
 
 class Counters:
-    """Fallback reasons and per-request records, logged and (with a path) written as JSON after each decision."""
+    """Fallback reasons and the last `keep` per-request records (bounded), logged per decision and written as JSON
+    (with a path) at most every `flush_s` seconds by a timer thread, and at exit.
 
-    def __init__(self, path: str | Path | None = None, keep: int = 1000):
-        self.path, self.keep = (Path(path) if path else None), keep
+    File: {"reasons": {reason: count}, "requests": {request id: Decision.summary | {"tag"}}, "tags": {tag: id}}.
+    """
+
+    def __init__(self, path: str | Path | None = None, keep: int = 1000, flush_s: float = 0.5):
+        self.path, self.keep, self.flush_s = (Path(path) if path else None), keep, flush_s
         self.reasons: Counter = Counter()
-        self.requests: dict[str, dict] = {}
+        self.requests: OrderedDict[str, dict] = OrderedDict()
+        self.tags: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._dirty = False
+        if self.path is not None:
+            atexit.register(self.flush)
 
-    def record(self, request_id: str, prompt_len: int, decision: Decision) -> None:
-        self.reasons[decision.reason] += 1
-        self.requests[request_id] = {"prompt": prompt_len, "reason": decision.reason, "matched": decision.matched,
-                                     "lo": decision.lo, "tail": decision.tail if decision.matched else prompt_len,
-                                     "detail": decision.detail}
-        while len(self.requests) > self.keep:
-            self.requests.pop(next(iter(self.requests)))
+    def count(self, reason: str) -> None:
+        """Count a reason that has no request record (a hook's fault)."""
+        with self._lock:
+            self.reasons[reason] += 1
+        self._schedule()
+
+    def record(self, request_id: str, prompt_len: int, decision: Decision, tag: str | None = None, *,
+               count: bool = True) -> None:
+        """Count one request's decision (count=False: only replace its record) and keep its summary."""
+        with self._lock:
+            tag = tag or (self.requests.get(request_id) or {}).get("tag")
+            row = decision.summary(prompt_len) | ({"tag": tag} if tag else {})
+            if count:
+                self.reasons[decision.reason] += 1
+            self.requests[request_id] = row
+            self.requests.move_to_end(request_id)
+            while len(self.requests) > self.keep:
+                self.requests.popitem(last=False)
+            if tag:
+                self.tags[tag] = request_id
+                while len(self.tags) > self.keep:
+                    self.tags.popitem(last=False)
         if decision.reason == MAPPED:
             log.info("kvtransfer: request %s maps tokens %d..%d, target computes %d", request_id, decision.lo,
                      decision.hi, decision.tail)
         else:
             log.warning("kvtransfer: request %s falls back to a normal prefill (%s) %s", request_id,
                         decision.reason, decision.detail)
-        self.flush()
+        self._schedule()
+
+    def move(self, request_id: str, prompt_len: int, old_reason: str, decision: Decision) -> None:
+        """Re-classify a request counted as `old_reason` (a mapped request whose load then failed)."""
+        with self._lock:
+            if self.reasons.get(old_reason, 0) > 0:
+                self.reasons[old_reason] -= 1
+                if not self.reasons[old_reason]:
+                    del self.reasons[old_reason]
+        self.record(request_id, prompt_len, decision)
+
+    def _schedule(self) -> None:
+        if self.path is None:
+            return
+        with self._lock:
+            self._dirty = True
+            if self._timer is not None:
+                return
+            self._timer = threading.Timer(self.flush_s, self.flush)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"reasons": dict(self.reasons), "requests": dict(self.requests), "tags": dict(self.tags)}
 
     def flush(self) -> None:
-        if self.path is not None:
-            atomic_write_json(self.path, {"reasons": dict(self.reasons), "requests": self.requests})
+        """Write the JSON now if anything changed since the last write (atomic; errors logged, never raised)."""
+        with self._lock:
+            self._timer = None
+            if self.path is None or not self._dirty:
+                return
+            self._dirty = False
+        try:
+            atomic_write_json(self.path, self.snapshot())
+        except (OSError, ValueError, TypeError) as err:
+            log.error("kvtransfer: cannot write stats %s: %s", self.path, err)
 
     @staticmethod
-    def load(path: str | Path) -> dict:
-        """The JSON a Counters with this path last wrote."""
-        return json.loads(Path(path).read_text())
+    def load(path: str | Path, wait_s: float = 2.0) -> dict:
+        """The JSON a Counters with this path last wrote (waits up to wait_s for a first write)."""
+        path = Path(path)
+        deadline = time.monotonic() + wait_s
+        while not path.is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return json.loads(path.read_text())
+
+
+class Timings:
+    """The worker's per-load timings: the last `keep` kept (bounded), written like Counters' (timer, at exit)."""
+
+    def __init__(self, path: str | Path | None = None, keep: int = 1000, flush_s: float = 0.5):
+        self.path, self.flush_s = (Path(path) if path else None), flush_s
+        self.loads: deque = deque(maxlen=keep)
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        if self.path is not None:
+            atexit.register(self.flush)
+
+    def add(self, row: dict) -> None:
+        with self._lock:
+            self.loads.append(row)
+            if self.path is None or self._timer is not None:
+                return
+            self._timer = threading.Timer(self.flush_s, self.flush)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._timer = None
+            rows = list(self.loads)
+        if self.path is not None and rows:
+            try:
+                atomic_write_json(self.path, {"loads": rows})
+            except (OSError, ValueError, TypeError) as err:
+                log.error("kvtransfer: cannot write timings %s: %s", self.path, err)
+
+
+class Decider:
+    """The connector's scheduler-side decisions, memoised: `get` computes a request's decision once (vLLM may ask
+    get_num_new_matched_tokens several times for one request) and counts it once; a later call with another
+    num_computed (a preempted request re-queued) recomputes the range without counting again.
+
+    Bounded: at most `keep` requests are remembered (`forget` on request_finished frees one sooner).
+    """
+
+    def __init__(self, store: KVStore, spec: MapSpec, counters: Counters, *, prefix_caching: bool = False,
+                 salt: str = "kvtransfer-mapped", keep: int = 4096):
+        self.store, self.spec, self.counters = store, spec, counters
+        self.prefix_caching, self.salt, self.keep = prefix_caching, salt, keep
+        self._memo: OrderedDict[str, tuple[int, int, Decision]] = OrderedDict()
+
+    def get(self, request_id: str, prompt, num_computed: int, params=None, cache_salt=None) -> Decision:
+        """The decision for one request (never raises; see safe_decide)."""
+        prompt = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
+        n = len(prompt) if isinstance(prompt, list) else 0
+        known = self._memo.get(request_id)
+        if known is not None and (known[:2] == (n, num_computed) or known[2].reason == LOAD_FAILED):
+            return known[2]  # a failed load stays failed: the request is recomputed, never mapped again
+        decision = safe_decide(prompt, num_computed, self.store, self.spec, params=params,
+                               prefix_caching=self.prefix_caching, salted=cache_salt == self.salt)
+        tag = params.get("kvtransfer_tag") if isinstance(params, dict) else None
+        tag = tag if isinstance(tag, str) else None
+        if known is None:
+            self.counters.record(request_id, n, decision, tag=tag)
+        else:  # the same request again: its record follows the new range, its reason is not counted twice
+            self.counters.record(request_id, n, decision, tag=tag, count=False)
+        self._memo[request_id] = (n, num_computed, decision)
+        self._memo.move_to_end(request_id)
+        while len(self._memo) > self.keep:
+            self._memo.popitem(last=False)
+        return decision
+
+    def fail(self, request_id: str, detail: str) -> None:
+        """The worker could not load a mapped request's blocks (vLLM recomputes them): its reason becomes
+        "load_failed" -- in the counts (moved from "mapped"), its record and the response field."""
+        known = self._memo.get(request_id)
+        if known is None or known[2].reason != MAPPED:
+            return
+        failed = Decision(LOAD_FAILED, detail=detail)
+        self._memo[request_id] = (known[0], known[1], failed)
+        self.counters.move(request_id, known[0], MAPPED, failed)
+
+    def forget(self, request_id: str) -> Decision | None:
+        """Drop a finished request; returns its last decision (None if unknown)."""
+        known = self._memo.pop(request_id, None)
+        return known[2] if known else None

@@ -1,98 +1,168 @@
-"""The KV store a producer writes and a consumer reads: one safetensors file per (prompt, source model).
+"""The prefix store a producer writes and a consumer reads: fixed-size token blocks, chained hashes.
 
-    <root>/<key[:2]>/<key>.<config_hash>.safetensors
-        key          sha256 (hex) of the prompt's token ids as little-endian int64
-        config_hash  kvtransfer.core.models.config_hash of the model that computed the cache
-    tensors   token_ids int64 [n]; layers.<i>.k / layers.<i>.v [n_kv, n, head_dim] (keys post-RoPE,
-              as the model caches them); extra.<name> any further per-prompt tensors (e.g. hidden states)
-    header    (safetensors metadata "kvtransfer", JSON) {"format": "kvtransfer.kv_entry", "version",
-              "model": identity, "n_tokens", "positions": [first, stop), "dtype", "extras": [names]}
+    <root>/store.json                              {"format": "kvtransfer.kv_store", "block_size": B}
+    <root>/<model key>/<h[:2]>/<h>.safetensors     one block: tokens j*B .. (j+1)*B - 1 of some prompt
 
-Entries are written atomically (kvtransfer.core.io) and never overwritten: the same prompt through the
-same model gives the same cache, so a second write is skipped. `read_header` checks an entry
-without reading its tensors (the scheduler validates with it before promising tokens).
+    model key  kvtransfer.serve.ident: the producer's architecture *and* weights (16 hex)
+    h          chained hash, as vLLM's prefix cache: h_0 = sha256("kvtransfer.kv_store/<model key>/<B>"),
+               h_{j+1} = sha256(h_j || token ids of block j as little-endian int64); block j is named h_{j+1}.
+               A block therefore stands for the whole prefix 0 .. (j+1)*B - 1, through that model.
+    tensors    token_ids int64 [B]; k, v [n_layers, n_kv, B, head_dim] (keys post-RoPE, as the model caches them)
+    header     (safetensors metadata "kvtransfer", JSON) {"format": "kvtransfer.kv_block", "version": 2,
+               "model": identity, "block": j, "parent": h_j, "hash": h_{j+1}, "block_size": B, "dtype",
+               "checksum": sha256 of the token_ids, k and v bytes}
+
+Only full blocks are stored (a prompt's last n % B tokens are the target's to compute), and no block is
+stored twice: turn t + 1 of a conversation writes only the blocks turn t did not, and a consumer maps the
+longest stored prefix of any prompt (`lookup`). Blocks are written atomically (temporary file + rename,
+kvtransfer.io) and never overwritten; a read refreshes the block's mtime, and with `max_bytes` set every
+write evicts least-recently-used blocks (oldest mtime first) until the store fits.
+
+Several processes may share one directory (two engines, or engines on two nodes that mount the same
+shared filesystem with atomic rename, e.g. NFSv4 / Lustre / CephFS): a reader sees a whole block or none;
+a block evicted between the scheduler's `lookup` and the worker's `read` is a `BadEntry("evicted")`, which the
+connector turns into a recompute. Every block's checksum is verified, and its token ids compared with the
+request's prompt, before it is returned (`read`); `lookup` checks headers only.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
+from safetensors.torch import load_file
 
-from ..core.io import atomic_save_tensors, load_tensors
-from ..core.models import config_hash, kv_shape, rope_type, text_config
+from ..io import atomic_save_tensors, atomic_write_json
+from .ident import identity_from_config  # noqa: F401 -- re-exported (older imports)
 
-FORMAT, VERSION = "kvtransfer.kv_entry", 1
+FORMAT, VERSION, STORE_FORMAT = "kvtransfer.kv_block", 2, "kvtransfer.kv_store"
+DEFAULT_BLOCK_SIZE = 16
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 class BadEntry(ValueError):
-    """An entry that exists but cannot be used; `reason` is a short counter name (corrupt, mis-shaped, ...)."""
+    """A block that exists but cannot be used; `reason` is a short counter name (corrupt, mis-shaped, checksum,
+    evicted, ...)."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
 
 
-def identity_from_config(config, model_id: str = "") -> dict:
-    """The `model_identity` dict of a model known only by its config (no weights needed)."""
-    shape = kv_shape(config)
-    return {"model_id": model_id, "config_hash": config_hash(text_config(config)), "n_layers": shape.n_layers,
-            "n_kv": shape.n_kv, "head_dim": shape.head_dim, "rope_type": rope_type(config)}
+def _ids_bytes(token_ids) -> bytes:
+    return torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().astype("<i8").tobytes()
 
 
 def prompt_key(token_ids) -> str:
-    """sha256 hex of the token ids (int64, little-endian): the store key of a prompt."""
-    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
-    return hashlib.sha256(ids.numpy().astype("<i8").tobytes()).hexdigest()
+    """sha256 hex of the token ids (int64, little-endian)."""
+    return hashlib.sha256(_ids_bytes(token_ids)).hexdigest()
+
+
+def checksum(token_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """sha256 hex of a block's bytes: token ids, then keys, then values (each contiguous, native byte order)."""
+    h = hashlib.sha256()
+    for t in (token_ids, k, v):
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
-class EntryHeader:
-    """What `read_header` checked: the entry's path, header dict and tensor shapes."""
+class Prefix:
+    """The longest stored prefix of a prompt: `n_blocks` consecutive blocks (hashes in order) of `block_size`."""
 
-    path: Path
-    header: dict
+    model_key: str
+    block_size: int
+    hashes: tuple[str, ...] = ()
+    model: dict = field(default_factory=dict)
+    detail: str = ""  # why the chain stopped before the prompt's last full block (a bad block), if it did
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.hashes)
 
     @property
     def n_tokens(self) -> int:
-        return int(self.header["n_tokens"])
-
-    @property
-    def model(self) -> dict:
-        return self.header["model"]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return _DTYPES[self.header["dtype"]]
+        return self.n_blocks * self.block_size
 
 
 class KVStore:
-    """A directory of entries; `write` (producer side), `find` / `read_header` / `read` (consumer side)."""
+    """A directory of blocks: `write` (producer side), `lookup` / `read` (consumer side), `evict`.
 
-    def __init__(self, root: str | Path):
+    block_size: tokens per block; fixed by the first process that opens the directory (store.json) --
+    a different value asked later is ignored in favour of the directory's. max_bytes: size cap of all blocks
+    (None: no cap), enforced after every write by LRU eviction.
+    """
+
+    def __init__(self, root: str | Path, *, block_size: int | None = None, max_bytes: int | None = None):
         self.root = Path(root)
+        if block_size is not None and (not _is_int(block_size) or block_size < 1):
+            raise ValueError(f"block_size={block_size!r}: a positive integer number of tokens")
+        if max_bytes is not None and (not _is_int(max_bytes) or max_bytes < 0):
+            raise ValueError(f"max_bytes={max_bytes!r}: a non-negative integer number of bytes")
+        self.max_bytes = max_bytes
+        self.block_size = self._fix_block_size(block_size)
 
-    def path(self, token_ids, model_hash: str) -> Path:
-        key = prompt_key(token_ids)
-        return self.root / key[:2] / f"{key}.{model_hash}.safetensors"
+    def _fix_block_size(self, asked: int | None) -> int:
+        meta = self.root / "store.json"
+        if not meta.is_file():
+            atomic_write_json(meta, {"format": STORE_FORMAT, "block_size": asked or DEFAULT_BLOCK_SIZE})
+        try:
+            got = json.loads(meta.read_text()).get("block_size")
+        except (OSError, ValueError, AttributeError) as err:
+            raise ValueError(f"{meta} is unreadable ({err}): remove it (the store's block size is recorded there)")
+        if not _is_int(got) or got < 1:
+            raise ValueError(f"{meta}: block_size {got!r} is not a positive integer; remove the file")
+        return got
 
-    def others(self, token_ids, model_hash: str) -> list[Path]:
-        """Entries for these token ids written by models other than `model_hash` (for a clear reason)."""
-        key = prompt_key(token_ids)
-        return [p for p in sorted((self.root / key[:2]).glob(f"{key}.*.safetensors"))
-                if p.name != f"{key}.{model_hash}.safetensors"]
+    # ---------------------------------------------------------------- keys
+    def hashes(self, token_ids, model_key: str) -> list[str]:
+        """Chained hashes h_1 .. h_m of the m = len(token_ids) // block_size full blocks of a prompt."""
+        ids = list(token_ids)
+        h = hashlib.sha256(f"{STORE_FORMAT}/{model_key}/{self.block_size}".encode()).hexdigest()
+        out = []
+        for j in range(len(ids) // self.block_size):
+            h = hashlib.sha256(h.encode() + _ids_bytes(ids[j * self.block_size:(j + 1) * self.block_size])).hexdigest()
+            out.append(h)
+        return out
 
-    def write(self, token_ids, layers: list[tuple[torch.Tensor, torch.Tensor]], model: dict, *,
-              extras: dict[str, torch.Tensor] | None = None) -> Path | None:
-        """Store per-layer (keys, values) [n_kv, n, head_dim] of prompt `token_ids` (n ids) computed by `model`.
+    def block_path(self, model_key: str, h: str) -> Path:
+        return self.root / model_key / h[:2] / f"{h}.safetensors"
 
-        model: an identity dict (`identity_from_config` / `model_identity`). Returns the path, or
-        None when the entry already exists (never overwritten).
+    def model_keys(self) -> list[str]:
+        """Model keys with a directory in the store."""
+        try:
+            return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except OSError:
+            return []
+
+    def others(self, token_ids, model_key: str) -> list[str]:
+        """Keys of other models that stored the first block of these token ids (for a clear wrong_pair reason)."""
+        out = []
+        for key in self.model_keys():
+            if key != model_key:
+                first = self.hashes(list(token_ids)[:self.block_size], key)
+                if first and self.block_path(key, first[0]).is_file():
+                    out.append(key)
+        return out
+
+    # ---------------------------------------------------------------- producer
+    def write(self, token_ids, layers: list[tuple[torch.Tensor, torch.Tensor]], model: dict) -> int:
+        """Store the full blocks of per-layer (keys, values) [n_kv, n, head_dim] of prompt `token_ids` (n ids).
+
+        model: a serving identity (kvtransfer.serve.ident, with "key"). Blocks already stored are skipped (their
+        mtime refreshed). Returns the number of blocks written. ValueError on shapes that are not the model's.
         """
+        if not isinstance(model, dict) or not isinstance(model.get("key"), str):
+            raise ValueError("model must be a serving identity with a 'key' (kvtransfer.serve.ident.serving_identity)")
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
         n = ids.numel()
         k0 = layers[0][0]
@@ -103,70 +173,184 @@ class KVStore:
         if len(layers) != model["n_layers"] or any(tuple(t.shape) != want for kv in layers for t in kv):
             raise ValueError(f"{len(layers)} layers of {tuple(k0.shape)} do not match the model's "
                              f"{model['n_layers']} layers of {want}")
-        path = self.path(ids.tolist(), model["config_hash"])
-        if path.exists():
-            return None
-        tensors = {"token_ids": ids}
-        for i, (k, v) in enumerate(layers):
-            tensors[f"layers.{i}.k"], tensors[f"layers.{i}.v"] = k, v
-        for name, t in (extras or {}).items():
-            tensors[f"extra.{name}"] = t
-        header = {"format": FORMAT, "version": VERSION, "model": model, "n_tokens": n, "positions": [0, n],
-                  "dtype": dtype, "extras": sorted(extras or {})}
-        atomic_save_tensors(path, tensors, header)
-        return path
+        keys = torch.stack([k for k, _ in layers])  # [L, n_kv, n, d]
+        values = torch.stack([v for _, v in layers])
+        written, parent = 0, hashlib.sha256(f"{STORE_FORMAT}/{model['key']}/{self.block_size}".encode()).hexdigest()
+        B = self.block_size
+        for j, h in enumerate(self.hashes(ids.tolist(), model["key"])):
+            path = self.block_path(model["key"], h)
+            if path.exists():
+                _touch(path)
+            else:
+                bid, k, v = ids[j * B:(j + 1) * B], keys[:, :, j * B:(j + 1) * B], values[:, :, j * B:(j + 1) * B]
+                k, v = k.contiguous(), v.contiguous()
+                header = {"format": FORMAT, "version": VERSION, "model": model, "block": j, "parent": parent,
+                          "hash": h, "block_size": B, "dtype": dtype, "checksum": checksum(bid, k, v)}
+                atomic_save_tensors(path, {"token_ids": bid, "k": k, "v": v}, header)
+                written += 1
+            parent = h
+        if written and self.max_bytes is not None:
+            self.evict()
+        return written
 
-    def read_header(self, path: Path, token_ids) -> EntryHeader:
-        """Check the entry at `path` without loading its tensors; raises BadEntry(reason, message).
-
-        Checks: readable safetensors (not truncated), format/version, positions 0..n-1, a storable
-        dtype, and every tensor's shape and dtype against the header's model and `token_ids`
-        (the prompt prefix it claims to hold).
-        """
+    # ---------------------------------------------------------------- consumer
+    def check_header(self, path: Path, model_key: str, j: int, parent: str, h: str) -> dict:
+        """The header of block j (hash h, parent hash `parent`) at `path`, checked against its tensors' shapes
+        without reading them; raises BadEntry(reason, message). Every field is type-checked (a header written
+        by anything else cannot raise anything but BadEntry)."""
         try:
             with safe_open(str(path), framework="pt") as f:
                 header = json.loads((f.metadata() or {}).get("kvtransfer", "{}"))
                 shapes = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
                           for name in f.keys()}
-        except (SafetensorError, OSError, ValueError) as err:
-            raise BadEntry("corrupt", f"{path}: unreadable ({err})") from err
-        if header.get("format") != FORMAT or header.get("version") != VERSION:
-            raise BadEntry("corrupt", f"{path}: not a {FORMAT} v{VERSION} entry")
-        n = header.get("n_tokens")
-        if header.get("positions") != [0, n]:
-            raise BadEntry("positions", f"{path}: positions {header.get('positions')} are not 0..{n}-1")
-        if header.get("dtype") not in _DTYPES:
-            raise BadEntry("corrupt", f"{path}: dtype {header.get('dtype')!r} unknown")
-        m = header.get("model") or {}
-        want = (m.get("n_kv"), n, m.get("head_dim"))
-        st_dtype = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[header["dtype"]]
-        for i in range(int(m.get("n_layers") or 0)):
-            for kind in ("k", "v"):
-                if shapes.get(f"layers.{i}.{kind}") != (want, st_dtype):
-                    raise BadEntry("mis-shaped", f"{path}: layers.{i}.{kind} is {shapes.get(f'layers.{i}.{kind}')}, "
-                                                 f"header says {want} {st_dtype}")
-        if not m.get("n_layers") or shapes.get("token_ids") != ((n,), "I64"):
-            raise BadEntry("mis-shaped", f"{path}: no layers or no token_ids of {n}")
-        with safe_open(str(path), framework="pt") as f:
-            stored = f.get_tensor("token_ids").tolist()
-        if stored != list(token_ids)[:n]:
-            raise BadEntry("corrupt", f"{path}: stored token ids differ from the prompt (hash collision or corrupt)")
-        return EntryHeader(Path(path), header)
+        except Exception as err:  # noqa: BLE001 -- safetensors raises RuntimeError for a file removed meanwhile
+            raise _unreadable(path, err) from err
+        if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
+            raise BadEntry("corrupt", f"{path}: not a {FORMAT} v{VERSION} block")
+        m = header.get("model")
+        if not isinstance(m, dict) or not all(_is_int(m.get(k)) and m.get(k) > 0 for k in ("n_layers", "n_kv", "head_dim")):
+            raise BadEntry("corrupt", f"{path}: header 'model' {m!r} is not an identity with integer n_layers, "
+                                      f"n_kv, head_dim")
+        if m.get("key") != model_key:
+            raise BadEntry("wrong_pair", f"{path}: written by model {m.get('key')!r}, not {model_key}")
+        if (not _is_int(header.get("block")) or header["block"] != j or header.get("parent") != parent
+                or header.get("hash") != h):
+            raise BadEntry("corrupt", f"{path}: header names block {header.get('block')!r} / hash "
+                                      f"{str(header.get('hash'))[:12]}, expected block {j} / {h[:12]}")
+        if not _is_int(header.get("block_size")) or header["block_size"] != self.block_size:
+            raise BadEntry("mis-shaped", f"{path}: block_size {header.get('block_size')!r}, store's {self.block_size}")
+        if not isinstance(header.get("dtype"), str) or header["dtype"] not in _DTYPES \
+                or not isinstance(header.get("checksum"), str):
+            raise BadEntry("corrupt", f"{path}: dtype {header.get('dtype')!r} or checksum missing")
+        want = ((m["n_layers"], m["n_kv"], self.block_size, m["head_dim"]), _ST_DTYPES[header["dtype"]])
+        for name in ("k", "v"):
+            if shapes.get(name) != want:
+                raise BadEntry("mis-shaped", f"{path}: {name} is {shapes.get(name)}, header says {want}")
+        if shapes.get("token_ids") != ((self.block_size,), "I64"):
+            raise BadEntry("mis-shaped", f"{path}: token_ids is {shapes.get('token_ids')}, not ({self.block_size},) I64")
+        return header
 
-    @staticmethod
-    def read(entry: EntryHeader, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (keys, values) [n_kv, hi - lo, head_dim] of tokens lo..hi-1 of a checked entry."""
-        try:
-            tensors, _ = load_tensors(entry.path)
-        except (FileNotFoundError, ValueError) as err:
-            raise BadEntry("corrupt", str(err)) from err
-        n_layers = entry.model["n_layers"]
-        return [(tensors[f"layers.{i}.k"][:, lo:hi], tensors[f"layers.{i}.v"][:, lo:hi]) for i in range(n_layers)]
+    def lookup(self, token_ids, model_key: str) -> Prefix:
+        """The longest stored prefix of `token_ids` written by model `model_key` (headers checked, data not read).
+
+        The chain stops at the first missing block, or at a block whose header is bad (then `detail` says why,
+        prefixed with its BadEntry reason: "<reason>: <message>").
+        """
+        parent = hashlib.sha256(f"{STORE_FORMAT}/{model_key}/{self.block_size}".encode()).hexdigest()
+        found, model, detail = [], {}, ""
+        for j, h in enumerate(self.hashes(token_ids, model_key)):
+            path = self.block_path(model_key, h)
+            if not path.is_file():
+                break
+            try:
+                header = self.check_header(path, model_key, j, parent, h)
+            except BadEntry as err:
+                detail = f"{err.reason}: {err}"
+                break
+            if model and header["model"] != model:
+                detail = f"corrupt: {path}: model identity differs from block 0's"
+                break
+            model = header["model"]
+            found.append(h)
+            parent = h
+        return Prefix(model_key, self.block_size, tuple(found), model, detail)
+
+    def read(self, prefix: Prefix, token_ids, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values) [n_kv, hi - lo, head_dim] of tokens lo..hi-1 from the blocks of `prefix`.
+
+        token_ids: the request's prompt (at least hi ids): each block's stored ids must equal its slice.
+        Every block read is checksum-verified. Raises BadEntry: "evicted" (a block is gone), "checksum"
+        (its bytes changed), "corrupt" (unreadable, ids differ from the prompt), "too_short" (hi beyond the prefix).
+        """
+        B = self.block_size
+        prompt = list(token_ids)
+        if not 0 <= lo < hi <= min(prefix.n_tokens, len(prompt)):
+            raise BadEntry("too_short", f"tokens {lo}..{hi} are not inside the prefix of {prefix.n_tokens} "
+                                        f"stored tokens of a {len(prompt)}-token prompt")
+        ks, vs = [], []
+        for j in range(lo // B, (hi - 1) // B + 1):
+            path = self.block_path(prefix.model_key, prefix.hashes[j])
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    header = json.loads((f.metadata() or {}).get("kvtransfer", "{}"))
+                tensors = load_file(str(path))
+            except Exception as err:  # noqa: BLE001 -- safetensors raises RuntimeError for a file removed meanwhile
+                raise _unreadable(path, err) from err
+            try:
+                bid, k, v = tensors["token_ids"], tensors["k"], tensors["v"]
+                ok = isinstance(header, dict) and checksum(bid, k, v) == header.get("checksum")
+            except (KeyError, RuntimeError, TypeError) as err:
+                raise BadEntry("corrupt", f"{path}: {err}") from err
+            if not ok:
+                raise BadEntry("checksum", f"{path}: tensor bytes do not match the block's checksum (corrupt)")
+            if bid.tolist() != prompt[j * B:(j + 1) * B]:
+                raise BadEntry("corrupt", f"{path}: stored token ids differ from the prompt's tokens "
+                                          f"{j * B}..{(j + 1) * B - 1}")
+            a, b = max(lo, j * B) - j * B, min(hi, (j + 1) * B) - j * B
+            ks.append(k[:, :, a:b])
+            vs.append(v[:, :, a:b])
+            _touch(path)
+        keys, values = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        return [(keys[i], values[i]) for i in range(keys.shape[0])]
+
+    # ---------------------------------------------------------------- size
+    def blocks(self) -> list[tuple[float, int, Path]]:
+        """(mtime, bytes, path) of every block file (files that vanish while listed are skipped)."""
+        out = []
+        for path in self.root.glob("*/??/*.safetensors"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            out.append((st.st_mtime, st.st_size, path))
+        return out
+
+    def usage(self) -> int:
+        """Bytes of all blocks."""
+        return sum(size for _, size, _ in self.blocks())
+
+    def evict(self, max_bytes: int | None = None) -> int:
+        """Remove least-recently-used blocks (oldest mtime first) until the blocks take at most `max_bytes`
+        (default the store's cap); returns the number removed. Safe beside readers and other evictors: a block
+        another process removed first is skipped, and a reader of a removed block falls back."""
+        cap = self.max_bytes if max_bytes is None else max_bytes
+        if cap is None:
+            return 0
+        blocks = sorted(self.blocks(), key=lambda b: (b[0], str(b[2])))
+        total, removed = sum(b[1] for b in blocks), 0
+        for _, size, path in blocks:
+            if total <= cap:
+                break
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            total -= size
+        return removed
 
 
-def save_prefill(store: KVStore, model, token_ids: list[int]) -> Path | None:
-    """The project's own HF prefill of `token_ids` as a store entry (what a vLLM producer writes)."""
-    from ..core.models import model_identity
+def _unreadable(path: Path, err: Exception) -> BadEntry:
+    """The BadEntry for a block that could not be opened: "evicted" when it no longer exists, else "corrupt"."""
+    if not Path(path).exists():
+        return BadEntry("evicted", f"{path}: evicted after the lookup ({type(err).__name__}: {err})")
+    return BadEntry("corrupt", f"{path}: unreadable ({type(err).__name__}: {err})")
+
+
+def _touch(path: Path) -> None:
+    """Refresh a block's mtime (its LRU age); a block evicted meanwhile is not an error."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def save_prefill(store: KVStore, model, token_ids: list[int], ref: str | None = None) -> int:
+    """The project's own HF prefill of `token_ids` stored as blocks (what a vLLM producer writes); `ref`: the
+    directory `model` was saved to (its weights identity; default its name_or_path). Returns blocks written."""
     from .hf import prefill_layers
+    from .ident import model_serving_identity
 
-    return store.write(token_ids, prefill_layers(model, token_ids), model_identity(model))
+    return store.write(token_ids, prefill_layers(model, token_ids), model_serving_identity(model, ref))

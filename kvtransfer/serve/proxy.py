@@ -616,6 +616,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per upstream request
     proxy = HandoffProxy(args.source, args.target, source_model=args.source_model, target_model=args.target_model,
                          start_ids=args.start_ids, timeout_s=args.timeout, remap_turns=not args.no_remap_turns)
     uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="warning")

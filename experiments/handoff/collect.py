@@ -88,17 +88,50 @@ def render(rep: dict) -> str:
             f"{m['platform']}.\n\n{load_table(rep)}\n\n{fault_table(rep)}\n{END}")
 
 
+def real_pair(rep: dict) -> str:
+    """The real pair's handoff latency and conversation tables."""
+    m = rep["machine"]
+    lines = [f"Run at commit `{m['commit'][:7]}`{' (dirty tree)' if m['dirty'] else ''}, {m['cpus']} CPUs.", "",
+             "| prompt tokens | rep | handoff: request -> target's first token, save included (s) | producer save (s) "
+             "| target cold prefill (s) | speed-up | proxy's answer | first token handoff / cold |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rep["latency"]:
+        k = r["kvtransfer"]
+        lines.append(f"| {r['n']:,} | {r['rep']} | {r['handoff_s']:.2f} | {k['save_s']:.2f} | {r['cold_s']:.2f} | "
+                     f"{r['cold_s'] / r['handoff_s']:.1f}x | {k['summary']} | {r['first_token']} / "
+                     f"{r['cold_first_token']} |")
+    lines += ["", "| turn | prompt tokens | served by | proxy's answer | TTFT (s) | target re-prefill TTFT (s) | "
+                  "answer (proxy) | answer (target re-prefill) | same | gold |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rep["conversation"]:
+        k = r.get("kvtransfer") or {}
+        rp = f"{r['reprefill_ttft_s']:.2f}" if "reprefill_ttft_s" in r else "-"
+        same = "-" if "same_answer" not in r else ("yes" if r["same_answer"] else "no")
+        lines.append(f"| {r['turn']} | {r['prompt']:,} | {r['engine']} | {k.get('summary', 'source')} | "
+                     f"{r['ttft_s']:.2f} | {rp} | {json.dumps(r['answer'])} | {json.dumps(r.get('reprefill_answer', '-'))} "
+                     f"| {same} | {json.dumps(r['gold'])} |")
+    lines.append(f"\nConsumer connector's reasons: {json.dumps(rep.get('consumer_reasons'))}; engines' start-up "
+                 f"{rep['startup_s']:.0f} s.")
+    return "\n".join(lines)
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    begin, end = f"<!-- BEGIN generated:{name} -->", f"<!-- END generated:{name} -->"
+    if begin not in text or end not in text:
+        sys.exit(f"results/handoff/README.md lacks the {begin} ... {end} markers")
+    head, rest = text.split(begin, 1)
+    return head + begin + "\n" + body + "\n" + end + rest.split(end, 1)[1]
+
+
 def main() -> None:
     from kvtransfer.io import atomic_write_bytes
 
     readme = OUT / "README.md"
-    rep = json.loads((OUT / "load_tiny.json").read_text())
     text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        sys.exit(f"{readme} lacks the {BEGIN} ... {END} markers")
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    atomic_write_bytes(readme, (head + render(rep) + tail).encode())
+    rep = json.loads((OUT / "load_tiny.json").read_text())
+    text = replace_block(text, "load_tiny", render(rep)[len(BEGIN) + 1:-len(END) - 1])
+    if (OUT / "real_pair.json").exists():
+        text = replace_block(text, "real_pair", real_pair(json.loads((OUT / "real_pair.json").read_text())))
+    atomic_write_bytes(readme, text.encode())
 
 
 if __name__ == "__main__":

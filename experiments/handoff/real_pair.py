@@ -48,7 +48,7 @@ def engine(model, port, kvcfg, log):
            "127.0.0.1", "--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching",
            "--enable-prompt-tokens-details", "--max-model-len", "4608", "--served-model-name", f"m{port}",
            "--kv-transfer-config", kvcfg]
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": str(ROOT)}
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 

@@ -109,8 +109,8 @@ class Engine:
                     else:
                         choice = {"index": 0, "text": piece, "finish_reason": "length" if i else None}
                     event = {"id": "x", "choices": [choice]}
-                    if options.get("continuous_usage_stats"):
-                        event["usage"] = usage
+                    if options.get("continuous_usage_stats"):  # vLLM: no prompt_tokens_details here
+                        event["usage"] = {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
                     yield f"data: {json.dumps(event)}\n\n"
                 if options.get("include_usage"):
                     yield f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n"
@@ -360,26 +360,43 @@ def test_bad_completion_prompts_and_headers_are_400s():
     run(go())
 
 
-def test_streaming_handoff_is_chat_chunks_with_the_status():
+def test_streaming_handoff_is_chat_chunks_with_the_status_last():
     async def go():
         rig = Rig()
         plain = (await rig.chat(MSGS, model="tgt")).json()["choices"][0]["message"]["content"]
         r = await rig.chat(MSGS, model="tgt", stream=True)
-        assert r.status_code == 200 and r.headers[P.STATUS_HEADER].startswith("mapped ")
+        assert r.status_code == 200 and r.headers[P.STATUS_HEADER].startswith("handoff: ")
         lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert lines[-1] == "[DONE]"
         events = [json.loads(x) for x in lines[:-1]]
         assert all(e["object"] == "chat.completion.chunk" for e in events)
         assert events[0]["choices"][0]["delta"]["role"] == "assistant"
         assert "role" not in events[1]["choices"][0]["delta"]
-        assert "".join(e["choices"][0]["delta"]["content"] for e in events) == plain
-        assert events[0]["kvtransfer"]["status"] == "mapped"
+        assert "".join(e["choices"][0]["delta"]["content"] for e in events[:-1]) == plain
+        n = len(_ids(MSGS))
+        assert events[-1]["choices"] == [] and events[-1]["kvtransfer"]["summary"] == f"mapped {n - 1} tokens, prefilled 1"
         assert all("usage" not in e for e in events)  # the client did not ask for usage
         upstream = rig.gen_calls(rig.target)[-1]
-        assert upstream["stream"] and upstream["stream_options"]["continuous_usage_stats"]
-        r = await rig.chat(MSGS, model="tgt", stream=True, stream_options={"include_usage": True})
+        assert upstream["stream"] and upstream["stream_options"]["include_usage"]
+        stats = (await rig.client.get("/kvtransfer/stats")).json()
+        assert stats["counts"]["mapped"] == 2
+        r = await rig.client.post("/v1/completions", json={"model": "tgt", "prompt": "xyz", "stream": True,
+                                                           "stream_options": {"include_usage": True}})
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-        assert events[-1]["choices"] == [] and events[-1]["usage"]["prompt_tokens"] == len(_ids(MSGS))
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == rig.target.reply_text(START + Engine.encode("xyz"))
+        assert events[-1]["usage"]["prompt_tokens"] == 4 and events[-1]["kvtransfer"]["status"] == "mapped"
+    run(go())
+
+
+def test_streaming_with_a_dead_producer_says_so_up_front():
+    async def go():
+        rig = Rig()
+        rig.router.dead.add("source")
+        rig.proxy.models["source"] = "src"
+        r = await rig.chat(MSGS, model="tgt", stream=True)
+        assert r.headers[P.STATUS_HEADER].startswith("fallback_reprefill: save_failed")
+        last = json.loads([line for line in r.text.splitlines() if line.startswith("data: {")][-1][6:])
+        assert last["kvtransfer"]["status"] == "fallback_reprefill" and last["kvtransfer"]["mapped"] == 0
     run(go())
 
 

@@ -90,8 +90,8 @@ def test_headroom_guard_passes_a_declared_exemption(pytester):
 
 
 def test_ci_runs_the_readme_test_command_with_the_skip_and_headroom_guards():
-    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert ci == "python3 -m pytest -q -rs --fail-on-skip --headroom 0.1"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "python3 -m pytest -q -rs --fail-on-skip --headroom 0.1" in ci   # the default suite, as typed in README
     readme = (ROOT / "README.md").read_text()
     assert re.search(r"^python -m pytest -q -rs --fail-on-skip --headroom 0\.1\s", readme, re.M)
 

@@ -20,8 +20,9 @@ header `X-KVTransfer-Model: target` -- hands the session over:
 A chat request is answered in chat format (the consumer's completion converted: text, finish reason,
 logprobs, usage).
 
-What happened is in the response header `X-KVTransfer` and in the body field `kvtransfer` (non-streaming;
-first chunk when streaming): `mapped N tokens, prefilled M` (N = the consumer's
+What happened is in the response header `X-KVTransfer` and in the body field `kvtransfer` (streaming: the
+header says `handoff: ...` and the field rides on the stream's last event, since vLLM reports cached tokens
+only in its final usage chunk): `mapped N tokens, prefilled M` (N = the consumer's
 `usage.prompt_tokens_details.cached_tokens`: start the consumer with `--enable-prompt-tokens-details`,
 prefix caching off), `fallback_reprefill: <reason>` (the consumer prefilled everything; the reason is the
 proxy's, e.g. `save_failed`, or `consumer_fallback` when the consumer's connector declined -- its own stats
@@ -288,7 +289,7 @@ class HandoffProxy:
             out.pop("kv_transfer_params", None)
         if out.get("stream"):
             options = dict(out.get("stream_options") or {}) if isinstance(out.get("stream_options"), dict) else {}
-            options.update(include_usage=True, continuous_usage_stats=True)
+            options["include_usage"] = True  # vLLM puts cached tokens in the final usage chunk only
             out["stream_options"] = options
         return out
 
@@ -427,8 +428,13 @@ class HandoffProxy:
 
     async def _stream_target(self, kind: str, body: dict, upstream: dict, save_error: str,
                              save_s: float | None) -> "Response":
-        """Stream the consumer's completion (as chat chunks for a chat request); the header is set once the
-        first chunk's usage tells how many tokens were mapped."""
+        """Stream the consumer's completion (as chat chunks for a chat request).
+
+        vLLM reports cached (mapped) tokens only in the stream's final usage chunk, so the header carries
+        what is known when the stream starts (`handoff: ...` or the save's fallback) and the `kvtransfer`
+        field rides on the last event (the usage chunk, or a `choices: []` chunk when the client did not
+        ask for usage); the counters are updated when the stream ends.
+        """
         try:
             req = self.client.build_request("POST", self.urls["target"] + "/v1/completions", json=upstream)
             reply = await self.client.send(req, stream=True)
@@ -440,59 +446,44 @@ class HandoffProxy:
             if reply.status_code >= 500:
                 raise Unreachable(f"target HTTP {reply.status_code}")
             raise BadRequest(f"target refused the request: {text[:500]}")
-        events = _sse_events(reply)
-        first: list[dict] = []
-        out = None
-        try:
-            async for event in events:
-                if event is None:
-                    break
-                first.append(event)
-                if isinstance(event.get("usage"), dict) or event.get("choices"):
-                    out = self.judge(event.get("usage"), save_error, save_s)
-                    break
-        except httpx.HTTPError as err:
-            await reply.aclose()
-            raise Unreachable(f"target stream {type(err).__name__}") from err
-        if out is None:
-            out = self.judge(None, save_error or "the consumer's stream ended before any token", save_s)
-        self.stats.outcome(out)
-        keep_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
-            if isinstance(body.get("stream_options"), dict) else False
+        keep_usage = isinstance(body.get("stream_options"), dict) and bool(body["stream_options"].get("include_usage"))
         model = await self.model_name("target")
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
+        header = (f"fallback_reprefill: {save_error}" if save_error
+                  else "handoff: mapped tokens in the stream's last event (kvtransfer field)")
 
         async def produce():
-            role_sent = False
-            tagged = False
+            role_sent, usage, ended = False, None, False
             try:
-                async def all_events():
-                    for event in first:
-                        yield event
-                    async for event in events:
-                        if event is not None:
-                            yield event
-                async for event in all_events():
-                    if not keep_usage:
-                        if not event.get("choices"):
-                            continue  # a usage-only chunk the client did not ask for
-                        event = {k: v for k, v in event.items() if k != "usage"}
+                async for event in _sse_events(reply):
+                    if event is None:
+                        ended = True
+                        break
+                    if isinstance(event.get("usage"), dict):
+                        usage = event["usage"]
+                    if not event.get("choices"):
+                        continue  # the usage chunk: re-emitted last, with the status
+                    event = {k: v for k, v in event.items() if k != "usage"}
                     if kind == "chat":
                         event = completion_chunk_to_chat(event, model, chat_id, with_role=not role_sent)
-                        role_sent = role_sent or bool(event.get("choices"))
-                    if not tagged:
-                        event["kvtransfer"] = out.field()
-                        tagged = True
+                        role_sent = True
                     yield f"data: {json.dumps(event)}\n\n".encode()
-                yield b"data: [DONE]\n\n"
             except httpx.HTTPError as err:  # the consumer died mid-stream: end the stream with an error event
                 self.stats.errors["target_died_mid_stream"] += 1
                 yield f"data: {json.dumps({'error': {'message': f'target stream ended: {err}'}})}\n\n".encode()
-                yield b"data: [DONE]\n\n"
             finally:
                 await reply.aclose()
+            out = self.judge(usage, save_error or ("" if ended else "the consumer's stream ended early"), save_s)
+            self.stats.outcome(out)
+            last = {"id": chat_id if kind == "chat" else "cmpl-kvtransfer",
+                    "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                    "created": int(time.time()), "model": model, "choices": [], "kvtransfer": out.field()}
+            if keep_usage:
+                last["usage"] = usage
+            yield f"data: {json.dumps(last)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(produce(), media_type="text/event-stream", headers={STATUS_HEADER: out.header()})
+        return StreamingResponse(produce(), media_type="text/event-stream", headers={STATUS_HEADER: header})
 
 
 async def _relay(reply) -> Any:
@@ -625,6 +616,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per upstream request
     proxy = HandoffProxy(args.source, args.target, source_model=args.source_model, target_model=args.target_model,
                          start_ids=args.start_ids, timeout_s=args.timeout, remap_turns=not args.no_remap_turns)
     uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="warning")

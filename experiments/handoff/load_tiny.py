@@ -1,0 +1,264 @@
+"""The handoff proxy under load and faults, tiny family, real vLLM engines over loopback (serving environment).
+
+    PYTHONPATH=$PWD /work/venv-serve/bin/python experiments/handoff/load_tiny.py OUT_DIR [--sessions 16 --turns 10]
+        -> OUT_DIR/report.json (never overwritten)
+
+Three processes on 127.0.0.1: a producer and a consumer vLLM OpenAI server (`vllm.entrypoints.openai.api_server`,
+qwen3-tiny-3m, float32, eager, prefix caching off, `--enable-prompt-tokens-details`; the consumer with the
+identity map and native sink 1, as experiments/serve/e2e_tiny.py) and `python -m kvtransfer.serve.proxy`.
+With the identity map the harness's `transfer` is the target's own prefill, so the reference of every target
+turn is the consumer's normal prefill of the same prompt (`kv_transfer_params {"kvtransfer": "off"}`, sent to
+the consumer directly): greedy tokens must be equal ("differing responses", goal 0).
+
+Phase 1 (load): `--sessions` concurrent sessions x `--turns` turns of /v1/completions on token ids (each turn adds
+24 user tokens, 8 greedy tokens back, ignore_eos), handoff to the target at a random turn (seeded).
+Phase 2 (faults), each followed by a good handoff that must map again:
+  truncated entry, corrupt entry (bytes flipped inside K tensors, header intact), foreign-weights entry
+  (the target's architecture, other weights), evicted entry (deleted between a session's handoff and its next
+  turn), bad requests (not JSON, wrong types, unknown model), the producer killed (then its handoffs), the
+  consumer killed (the proxy answers from the source).
+Counted: requests, mapped, fallbacks by reason (the proxy's and the consumer connector's), crashes (a process
+that died without being killed, or a proxy 5xx), differing responses.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = ROOT / "models/tiny/qwen3-tiny-3m"
+START = 0
+PY = sys.executable
+
+
+def kv(role: str, store: Path, **extra) -> str:
+    return json.dumps({"kv_connector": "KVTransferConnector", "kv_connector_module_path": "kvtransfer.serve.connector",
+                       "kv_role": role, "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": {"store": str(store), **{k: str(v) for k, v in extra.items()}}})
+
+
+def start_engine(port: int, kvcfg: str, log: Path) -> subprocess.Popen:
+    cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET), "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching",
+           "--enable-prompt-tokens-details", "--max-model-len", "2048", "--served-model-name", f"tiny-{port}",
+           "--kv-transfer-config", kvcfg]
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_up(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
+    import httpx
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(url)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class Run:
+    def __init__(self, out: Path, proxy: str, consumer: str, store: Path):
+        import httpx
+
+        self.out, self.proxy, self.consumer, self.store = out, proxy, consumer, store
+        self.client = httpx.AsyncClient(timeout=600)
+        self.records: list[dict] = []
+
+    async def turn(self, ids: list[int], session: str, to_target: bool, phase: str, check: bool = True) -> dict:
+        body = {"model": "target" if to_target else "source", "prompt": ids, "max_tokens": 8, "temperature": 0.0,
+                "ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": True}
+        t0 = time.perf_counter()
+        r = await self.client.post(self.proxy + "/v1/completions", json=body,
+                                   headers={"x-kvtransfer-session": session})
+        rec = {"phase": phase, "session": session, "prompt": len(ids), "to_target": to_target, "status": r.status_code,
+               "seconds": time.perf_counter() - t0, "header": r.headers.get("x-kvtransfer")}
+        if r.status_code == 200:
+            data = r.json()
+            rec["kvtransfer"] = data.get("kvtransfer")
+            rec["tokens"] = [int(t.split(":")[1]) for t in data["choices"][0]["logprobs"]["tokens"]]
+            if check and to_target and (data.get("kvtransfer") or {}).get("engine") == "target":
+                ref = await self.client.post(self.consumer + "/v1/completions",
+                                             json={**body, "model": "tiny-8102", "kv_transfer_params": {"kvtransfer": "off"}})
+                rec["reference"] = [int(t.split(":")[1]) for t in ref.json()["choices"][0]["logprobs"]["tokens"]]
+                rec["differs"] = rec["reference"] != rec["tokens"]
+        else:
+            rec["body"] = r.text[:300]
+        self.records.append(rec)
+        return rec
+
+    async def session(self, i: int, turns: int, handoff_at: int) -> None:
+        rng = random.Random(1000 + i)
+        ids = [START]
+        for t in range(turns):
+            ids = ids + [rng.randrange(100, 3000) for _ in range(24)]
+            rec = await self.turn(ids, f"load-{i}", t >= handoff_at, "load")
+            ids = ids + rec.get("tokens", [])
+
+
+def entry_paths(store: Path) -> set[Path]:
+    return set(store.rglob("*.safetensors")) - set((store / "sinks").rglob("*"))
+
+
+async def faults(run: Run, producer: subprocess.Popen, consumer: subprocess.Popen, source_url: str) -> dict:
+    rng = random.Random(7)
+    body = lambda n: [START] + [rng.randrange(100, 3000) for _ in range(n)]  # noqa: E731
+    notes = {}
+
+    async def handoff_then_spoil(name, spoil):
+        ids = body(200)
+        save = await run.client.post(source_url + "/v1/completions",
+                                     json={"model": "tiny-8101", "prompt": ids, "max_tokens": 1})
+        assert save.status_code == 200, save.text
+        new = sorted(entry_paths(run.store), key=lambda p: p.stat().st_mtime)[-1]
+        spoil(new)
+        # the proxy hands over again (the producer rewrites nothing: entries are never overwritten)
+        rec = await run.turn(ids, f"fault-{name}", True, f"fault:{name}")
+        good = await run.turn(body(150), f"fault-{name}-after", True, f"after:{name}")
+        notes[name] = {"header": rec.get("header"), "after": good.get("header")}
+
+    def truncate(p: Path):
+        p.write_bytes(p.read_bytes()[:-4096])
+
+    def corrupt(p: Path):
+        data = bytearray(p.read_bytes())
+        header = int.from_bytes(data[:8], "little") + 8
+        meta = json.loads(data[8:header])
+        for name, spec in meta.items():
+            if name.startswith("layers.") and name.endswith(".k"):
+                a, b = spec["data_offsets"]
+                for j in range(header + a, header + b, 7):
+                    data[j] ^= 0x5A
+        p.write_bytes(bytes(data))
+
+    def foreign(p: Path):
+        import torch
+
+        from kvtransfer.io import atomic_save_tensors, load_tensors
+        tensors, header = load_tensors(p)
+        # another checkpoint of the same architecture: the same header and layout, other K/V numbers
+        gen = torch.Generator().manual_seed(3)
+        spoilt = {k: (torch.randn(v.shape, generator=gen, dtype=torch.float32).to(v.dtype)
+                      if k.startswith("layers.") else v) for k, v in tensors.items()}
+        p.unlink()
+        atomic_save_tensors(p, spoilt, header)
+
+    await handoff_then_spoil("truncated", truncate)
+    await handoff_then_spoil("corrupt_k_bytes", corrupt)
+    await handoff_then_spoil("foreign_weights", foreign)
+
+    # evicted: a handed-over session's entry is deleted before its next turn (that turn maps the handed prefix)
+    ids = body(120)
+    await run.turn(ids, "fault-evicted", True, "fault:evicted_setup")
+    for p in entry_paths(run.store):
+        p.unlink()
+    ids2 = ids + [rng.randrange(100, 3000) for _ in range(20)]
+    rec = await run.turn(ids2, "fault-evicted", True, "fault:evicted")
+    notes["evicted"] = {"header": rec.get("header")}
+
+    # bad requests straight at the proxy
+    bad = [b"not json", b"[1]", b'{"model": ["x"], "prompt": [0, 5]}', b'{"model": "nope", "prompt": "a"}',
+           b'{"model": "target", "prompt": {"a": 1}}', b'{"model": "target", "prompt": [0, 5], "stream": "yes"}',
+           b'{"model": "target", "prompt": [0, 5], "max_tokens": "many"}', b'{"model": "target"}']
+    codes = []
+    for payload in bad:
+        r = await run.client.post(run.proxy + "/v1/completions", content=payload,
+                                  headers={"content-type": "application/json"})
+        codes.append(r.status_code)
+        run.records.append({"phase": "fault:bad_request", "status": r.status_code, "header": r.headers.get("x-kvtransfer")})
+    notes["bad_requests"] = codes
+
+    # the producer dies: handoffs fall back to a target prefill
+    kill(producer)
+    rec = await run.turn(body(100), "fault-producer-dead", True, "fault:producer_dead")
+    notes["producer_dead"] = {"header": rec.get("header")}
+    # the consumer dies too late for nothing: a target request then has no engine to serve it but the dead source
+    kill(consumer)
+    rec = await run.turn(body(100), "fault-both-dead", True, "fault:both_dead", check=False)
+    notes["both_dead"] = {"status": rec["status"]}
+    r = await run.client.get(run.proxy + "/health")
+    notes["proxy_alive_after"] = r.status_code == 200
+    return notes
+
+
+async def main_async(args) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "report.json").exists():
+        raise SystemExit(f"{out}/report.json exists: results are never overwritten, pick a new OUT_DIR")
+    store = out / "store"
+    from transformers import AutoConfig
+
+    from kvtransfer.serve.mapping import identity_mapper
+
+    identity_mapper(AutoConfig.from_pretrained(TARGET), model_id=str(TARGET), start_ids=[START]).save(out / "identity")
+    t_start = time.time()
+    producer = start_engine(8101, kv("kv_producer", store), out / "producer.log")
+    consumer = start_engine(8102, kv("kv_consumer", store, mapper=out / "identity", source_model=TARGET,
+                                     stats=out / "consumer_stats.json"), out / "consumer.log")
+    proxy = subprocess.Popen([PY, "-m", "kvtransfer.serve.proxy", "--source", "http://127.0.0.1:8101", "--target",
+                              "http://127.0.0.1:8102", "--start-ids", str(START), "--port", "8100"],
+                             stdout=(out / "proxy.log").open("w"), stderr=subprocess.STDOUT,
+                             env=os.environ | {"PYTHONPATH": str(ROOT)}, start_new_session=True)
+    try:
+        for url, proc in (("http://127.0.0.1:8101", producer), ("http://127.0.0.1:8102", consumer),
+                          ("http://127.0.0.1:8100", proxy)):
+            wait_up(url, proc)
+        t_up = time.time()
+        run = Run(out, "http://127.0.0.1:8100", "http://127.0.0.1:8102", store)
+        rng = random.Random(0)
+        plan = [rng.randrange(1, args.turns) for _ in range(args.sessions)]
+        await asyncio.gather(*(run.session(i, args.turns, plan[i]) for i in range(args.sessions)))
+        t_load = time.time()
+        proxy_stats_load = (await run.client.get(run.proxy + "/kvtransfer/stats")).json()
+        notes = await faults(run, producer, consumer, "http://127.0.0.1:8101")
+        proxy_stats = (await run.client.get(run.proxy + "/kvtransfer/stats")).json()
+        crashed = {"proxy": proxy.poll() is not None}
+    finally:
+        for proc in (proxy, producer, consumer):
+            kill(proc)
+    consumer_stats = json.loads((out / "consumer_stats.json").read_text()) if (out / "consumer_stats.json").exists() else {}
+    report = {"sessions": args.sessions, "turns": args.turns, "handoff_turns": plan, "records": run.records,
+              "proxy_stats_after_load": proxy_stats_load, "proxy_stats": proxy_stats,
+              "consumer_reasons": consumer_stats.get("reasons"), "faults": notes, "crashed": crashed,
+              "seconds": {"startup": t_up - t_start, "load": t_load - t_up, "faults": time.time() - t_load},
+              "machine": machine()}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def machine() -> dict:
+    import platform
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    return {"commit": commit, "dirty": dirty, "cpus": os.cpu_count(), "platform": platform.platform(),
+            "cpu": platform.processor()}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=10)
+    asyncio.run(main_async(parser.parse_args()))

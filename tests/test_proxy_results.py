@@ -1,0 +1,32 @@
+"""results/handoff/README.md's generated blocks are what experiments/handoff/collect.py makes of the committed JSON."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _collect():
+    spec = importlib.util.spec_from_file_location("handoff_collect", ROOT / "experiments/handoff/collect.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_readme_blocks_match_the_committed_reports():
+    collect = _collect()
+    text = (ROOT / "results/handoff/README.md").read_text()
+    rep = json.loads((ROOT / "results/handoff/load_tiny.json").read_text())
+    assert collect.render(rep) in text
+    real = ROOT / "results/handoff/real_pair.json"
+    if real.exists():
+        assert collect.real_pair(json.loads(real.read_text())) in text
+
+
+def test_load_report_counts_what_the_readme_claims():
+    rep = json.loads((ROOT / "results/handoff/load_tiny.json").read_text())
+    load = [r for r in rep["records"] if r["phase"] == "load"]
+    assert len(load) == rep["sessions"] * rep["turns"]
+    assert not [r for r in load if r.get("differs")] and not rep["crashed"]["proxy"]

@@ -1,0 +1,63 @@
+"""The handoff proxy in front of two real vLLM engines (tiny family, loopback): slow, serving environment only.
+
+    PYTHONPATH=$PWD .venv-serve/bin/python -m pytest -q -m slow tests/test_proxy_vllm.py
+
+Runs experiments/handoff/load_tiny.py at a small size (4 sessions x 4 turns, then every fault) and checks
+its report: nothing crashed, every clean handoff is mapped and serves what the target computes itself
+(identity map: the harness's transfer == the target's own prefill), every fault is a counted fallback
+followed by a handoff that maps again, bad requests are 400s, a dead producer is a target prefill and
+two dead engines a 502 from a proxy that stays up.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="needs vLLM: run in the serving environment (scripts/setup_serve.sh cpu)")]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("handoff") / "run"
+    done = subprocess.run([sys.executable, str(ROOT / "experiments/handoff/load_tiny.py"), str(out),
+                           "--sessions", "4", "--turns", "4"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=2400, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return json.loads((out / "report.json").read_text())
+
+
+def _phase(report, name):
+    return [r for r in report["records"] if r["phase"] == name]
+
+
+def test_load_sessions_hand_over_and_serve_what_the_target_computes(report):
+    load = _phase(report, "load")
+    assert len(load) == 4 * 4 and all(r["status"] == 200 for r in load)
+    target = [r for r in load if r["to_target"]]
+    assert target and all(r["kvtransfer"]["status"] == "mapped" for r in target)
+    assert all(r["kvtransfer"]["mapped"] > 0 and r["kvtransfer"]["prefilled"] >= 1 for r in target)
+    assert [r for r in target if r.get("differs")] == []  # greedy tokens == the target's own prefill
+    assert all(r["header"] == "source" for r in load if not r["to_target"])
+
+
+def test_faults_are_counted_fallbacks_and_the_next_handoff_maps(report):
+    faults = report["faults"]
+    assert faults["truncated"]["header"] == "fallback_reprefill: consumer_fallback"
+    assert faults["evicted"]["header"] == "fallback_reprefill: consumer_fallback"
+    for name in ("truncated", "corrupt_k_bytes", "foreign_weights"):
+        assert faults[name]["after"].startswith("mapped "), name
+    assert faults["producer_dead"]["header"].startswith("fallback_reprefill: save_failed")
+    assert faults["bad_requests"] == [400] * len(faults["bad_requests"])
+    assert faults["both_dead"]["status"] == 502 and faults["proxy_alive_after"]
+    assert report["crashed"] == {"proxy": False}
+    assert not [k for k in report["proxy_stats"]["errors"] if k.startswith("proxy_error")]
+    assert report["consumer_reasons"]["corrupt"] >= 1 and report["consumer_reasons"]["no_entry"] >= 1

@@ -699,6 +699,42 @@ class Run:
         atomic_write_json(path, result)
         return result
 
+    # -- the per-request gate's thresholds, chosen on calibration text ------------------------------
+    def gate(self) -> dict:
+        """The gate artifact (kvtransfer.gate.save_gate): thresholds fitted on held-out calibration sequences
+        (never evaluation items) for eval.gate's rates. Each of up to eval.gate.sequences held-out sequences
+        is one request: the source prefills it, the map (with its native sink) maps it, and the target's tail
+        score over its last eval.gate.tail tokens is taken (kvtransfer.gate.tail_score); the thresholds are
+        quantiles of those scores (kvtransfer.gate.fit_thresholds). Cached next to the mapper."""
+        from ..gate import fit_thresholds, load_gate, save_gate, tail_score
+        from ..transfer import transfer
+
+        gcfg = self.cfg["eval"]["gate"]
+        path = self.mapper_dir() / f"gate_{self.key('gate')}.json"
+        if path.exists():
+            return load_gate(path)
+        mapper = self.mapper()
+        sink = self.native_sink(mapper)
+        ids = self.token_ids()
+        _, held = self.split()
+        index = held[:int(gcfg["sequences"])] or list(range(min(int(gcfg["sequences"]), ids.shape[0])))
+        source, target = self.model("source")[0], self.model("target")[0]
+        mapper = mapper.to(target.device)
+        scores = []
+        batch = int(self.cfg["calib"].get("batch_size", 8))
+        for start in range(0, len(index), batch):
+            rows = ids[index[start:start + batch]].to(source.device)
+            src, hidden = self.source_prefill(rows, mapper)
+            mapped = transfer(src, mapper, source, target, input_ids=rows, native_sink=sink,
+                              rope_at_inference=self.rope_at_inference, as_layers=True, source_hidden=hidden)
+            score, _ = tail_score(target, mapped, rows.to(target.device), None, int(gcfg["tail"]))
+            scores += score.tolist()
+        thresholds = fit_thresholds(scores, recompute_rate=gcfg["recompute_rate"], full_rate=gcfg["full_rate"],
+                                    fraction=gcfg["fraction"])
+        save_gate(path, thresholds, {"tail": int(gcfg["tail"]), "sequences": index, "on_train_sequences": not held,
+                                     "sequence_tokens": int(ids.shape[1]), "scores": scores, "native_sink": sink})
+        return load_gate(path)
+
     # -- variance explained vs k (Table 7) --------------------------------------------------------
     def variance_vs_k(self) -> list[dict]:
         """Mean R² (train, held-out; K and V) of top-k ridge fits for each k in report.variance_k."""
@@ -874,6 +910,11 @@ def execute(cfg: dict, out_dir: str | Path, *, plan: dict | None = None) -> dict
         if (cfg["eval"].get("fidelity") or {}).get("enabled", True):
             summary["fidelity"] = run.fidelity()
         summary.update(evaluate(run))
+        if (cfg["eval"].get("gate") or {}).get("enabled"):  # the thresholds the gated rows were decided with
+            gate = run.gate()
+            summary["gate_artifact"] = {"thresholds": gate["thresholds"], "tail": gate["tail"],
+                                        "calibration_sequences": len(gate["sequences"]),
+                                        "on_train_sequences": gate["on_train_sequences"]}
     if "bench" in stages:
         from .bench_stage import benchmark
 

@@ -37,8 +37,10 @@ def test_thresholds_are_quantiles_for_the_stated_rates():
     scores = [i / 100 for i in range(101)] + [float("nan")]
     t = fit_thresholds(scores, recompute_rate=0.3, full_rate=0.1, fraction=0.15)
     assert t["n"] == 101 and t["fraction"] == 0.15 and t["rates"] == {"recompute": 0.3, "full": 0.1}
-    assert_close(t["full"], 0.9, factor=8, reason="a float64 linear-interpolated quantile of exact grid points")
-    assert_close(t["recompute"], 0.6, factor=8, reason="a float64 linear-interpolated quantile of exact grid points")
+    reason = ("a float64 linear-interpolated quantile: the index q (n - 1) and the interpolation weight each rounded, "
+              "then one multiply-add of values <= 1: ~4 roundings, x25 headroom")
+    assert_close(t["full"], 0.9, factor=100, reason=reason)
+    assert_close(t["recompute"], 0.6, factor=100, reason=reason)
     counts = action_counts([decide(s, t) for s in scores[:-1]])
     assert counts["full"] == 10 and counts["recompute"] == 30 and counts["map"] == 61 and counts["fallbacks"] == 0
     counts = action_counts([decide(s, t) for s in scores])

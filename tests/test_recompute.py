@@ -82,6 +82,7 @@ def test_recomputed_tokens_read_the_mapped_rest_and_others_stay_mapped():
 def test_choice_rules():
     assert choose_tokens(10, 0.0, "random").tolist() == []
     assert choose_tokens(10, 1.0, "random", native_sink=1).tolist() == list(range(1, 10))
+    assert choose_tokens(10, 1.0, "deviation", native_sink=1).tolist() == list(range(1, 10))  # nothing to rank
     assert choose_tokens(11, 0.3, "recent", native_sink=1).tolist() == [8, 9, 10]
     r = choose_tokens(101, 0.2, "random", native_sink=1, seed=3)
     assert len(r) == 20 and 0 not in r.tolist() and r.tolist() == sorted(r.tolist())

@@ -9,10 +9,10 @@ from tiny_models import random_ids, tiny_model
 from tolerance import FORWARD, assert_close, forward_factor
 
 from kvtransfer import Mapper, model_identity, transfer
-from kvtransfer.cache import prefill
+from kvtransfer.core.cache import prefill
 from kvtransfer.serve.mapping import ServeMap, codec_from_config, identity_mapper
 from kvtransfer.serve.store import identity_from_config
-from kvtransfer.transfer import codec_for
+from kvtransfer.core.transfer import codec_for
 
 
 # the paged layouts (slot mapping, GPU and CPU packings): tests/test_serve_paged.py
@@ -60,7 +60,7 @@ def test_codec_from_config_is_the_models_own_rope(pair):
 
 
 def test_serve_map_equals_the_harness_transfer_on_any_token_range(pair):
-    """ServeMap.map_range (configs only, sink precomputed) == kvtransfer.transfer (models loaded, native_sink=1),
+    """ServeMap.map_range (configs only, sink precomputed) == kvtransfer.core.transfer (models loaded, native_sink=1),
     for the whole prompt and for a later range (positions lo..hi-1 strip and re-rotate at their own angles):
     bit for bit on the mapped positions; the sink (position 0) is the target's own 1-token prefill on both sides,
     run by a reloaded model (sdpa, not the in-memory model's eager attention), so equal to float32 rounding."""
@@ -127,7 +127,7 @@ def test_the_connector_module_imports_without_vllm():
 def test_the_pair_check_and_the_sink_use_the_weights_identity(tmp_path, pair):
     """A mapper that records its models' weights refuses a source (or target) of the same architecture with other
     weights; the native-sink cache is named by the target's weights key, so another checkpoint never reads it."""
-    from kvtransfer.identity import weights_identity
+    from kvtransfer.config.identity import weights_identity
     from kvtransfer.serve.ident import serving_identity
 
     root = pair["root"]

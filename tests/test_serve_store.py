@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import random_ids, tiny_model
 
-from kvtransfer.io import atomic_save_tensors
+from kvtransfer.core.io import atomic_save_tensors
 from kvtransfer.serve import policy
 from kvtransfer.serve.ident import serving_identity
 from kvtransfer.serve.policy import MAPPED, Counters, Decider, MapSpec, decide, parse_params, safe_decide

@@ -123,7 +123,7 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 
 def main() -> None:
-    from kvtransfer.io import atomic_write_bytes
+    from kvtransfer.core.io import atomic_write_bytes
 
     readme = OUT / "README.md"
     text = readme.read_text()

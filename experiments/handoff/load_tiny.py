@@ -153,7 +153,7 @@ async def faults(run: Run, producer: subprocess.Popen, consumer: subprocess.Pope
     def foreign(p: Path):
         import torch
 
-        from kvtransfer.io import atomic_save_tensors, load_tensors
+        from kvtransfer.core.io import atomic_save_tensors, load_tensors
         tensors, header = load_tensors(p)
         # another checkpoint of the same architecture: the same header and layout, other K/V numbers
         gen = torch.Generator().manual_seed(3)

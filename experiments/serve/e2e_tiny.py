@@ -67,7 +67,7 @@ def spoil(store, ps: dict, work: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvtransfer.io import atomic_save_tensors, load_tensors
+    from kvtransfer.core.io import atomic_save_tensors, load_tensors
     from kvtransfer.serve.ident import serving_identity
     from kvtransfer.serve.store import checksum, save_prefill
 
@@ -114,7 +114,7 @@ def spoil(store, ps: dict, work: Path) -> None:
 def mappers(work: Path) -> None:
     from transformers import AutoConfig
 
-    from kvtransfer.identity import weights_identity
+    from kvtransfer.config.identity import weights_identity
     from kvtransfer.serve.mapping import identity_mapper
 
     cfg = AutoConfig.from_pretrained(TARGET)

@@ -74,6 +74,8 @@ def choose_tokens(n_tokens: int, fraction: float, select: str, *, native_sink: i
     n = int(round(float(fraction) * len(cand)))
     if n == 0:
         return cand[:0]
+    if n == len(cand):  # every candidate: no rule to apply
+        return cand
     if select == "recent":
         return cand[-n:]
     if select == "random":
@@ -155,7 +157,8 @@ def selective_recompute(model, input_ids: torch.Tensor, mapped: KVLayers, fracti
         ids = input_ids[b, first:]
         row = [(k[b:b + 1, :, first:], v[b:b + 1, :, first:]) for k, v in mapped]
         dev = None
-        if select == "deviation" and n_real > native_sink:
+        n_cand = n_real - min(native_sink, n_real)
+        if select == "deviation" and 0 < int(round(fraction * n_cand)) < n_cand:  # all or none: nothing to rank
             nk, nv = first_layer_kv(model, ids[None].to(model.device))
             dev = token_deviation((row[0][0][0], row[0][1][0]), (nk[0], nv[0]))
         chosen = choose_tokens(n_real, fraction, select, native_sink=native_sink, seed=seed, deviation=dev)
@@ -200,13 +203,14 @@ def prefill_flops(config, n_tokens: int, layers: int | None = None) -> float:
     return float((d["layers"] if layers is None else layers) * total)
 
 
-def recompute_cost(config, n_tokens: int, positions: list[int], select: str) -> dict:
+def recompute_cost(config, n_tokens: int, positions: list[int], select: str, native_sink: int = 0) -> dict:
     """{"flops", "prefill_flops", "fraction"}: FLOPs of recomputing the tokens at `positions` of an
     `n_tokens` context (each reads the tokens up to it), plus the deviation rule's one layer of prefill over
-    all n_tokens, against a full prefill of n_tokens (fraction = flops / prefill_flops; 0 for an empty
+    all n_tokens when it ranked anything (not all or none of the n_tokens - native_sink candidates), against a
+    full prefill of n_tokens (fraction = flops / prefill_flops; 0 for an empty
     context)."""
     flops = sum(token_flops(config, int(p) + 1) for p in positions)
-    if select == "deviation" and positions:
+    if select == "deviation" and 0 < len(positions) < n_tokens - min(native_sink, n_tokens):  # a ranking was read
         flops += prefill_flops(config, n_tokens, layers=1)
     full = prefill_flops(config, n_tokens)
     return {"flops": flops, "prefill_flops": full, "fraction": flops / full if full else 0.0}

@@ -24,6 +24,13 @@ keeping the start ids and the true last context token (kvtransfer.maps.controls.
 transfer-mode mapper must have been calibrated under the same convention (refused otherwise,
 unless `allow_context_start_mismatch`).
 
+`recompute_fraction=r` (transfer mode; kvtransfer.core.recompute): after mapping, the target recomputes the KV of a
+fraction r of each cached prefix's tokens (chosen by `recompute_select`: deviation / random / recent), attending
+to the mapped KV of the rest. `gate=thresholds` (transfer mode; kvtransfer.core.gate): per cached prefix a score
+from the last `gate_tail` prefix tokens decides map / recompute(thresholds' fraction) / the target's own
+prefill. Both append one record per cached prefix to `events` (action, fraction, score, tokens recomputed,
+FLOPs as a fraction of a re-prefill, seconds), so an eval row can say what was done.
+
 `share_prefix=True` gives target and source modes the same grouping (one prefill of context[:-1]
 shared by all continuations of a context): equal to one pass up to float rounding, 2-3x cheaper on
 multiple-choice tasks. Off by default, so `target` equals stock lm-eval `hf` bit for bit.
@@ -37,6 +44,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
+import time
 from collections import defaultdict
 
 import torch
@@ -52,6 +61,8 @@ from ..core.hidden import prefill_with_hidden, used_layers
 from ..core.cache import cache_to_layers, continuation_logprobs, forward_on_cache, layers_to_cache, prefill
 from ..core.mapper import MapperBase, load_mapper
 from ..core.models import check_same_tokenizer, kv_shape, load_model
+from ..core.gate import Decision, check_thresholds, decide, tail_score
+from ..core.recompute import choose_tokens, recompute_cost, selective_recompute, token_flops
 from ..core.transfer import transfer
 from .decode import chunks as _chunks, greedy_decode, hit_stop as _hit_stop, pad as _pad
 
@@ -79,6 +90,8 @@ class KVTransferLM(TemplateLM):
                  native_tail: int = 1, rope_at_inference: bool = True, context_start: str = "tokenizer",
                  allow_context_start_mismatch: bool = False, share_prefix: bool = False,
                  wrong_context: bool = False, wrong_context_seed: int = 0, progress: bool = False,
+                 recompute_fraction: float = 0.0, recompute_select: str = "deviation", recompute_seed: int = 0,
+                 gate: dict | None = None, gate_tail: int = 8,
                  batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  device: str | None = None, dtype="auto", add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, trust_remote_code: bool = False, **unused) -> None:
@@ -143,6 +156,13 @@ class KVTransferLM(TemplateLM):
         self.wrong_context = str(wrong_context).lower() in ("true", "1", "yes")
         self.wrong_context_seed = int(wrong_context_seed)
         self.rope_at_inference = str(rope_at_inference).lower() not in ("false", "0", "no")
+        self.recompute_fraction = float(recompute_fraction)
+        choose_tokens(1, self.recompute_fraction, recompute_select)  # ValueError naming the fix for a bad r / rule
+        self.recompute_select, self.recompute_seed = recompute_select, int(recompute_seed)
+        self.gate = None if gate is None else check_thresholds(gate)
+        self.gate_tail = int(gate_tail)
+        self.repair = self.gate is not None or self.recompute_fraction > 0  # True: records events even at r = 0
+        self.events: list[dict] = []
         self.batch_size_per_gpu = int(batch_size)
         self._max_length = int(max_length) if max_length else None
         self.add_bos_token = add_bos_token
@@ -304,7 +324,59 @@ class KVTransferLM(TemplateLM):
         layers = transfer(src, self.mapper, self.source_model, self.target_model, attention_mask=src_mask,
                           input_ids=src_ids, native_sink=self.native_sink, as_layers=True,
                           rope_at_inference=self.rope_at_inference, source_hidden=hidden)
+        if self.mode == "transfer" and (self.repair or self.gate is not None or self.recompute_fraction > 0):
+            layers = self._repair(layers, ids.to(self.target_model.device), mask.to(self.target_model.device))
         return layers, mask.to(self.target_model.device)
+
+    def _repair(self, layers, ids: torch.Tensor, mask: torch.Tensor):
+        """The mapped prefix cache after the gate's decision per row (or the fixed recompute fraction); one record
+        per row appended to `events` (see the class doc)."""
+        target = self.target_model
+        started = time.perf_counter()
+        n_real = mask.long().sum(-1).tolist()
+        if self.gate is None:
+            decisions = [Decision("recompute", self.recompute_fraction, None, "eval.recompute_fraction")] * len(n_real)
+            scores = [None] * len(n_real)
+            gate_flops = [0.0] * len(n_real)
+        else:
+            score, _ = tail_score(target, layers, ids, mask, self.gate_tail)
+            scores = [None if math.isnan(x) else float(x) for x in score.tolist()]
+            decisions = [decide(x, self.gate) for x in score.tolist()]
+            gate_flops = [sum(token_flops(target.config, p + 1) for p in range(max(0, n - self.gate_tail), n))
+                          for n in n_real]
+        out = [(k.clone(), v.clone()) for k, v in layers]
+        rows_by_fraction: dict[float, list[int]] = defaultdict(list)
+        for b, d in enumerate(decisions):
+            if d.action != "map":
+                rows_by_fraction[d.fraction].append(b)
+        positions: dict[int, list[int]] = {}
+        for fraction, rows in rows_by_fraction.items():
+            sel = torch.tensor(rows, device=ids.device)
+            if fraction >= 1.0 and self.gate is not None:  # the gate's fall-back: the target's own prefill
+                new = prefill(target, ids.index_select(0, sel), mask.index_select(0, sel))
+                for b, n in zip(rows, [n_real[b] for b in rows]):
+                    positions[b] = list(range(n))
+            else:
+                sub = [(k.index_select(0, sel.to(k.device)), v.index_select(0, sel.to(v.device))) for k, v in layers]
+                new, recs = selective_recompute(target, ids.index_select(0, sel), sub, fraction,
+                                                select=self.recompute_select, attention_mask=mask.index_select(0, sel),
+                                                native_sink=self.native_sink, seed=self.recompute_seed)
+                for b, rec in zip(rows, recs):
+                    positions[b] = rec["positions"]
+            for (k, v), (nk, nv) in zip(out, new):
+                k[sel.to(k.device)] = nk.to(k.device, k.dtype)
+                v[sel.to(v.device)] = nv.to(v.device, v.dtype)
+        seconds = (time.perf_counter() - started) / max(1, len(n_real))
+        for b, d in enumerate(decisions):
+            pos = positions.get(b, [])
+            select = "full" if d.action == "full" else self.recompute_select
+            cost = recompute_cost(target.config, n_real[b], pos, select, self.native_sink)
+            full = cost["prefill_flops"]
+            self.events.append({**d.as_dict(), "key": hash(tuple(ids[b, len(ids[b]) - n_real[b]:].tolist())),
+                                "tokens": n_real[b], "recomputed": len(pos), "score": scores[b],
+                                "cost": (cost["flops"] + gate_flops[b]) / full if full else 0.0,
+                                "seconds": seconds})
+        return out
 
     def cut(self, context: list[int]) -> tuple[list[int], list[int]]:
         """(cached prefix, context tail the scorer runs itself) of a context in a cached-prefix mode.

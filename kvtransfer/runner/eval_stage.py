@@ -26,9 +26,11 @@ from pathlib import Path
 
 from ..eval.adapter import KVTransferLM
 from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
-from ..eval.perplexity import draw_windows, prefix_conditioned_ppl
+from ..eval.perplexity import draw_windows, prefix_conditioned_ppl, prefix_pairs
+from ..core.gate import action_counts
 from ..maps.controls import CONTROLS, calibration_means, control_applies, mean_map, random_map, with_controls
-from ..eval.metrics import CONTROL_MODES, control_statistics, log_ppl_gap_closed, ppl_gap_closed
+from ..eval.metrics import (CONTROL_MODES, control_statistics, log_ppl_gap_closed, paired_difference,
+                            ppl_gap_closed)
 from ..eval.retention import CHANCE, per_item_scores, retention_table
 from ..eval.sources import coqa_docs, ppl_pages, ppl_set_names
 from ..eval.tasks import PAPER_TASKS, task_manager
@@ -37,6 +39,7 @@ from ..config.hub import data_access
 from ..core import io
 from ..core.io import atomic_write_json
 from ..core.models import kv_shape
+from . import gate_stage
 
 
 def _task_setup(ecfg: dict, work_dir: Path):
@@ -103,9 +106,23 @@ def _ppl(lm: KVTransferLM, mode: str, ecfg: dict, seed: int, ppl_set: str = "wik
     windows, docs = draw_windows(lm.tokenizer, pages, max_prefix=max(pcfg["prefixes"]), cont_len=pcfg["continuation"],
                                  n_windows=pcfg["windows"], seed=seed, draw=pcfg.get("draw", "per_document"),
                                  return_docs=True)
-    result = prefix_conditioned_ppl(lm.with_mode(mode), windows, list(pcfg["prefixes"]))
-    return {**{str(p): r["ppl"] for p, r in result.items()},
-            "window_nll": {str(p): r["window_nll"] for p, r in result.items()}, "window_doc": docs}
+    other = lm.with_mode(mode)
+    prefixes = list(pcfg["prefixes"])
+    if not getattr(other, "repair", False):
+        result, events = prefix_conditioned_ppl(other, windows, prefixes), None
+    else:  # one P at a time, so each window's record (kvtransfer.eval.adapter events) is known per P
+        result, events = {}, {}
+        for p in prefixes:
+            del other.events[:]
+            result.update(prefix_conditioned_ppl(other, windows, [p], max_prefix=max(prefixes)))
+            by_key = {e["key"]: {k: v for k, v in e.items() if k != "key"} for e in other.events}
+            pairs = prefix_pairs(windows, p, max(prefixes), other.prefix_token_id, other._start_ids)
+            events[str(p)] = [by_key.get(hash(tuple(other.split(list(c), list(k))[0]))) for c, k in pairs]
+    out = {**{str(p): r["ppl"] for p, r in result.items()},
+           "window_nll": {str(p): r["window_nll"] for p, r in result.items()}, "window_doc": docs}
+    if events is not None:
+        out["events"] = events  # {P: [record per window, None where nothing was cached (P = 0)]}
+    return out
 
 
 # modes whose cache is the scoring model's own prefill: CoQA's two protocols are the same computation there
@@ -134,16 +151,59 @@ def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
 
 
 BASELINE_MODES = ("target", "source", "native_injected", "no_context", "target_wrong")
+REPAIR_PREFIX = "recompute_"  # recompute_<r> (deviation-chosen tokens) and recompute_<select>_<r>
+
+
+def repair_modes(ecfg: dict) -> list[str]:
+    """The selective-recompute modes of eval.recompute_fraction x eval.recompute_select, then `gated` when
+    eval.gate.enabled (kvtransfer.core.recompute, kvtransfer.core.gate). ValueError naming the fix for a bad r or rule."""
+    from ..core.recompute import SELECTIONS
+
+    fractions = list(ecfg.get("recompute_fraction") or [])
+    selects = list(ecfg.get("recompute_select") or ["deviation"])
+    bad = [f for f in fractions if not isinstance(f, (int, float)) or not 0 <= float(f) <= 1]
+    if bad:
+        raise ValueError(f"eval.recompute_fraction={fractions}: {bad} not in [0, 1]; e.g. [0,0.15,1]")
+    unknown = [s for s in selects if s not in SELECTIONS]
+    if unknown:
+        raise ValueError(f"eval.recompute_select={selects}: unknown {unknown}; use a list of {list(SELECTIONS)}")
+    modes = [repair_mode(float(f), s) for s in selects for f in fractions]
+    if (ecfg.get("gate") or {}).get("enabled"):
+        modes.append("gated")
+    return list(dict.fromkeys(modes))
+
+
+def repair_mode(fraction: float, select: str = "deviation") -> str:
+    """Mode name of recomputing `fraction` of the tokens chosen by `select`: recompute_0.15, recompute_random_0.15."""
+    return f"{REPAIR_PREFIX}{fraction:g}" if select == "deviation" else f"{REPAIR_PREFIX}{select}_{fraction:g}"
+
+
+def parse_repair_mode(mode: str) -> tuple[float, str]:
+    """(fraction, select) of a `repair_mode` name."""
+    body = mode[len(REPAIR_PREFIX):]
+    select, _, r = body.rpartition("_")
+    return float(r), select or "deviation"
+
 assert tuple(CONTROLS) == CONTROL_MODES  # one vocabulary: the modes kvtransfer.maps.controls builds, metrics reads
 
 
 def run_modes(ecfg: dict) -> list[str]:
     """eval.modes, then each of eval.controls not already there when `transfer` runs (the controls read it)."""
-    return with_controls(ecfg["modes"], ecfg.get("controls"))
+    modes = with_controls(ecfg["modes"], ecfg.get("controls"))
+    return modes + [m for m in repair_modes(ecfg) if m not in modes]
 
 
 def control_lm(lm: KVTransferLM, mode: str, run, seed: int) -> tuple[KVTransferLM, str]:
     """(LM, adapter mode) that computes eval mode `mode`: itself for a plain mode, else the control's setup."""
+    if mode.startswith(REPAIR_PREFIX):
+        fraction, select = parse_repair_mode(mode)
+        return lm.with_mode("transfer", recompute_fraction=fraction, recompute_select=select, recompute_seed=seed,
+                            gate=None, repair=True, events=[]), "transfer"
+    if mode == "gated":
+        gcfg = run.cfg["eval"]["gate"]
+        return lm.with_mode("transfer", gate=gate_stage.gate(run)["thresholds"], gate_tail=int(gcfg["tail"]),
+                            recompute_fraction=0.0, recompute_select=gcfg.get("select", "deviation"),
+                            recompute_seed=seed, repair=True, events=[]), "transfer"
     if mode not in CONTROLS:
         return lm, mode
     base, change = CONTROLS[mode]
@@ -223,23 +283,36 @@ def evaluate(run, on_compute=None) -> dict:
         for name, compute in parts.items():
             directory = dirs["tasks" if name.startswith("task.") else name.split(".")[0]][kind]
             directory.mkdir(parents=True, exist_ok=True)
-            path = directory / f"{mode}.{name}.json"
+            # the gated mode's numbers follow its thresholds: its files carry the gate artifact's key
+            label = f"gated-{run.key('gate')[:16]}" if mode == "gated" else mode
+            path = directory / f"{label}.{name}.json"
             if not path.exists():
                 if on_compute is not None and not announced:
                     on_compute(mode)
                 announced = True
                 started = time.perf_counter()
+                if moded:
+                    del moded[0].events[:]
                 value = compute()
-                atomic_write_json(path, {"value": value, "seconds": round(time.perf_counter() - started, 2)})
+                record = {"value": value, "seconds": round(time.perf_counter() - started, 2)}
+                if moded and moded[0].events and not name.startswith("ppl."):
+                    record["gate"] = gate_summary(moded[0].events)
+                if name.startswith("ppl.") and isinstance(value, dict) and value.get("events"):
+                    record["gate"] = {p: gate_summary([e for e in ev if e]) for p, ev in value["events"].items()
+                                      if any(ev)}
+                atomic_write_json(path, record)
             record = json.loads(path.read_text())
+            if record.get("gate"):
+                result.setdefault("gate", {})[name] = record["gate"]
             if name.startswith("task."):
                 result["tasks"][name[5:]] = record["value"]
             elif name.startswith("ppl."):
                 set_name = name[4:]
                 value = record["value"]
                 result.setdefault("ppl_sets", {})[set_name] = {
-                    "ppl": {p: v for p, v in value.items() if p not in ("window_nll", "window_doc")},
-                    "windows": value.get("window_nll"), "docs": value.get("window_doc")}
+                    "ppl": {p: v for p, v in value.items() if p not in ("window_nll", "window_doc", "events")},
+                    "windows": value.get("window_nll"), "docs": value.get("window_doc"),
+                    **({"events": value["events"]} if value.get("events") else {})}
                 if set_name == ppl_sets[0]:  # the first set is the run's `ppl` (the rows every table reads)
                     result["ppl"] = result["ppl_sets"][set_name]["ppl"]
                     if value.get("window_nll"):
@@ -259,12 +332,23 @@ def evaluate(run, on_compute=None) -> dict:
 SCORES_FILE = "scores.json"
 
 
+def gate_summary(events: list[dict]) -> dict:
+    """What the gate (or a fixed recompute) did over a part's cached prefixes: kvtransfer.core.gate.action_counts
+    plus the mean cost (FLOPs as a fraction of a re-prefill, the gate's score included) and seconds per prefix."""
+    out = action_counts(events)
+    n = max(1, len(events))
+    out["cost"] = float(sum(e["cost"] for e in events) / n)
+    out["seconds_per_prefix"] = float(sum(e["seconds"] for e in events) / n)
+    return out
+
+
 def write_scores(path: Path, per_mode: dict) -> None:
     """The per-item / per-window scores behind a summary, next to it (small JSON), so paired SEs and
     paired differences between runs can be recomputed from committed files: {"tasks": {task: {mode:
     [score per item, in (subtask, doc_id) order]}}, "ppl_window_nll": {P: {mode: [mean NLL per window,
     nats/token]}} (the first perplexity set), "ppl_sets": {set: {"window_doc": [page index per window],
-    "window_nll": {P: {mode: [...]}}}}, "coqa": {protocol: {mode: [[F1 per turn] per conversation]}}}."""
+    "window_nll": {P: {mode: [...]}}, "events": {repair mode: {P: [gate / recompute record per window]}}}},
+    "coqa": {protocol: {mode: [[F1 per turn] per conversation]}}}."""
     scores: dict = {"tasks": {}, "ppl_window_nll": {}, "coqa": {}, "ppl_sets": {}}
     for mode, result in per_mode.items():
         for task, items in (result.get("tasks") or {}).items():
@@ -275,6 +359,10 @@ def write_scores(path: Path, per_mode: dict) -> None:
             entry = scores["ppl_sets"].setdefault(set_name, {"window_doc": part.get("docs"), "window_nll": {}})
             for prefix, nll in (part.get("windows") or {}).items():
                 entry["window_nll"].setdefault(prefix, {})[mode] = nll
+            if part.get("events"):  # what the gate / a fixed recompute did per window (score, action, cost)
+                entry.setdefault("events", {})[mode] = {p: [None if e is None else {k: e[k] for k in (
+                    "action", "fraction", "score", "recomputed", "tokens", "cost")} for e in ev]
+                    for p, ev in part["events"].items()}
         for protocol, convs in (result.get("coqa") or {}).items():
             scores["coqa"].setdefault(protocol, {})[mode] = [[turn["f1"] for turn in conv] for conv in convs]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -313,6 +401,18 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
     elif any("ppl" in r for r in per_mode.values()):  # per-mode results without sets (callers building them by hand)
         out["ppl"] = _ppl_rows({m: {"ppl_sets": {"": {"ppl": r["ppl"], "windows": r.get("ppl_windows")}}}
                                 for m, r in per_mode.items() if "ppl" in r}, "", ecfg, seed)
+    gate = {m: r["gate"] for m, r in per_mode.items() if r.get("gate")}
+    if gate:
+        out["gate"] = gate
+    for t, row in (out.get("tasks") or {}).items():  # repair modes beside transfer (kvtransfer.core.recompute / gate)
+        for m in [m for m in per_item[t] if m == "gated" or m.startswith(REPAIR_PREFIX)]:
+            items = per_item[t][m]
+            row[m] = float(sum(items) / len(items)) if items else None
+            if "no_context" in per_item[t] and len(items) >= 2 and len(items) == len(per_item[t]["no_context"]):
+                d = paired_difference(items, per_item[t]["no_context"])
+                row[f"{m}_minus_no_context"], row[f"{m}_minus_no_context_se"] = d["difference"], d["se"]
+            if gate.get(m, {}).get(f"task.{t}"):
+                row[f"{m}_gate"] = gate[m][f"task.{t}"]
     out["warnings"] = floor_warnings(out)
     if "coqa" in per_mode.get("target", {}) and "coqa" in per_mode.get("transfer", {}):
         rows = []
@@ -352,6 +452,17 @@ def _ppl_rows(per_mode: dict, set_name: str, ecfg: dict, seed: int) -> list[dict
         elif p > 0 and None not in (row.get("transfer"), row.get("target"), row.get("no_context")):
             row["transfer_gap_closed"] = float(log_ppl_gap_closed(row["transfer"], row["target"], row["no_context"]))
             row["transfer_gap_closed_se"] = None
+        for m in [m for m in per_window if m == "gated" or m.startswith(REPAIR_PREFIX)]:
+            if p > 0 and all(x in per_window for x in ("target", "no_context")):
+                gap = ppl_gap_closed({"target": per_window["target"], "transfer": per_window[m],
+                                      "no_context": per_window["no_context"]}, n_boot=ecfg.get("bootstrap", 1000), seed=seed)
+                row[f"{m}_gap_closed"], row[f"{m}_gap_closed_se"] = gap["gap_closed"], gap["gap_closed_se"]
+            events = [e for e in ((parts[m].get("events") or {}).get(str(p)) or []) if e]
+            if events:
+                summary = gate_summary(events)
+                row[f"{m}_cost"], row[f"{m}_recompute_rate"] = summary["cost"], summary["recompute_rate"]
+                if m == "gated":
+                    row["gated_actions"] = {a: summary[a] for a in ("map", "recompute", "full")}
         if p > 0 and "target" in per_window and "transfer" in per_window and \
                 any(m in per_window for m in CONTROL_MODES):
             row.update(control_statistics(per_window, n_boot=ecfg.get("bootstrap", 1000), seed=seed))

@@ -18,6 +18,7 @@ from ..config.provenance import environment
 from ..config.runconfig import STAGES, needs_feature_sample, parse_stages  # noqa: F401 (STAGES: re-exported)
 from ..core.io import atomic_write_json
 from ..eval.metrics import SCHEMA_VERSION
+from . import gate_stage
 from .fidelity import fidelity
 from .fit_stage import mean_r2
 from .report_stage import variance_vs_k
@@ -126,6 +127,11 @@ def execute(cfg: dict, out_dir: str | Path, *, plan: dict | None = None) -> dict
         if (cfg["eval"].get("fidelity") or {}).get("enabled", True):
             summary["fidelity"] = fidelity(run)
         summary.update(evaluate(run))
+        if (cfg["eval"].get("gate") or {}).get("enabled"):  # the thresholds the gated rows were decided with
+            gate = gate_stage.gate(run)
+            summary["gate_artifact"] = {"thresholds": gate["thresholds"], "tail": gate["tail"],
+                                        "calibration_sequences": len(gate["sequences"]),
+                                        "on_train_sequences": gate["on_train_sequences"]}
     if "bench" in stages:
         from .bench_stage import benchmark
 

@@ -12,7 +12,7 @@ extra config
                    K/V in <store>/sinks (computed by one HF prefill of the start tokens on first use)
     block_size     tokens per store block (default 16; fixed by the first engine that opens the store)
     store_max_bytes  producer: size cap of the store's blocks, least-recently-used evicted (default: no cap)
-    mapper         consumer: a saved mapper directory (kvtransfer.mapper)
+    mapper         consumer: a saved mapper directory (kvtransfer.core.mapper)
     source_model   consumer: the source model's directory (its config builds the source RoPE)
     native_tail    consumer: prompt tokens the target always computes itself (default 1, the paper's)
     mapped_cache_salt  consumer with prefix caching on: only requests with this cache_salt are mapped

@@ -1,4 +1,4 @@
-"""Weights identity for serving: a model is its architecture *and* its weights (kvtransfer.identity).
+"""Weights identity for serving: a model is its architecture *and* its weights (kvtransfer.config.identity).
 
 The store keys every block by the producer's `key` (below), the consumer looks blocks up under the key
 of its `source_model`, the mapper's pair check compares weights where the mapper records them, and the
@@ -6,14 +6,14 @@ target's native-sink cache is named by the target's key -- so a fine-tune and it
 other weights) never share entries, maps or sinks.
 
     serving_identity(ref) -> {"model_id", "config_hash", "n_layers", "n_kv", "head_dim", "rope_type",
-                              "weights": kvtransfer.identity.weights_identity(ref), "key": 16 hex}
+                              "weights": kvtransfer.config.identity.weights_identity(ref), "key": 16 hex}
 """
 from __future__ import annotations
 
 import hashlib
 import json
 
-from ..models import config_hash, kv_shape, rope_type, text_config
+from ..core.models import config_hash, kv_shape, rope_type, text_config
 
 
 def identity_from_config(config, model_id: str = "") -> dict:
@@ -38,9 +38,9 @@ def serving_identity(ref: str, config=None) -> dict:
     """Full identity of the model a server loads from `ref` (a local directory or a cached hub id).
 
     config: its HF config when already read (else AutoConfig.from_pretrained(ref)). Raises
-    FileNotFoundError / ValueError (kvtransfer.identity.weights_identity) when the weights cannot be identified.
+    FileNotFoundError / ValueError (kvtransfer.config.identity.weights_identity) when the weights cannot be identified.
     """
-    from ..identity import weights_identity
+    from ..config.identity import weights_identity
 
     if config is None:
         from transformers import AutoConfig
@@ -51,8 +51,8 @@ def serving_identity(ref: str, config=None) -> dict:
 
 def model_serving_identity(model, ref: str | None = None) -> dict:
     """serving_identity of an in-memory HF model saved at `ref` (default: its name_or_path)."""
-    from ..identity import weights_identity
-    from ..models import model_identity
+    from ..config.identity import weights_identity
+    from ..core.models import model_identity
 
     ref = str(ref or model.name_or_path)
     return with_weights(model_identity(model), weights_identity(ref))

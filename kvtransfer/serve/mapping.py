@@ -1,8 +1,8 @@
 """A fitted mapper as the serving engine applies it: source entry -> target K/V for a token range.
 
-What `kvtransfer.transfer.transfer` does inside the harness, for one prompt, without the models
+What `kvtransfer.core.transfer.transfer` does inside the harness, for one prompt, without the models
 loaded: RoPE codecs are built from the two configs alone (`codec_from_config`), the map itself is
-`kvtransfer.transfer.map_layers` (strip source RoPE, map, re-apply target RoPE, cast), and the
+`kvtransfer.core.transfer.map_layers` (strip source RoPE, map, re-apply target RoPE, cast), and the
 native sink -- the target's own K/V at positions 0..native_sink-1 -- is computed once per layer by
 an HF prefill of the fixed start tokens (`native_sink_layers`), since under the run's
 `context_start` those tokens are the same for every prompt.
@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import torch
 
-from ..mapper import MapperBase, load_mapper
-from ..models import config_hash, kv_shape, text_config
-from ..rope import RopeCodec
-from ..transfer import map_layers
+from ..core.mapper import MapperBase, load_mapper
+from ..core.models import config_hash, kv_shape, text_config
+from ..core.rope import RopeCodec
+from ..core.transfer import map_layers
 
 
 def codec_from_config(config) -> RopeCodec:
@@ -50,7 +50,7 @@ def native_sink_layers(target_path: str, start_ids: list[int], dtype: torch.dtyp
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..io import atomic_save_tensors, load_tensors
+    from ..core.io import atomic_save_tensors, load_tensors
     from .hf import prefill_layers
 
     if key is None and cache_dir:
@@ -76,7 +76,7 @@ def native_sink_layers(target_path: str, start_ids: list[int], dtype: torch.dtyp
 class ServeMap:
     """A mapper bound to a (source config, target config) pair, with the target's native sink.
 
-    mapper_dir: a saved mapper (kvtransfer.mapper). The constructor raises ValueError naming the fix when the
+    mapper_dir: a saved mapper (kvtransfer.core.mapper). The constructor raises ValueError naming the fix when the
     mapper was fitted for another target than `target_config`, from another source than `source_config`, or --
     where the mapper records "weights" for a side and that side's serving identity is given
     (`source_identity` / `target_identity`, kvtransfer.serve.ident) -- for other weights of the same
@@ -157,9 +157,9 @@ def identity_mapper(config, *, model_id: str = "", context_start: str = "prefix_
 
     Weight = identity (+ `noise` * N(0, 1) when a test wants a map whose output differs from the
     model's own cache), bias 0, float32; the calibration record carries the position-0 convention. weights: the
-    model's weights identity (kvtransfer.identity), recorded on both sides so the pair check refuses other weights.
+    model's weights identity (kvtransfer.config.identity), recorded on both sides so the pair check refuses other weights.
     """
-    from ..mapper import Mapper
+    from ..core.mapper import Mapper
     from .store import identity_from_config
 
     shape = kv_shape(config)

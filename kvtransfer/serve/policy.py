@@ -21,7 +21,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..io import atomic_write_json
+from ..core.io import atomic_write_json
 from .store import BadEntry, KVStore, Prefix
 
 log = logging.getLogger("kvtransfer.serve")

@@ -15,7 +15,7 @@
 Only full blocks are stored (a prompt's last n % B tokens are the target's to compute), and no block is
 stored twice: turn t + 1 of a conversation writes only the blocks turn t did not, and a consumer maps the
 longest stored prefix of any prompt (`lookup`). Blocks are written atomically (temporary file + rename,
-kvtransfer.io) and never overwritten; a read refreshes the block's mtime, and with `max_bytes` set every
+kvtransfer.core.io) and never overwritten; a read refreshes the block's mtime, and with `max_bytes` set every
 write evicts least-recently-used blocks (oldest mtime first) until the store fits.
 
 Several processes may share one directory (two engines, or engines on two nodes that mount the same
@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ..io import atomic_save_tensors, atomic_write_json
+from ..core.io import atomic_save_tensors, atomic_write_json
 from .ident import identity_from_config  # noqa: F401 -- re-exported (older imports)
 
 FORMAT, VERSION, STORE_FORMAT = "kvtransfer.kv_block", 2, "kvtransfer.kv_store"

@@ -65,6 +65,11 @@ def _plan() -> dict[Path, dict[str, str]]:
     return {ROOT / "results/plan/README.md": {"key_numbers": c.key_numbers(c.load_plans())}}
 
 
+def _handoff() -> dict[Path, dict[str, str]]:
+    c = _module("experiments/handoff/collect.py")
+    return {ROOT / "results/handoff/README.md": c.readme_blocks()}
+
+
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory) -> dict[Path, dict[str, str]]:
     import os
@@ -73,7 +78,7 @@ def generated(tmp_path_factory) -> dict[Path, dict[str, str]]:
     os.chdir(ROOT)  # the collect scripts' default paths are relative to the repository root
     try:
         out: dict[Path, dict[str, str]] = {}
-        for make in (_qwen25coder, _maps, _tiny, _bench_cpu, _serve, _maps_trained, _plan):
+        for make in (_qwen25coder, _maps, _tiny, _bench_cpu, _serve, _maps_trained, _plan, _handoff):
             for path, blocks in make().items():
                 out.setdefault(path, {}).update(blocks)
         return out

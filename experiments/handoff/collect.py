@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -114,24 +113,19 @@ def real_pair(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def replace_block(text: str, name: str, body: str) -> str:
-    begin, end = f"<!-- BEGIN generated:{name} -->", f"<!-- END generated:{name} -->"
-    if begin not in text or end not in text:
-        sys.exit(f"results/handoff/README.md lacks the {begin} ... {end} markers")
-    head, rest = text.split(begin, 1)
-    return head + begin + "\n" + body + "\n" + end + rest.split(end, 1)[1]
+def readme_blocks(out: Path = OUT) -> dict[str, str]:
+    """{block name: body} of results/handoff/README.md from the committed reports (kvtransfer.report.readme)."""
+    rep = json.loads((out / "load_tiny.json").read_text())
+    bodies = {"load_tiny": render(rep)[len(BEGIN) + 1:-len(END) - 1]}
+    if (out / "real_pair.json").exists():
+        bodies["real_pair"] = real_pair(json.loads((out / "real_pair.json").read_text()))
+    return bodies
 
 
 def main() -> None:
-    from kvtransfer.core.io import atomic_write_bytes
+    from kvtransfer.report import readme
 
-    readme = OUT / "README.md"
-    text = readme.read_text()
-    rep = json.loads((OUT / "load_tiny.json").read_text())
-    text = replace_block(text, "load_tiny", render(rep)[len(BEGIN) + 1:-len(END) - 1])
-    if (OUT / "real_pair.json").exists():
-        text = replace_block(text, "real_pair", real_pair(json.loads((OUT / "real_pair.json").read_text())))
-    atomic_write_bytes(readme, text.encode())
+    readme.rewrite(OUT / "README.md", readme_blocks())
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ run() {  # run NAME OVERRIDES...
   echo "[$name] $(date -u +%H:%M:%S) done"
 }
 
-TINY="eval.tasks=[tiny_cloze] eval.controls=[] eval.coqa.enabled=false eval.modes=[target,transfer,no_context]"
+TINY="eval.tasks=[] eval.controls=[] eval.coqa.enabled=false eval.modes=[target,transfer,no_context]"
 # 1. the tiny trained pair (models/tiny 1m -> 7m): the whole curve and the gate, minutes on 2 cores
 run tiny_curve stage=[calibrate,fit,eval] cache_dir=artifacts/gate_tiny $TINY "eval.ppl.prefixes=[0,128]" \
   "eval.recompute_fraction=[0,0.15,0.3,1]" "eval.recompute_select=[deviation,random]" eval.gate.enabled=true

@@ -43,8 +43,7 @@ import json
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections import OrderedDict
 from typing import Any
 
 try:
@@ -54,6 +53,9 @@ try:
     HAVE_SERVE_STACK = True
 except ImportError:  # pragma: no cover - the [serve] / [dev] extra installs them
     HAVE_SERVE_STACK = False
+
+from .proxy_state import BadRequest, Outcome, Session, Stats, Unreachable  # noqa: F401 (re-exported)
+from .proxy_wire import _relay, _sse_events, completion_chunk_to_chat, completion_to_chat  # noqa: F401
 
 log = logging.getLogger("kvtransfer.proxy")
 
@@ -67,69 +69,6 @@ CHAT_ONLY = ("tools", "tool_choice", "functions", "function_call", "response_for
 # chat fields consumed by the conversion itself
 CHAT_CONVERTED = ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
                   "chat_template", "chat_template_kwargs", "echo")
-
-
-class BadRequest(ValueError):
-    """A client error: answered with HTTP 400 and this message, counted as `bad_request`."""
-
-
-class Unreachable(RuntimeError):
-    """An engine did not answer (connection refused, reset, timeout) or answered 5xx."""
-
-
-@dataclass
-class Outcome:
-    """What the proxy did with one request: status is mapped | fallback_reprefill | fallback_source | source."""
-
-    status: str
-    engine: str
-    mapped: int | None = None
-    prefilled: int | None = None
-    reason: str = ""
-    save_s: float | None = None
-
-    def header(self) -> str:
-        """The `X-KVTransfer` header value (ASCII)."""
-        if self.status == "mapped":
-            return f"mapped {self.mapped} tokens, prefilled {self.prefilled}"
-        if self.status in ("fallback_reprefill", "fallback_source"):
-            return f"{self.status}: {self.reason}"
-        return self.status if not self.reason else f"{self.status}: {self.reason}"
-
-    def field(self) -> dict:
-        """The `kvtransfer` body field."""
-        return {"status": self.status, "engine": self.engine, "mapped": self.mapped, "prefilled": self.prefilled,
-                "reason": self.reason, "save_s": self.save_s, "summary": self.header()}
-
-
-@dataclass
-class Session:
-    """A conversation's state: the engine serving it and, once handed over, the ids the source read."""
-
-    engine: str = "source"
-    handed_ids: list[int] = field(default_factory=list)
-
-
-class Stats:
-    """The proxy's counters (requests, routes, mapped, fallbacks by reason, errors), served as JSON."""
-
-    def __init__(self):
-        self.counts: Counter = Counter()
-        self.fallbacks: Counter = Counter()
-        self.errors: Counter = Counter()
-        self.mapped_tokens = 0
-        self.prefilled_tokens = 0
-
-    def outcome(self, out: Outcome) -> None:
-        self.counts[out.status] += 1
-        if out.status.startswith("fallback"):
-            self.fallbacks[f"{out.status}:{out.reason.split(' ')[0]}"] += 1
-        self.mapped_tokens += out.mapped or 0
-        self.prefilled_tokens += out.prefilled or 0
-
-    def as_dict(self) -> dict:
-        return {"counts": dict(self.counts), "fallbacks": dict(self.fallbacks), "errors": dict(self.errors),
-                "mapped_tokens": self.mapped_tokens, "prefilled_tokens": self.prefilled_tokens}
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> "JSONResponse":
@@ -484,77 +423,6 @@ class HandoffProxy:
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(produce(), media_type="text/event-stream", headers={STATUS_HEADER: header})
-
-
-async def _relay(reply) -> Any:
-    try:
-        async for chunk in reply.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as err:
-        yield f"data: {json.dumps({'error': {'message': f'upstream stream ended: {err}'}})}\n\n".encode()
-    finally:
-        await reply.aclose()
-
-
-async def _sse_events(reply):
-    """The JSON events of an SSE stream; None for the final `[DONE]`; non-JSON lines skipped."""
-    async for line in reply.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            yield None
-            return
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            continue
-        if isinstance(event, dict):
-            yield event
-
-
-def _chat_logprobs(logprobs: Any) -> dict | None:
-    """A completion choice's logprobs ({tokens, token_logprobs, top_logprobs}) in chat format ({content: [...]})."""
-    if not isinstance(logprobs, dict):
-        return None
-    tokens = logprobs.get("tokens") or []
-    values = logprobs.get("token_logprobs") or []
-    tops = logprobs.get("top_logprobs") or [None] * len(tokens)
-    content = []
-    for token, value, top in zip(tokens, values, tops):
-        content.append({"token": token, "logprob": value,
-                        "top_logprobs": [{"token": t, "logprob": v} for t, v in (top or {}).items()]})
-    return {"content": content}
-
-
-def completion_to_chat(data: dict, model: str) -> dict:
-    """A /v1/completions response as a /v1/chat/completions one (text -> assistant message)."""
-    choices = []
-    for choice in data.get("choices") or []:
-        choices.append({"index": choice.get("index", 0),
-                        "message": {"role": "assistant", "content": choice.get("text", "")},
-                        "logprobs": _chat_logprobs(choice.get("logprobs")),
-                        "finish_reason": choice.get("finish_reason")})
-    return {"id": "chat" + str(data.get("id", "cmpl")), "object": "chat.completion",
-            "created": data.get("created", int(time.time())), "model": model, "choices": choices,
-            "usage": data.get("usage")}
-
-
-def completion_chunk_to_chat(event: dict, model: str, chat_id: str, with_role: bool) -> dict:
-    """One streamed completion chunk as a chat.completion.chunk (the first carries the assistant role)."""
-    choices = []
-    for choice in event.get("choices") or []:
-        delta = {"content": choice.get("text", "")}
-        if with_role:
-            delta["role"] = "assistant"
-        choices.append({"index": choice.get("index", 0), "delta": delta,
-                        "logprobs": _chat_logprobs(choice.get("logprobs")),
-                        "finish_reason": choice.get("finish_reason")})
-    out = {"id": chat_id, "object": "chat.completion.chunk", "created": event.get("created", int(time.time())),
-           "model": model, "choices": choices}
-    if "usage" in event:
-        out["usage"] = event["usage"]
-    return out
 
 
 def build_app(proxy: HandoffProxy) -> "FastAPI":

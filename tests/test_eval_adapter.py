@@ -127,7 +127,7 @@ def test_batch_size_invariance(lms, local_tasks, mode):
 
 def test_one_prefill_and_mapping_per_context(lms, local_tasks, monkeypatch):
     """All choices of a multiple-choice item share one source prefill + one mapping."""
-    import kvtransfer.eval.adapter as adapter
+    import kvtransfer.eval.prefix as adapter  # where the adapter builds its prefix caches
 
     calls = []
     real = adapter.transfer

@@ -7,8 +7,7 @@ Modes (what builds the cache of context[:-1], and which model scores):
                      context token + the continuation (so it scores the first continuation token);
                      with native_tail=m the target runs the last m context tokens itself on top of
                      the mapped cache of context[:-m] (a partial re-prefill: m tokens of P)
-    native_injected  as transfer, but the cache is the target's own prefill round-tripped through
-                     cache I/O (a plumbing check: must equal `target`)
+    native_injected  as transfer, on the target's own prefill round-tripped through cache I/O (= `target`)
     identity         the source cache given to the target unmapped (needs equal cache shapes)
     no_context       the floor: the target reads only the context's start ids (see below) and its
                      last token, then the continuation -- what a mapped cache that carries nothing
@@ -19,10 +18,8 @@ replaces each context by another item's of the same request set, cut or drawn to
 keeping the start ids and the true last context token (kvtransfer.maps.controls.wrong_contexts, seeded by
 `wrong_context_seed`): what the same cache shape and genre give without this item's content.
 
-`context_start` (kvtransfer.core.context) fixes what sits at position 0 of every context:
-"tokenizer" (what the tokenizer adds; stock HFLM) or "prefix_token" (always BOS, else EOS). A
-transfer-mode mapper must have been calibrated under the same convention (refused otherwise,
-unless `allow_context_start_mismatch`).
+`context_start` (kvtransfer.core.context): position 0 of every context is what the tokenizer adds ("tokenizer")
+or always BOS, else EOS ("prefix_token"); a mapper calibrated under another is refused.
 
 `recompute_fraction=r` (transfer mode; kvtransfer.core.recompute): after mapping, the target recomputes the KV of a
 fraction r of each cached prefix's tokens (chosen by `recompute_select`: deviation / random / recent), attending
@@ -31,21 +28,15 @@ from the last `gate_tail` prefix tokens decides map / recompute(thresholds' frac
 prefill. Both append one record per cached prefix to `events` (action, fraction, score, tokens recomputed,
 FLOPs as a fraction of a re-prefill, seconds), so an eval row can say what was done.
 
-`share_prefix=True` gives target and source modes the same grouping (one prefill of context[:-1]
-shared by all continuations of a context): equal to one pass up to float rounding, 2-3x cheaper on
-multiple-choice tasks. Off by default, so `target` equals stock lm-eval `hf` bit for bit.
-
-Tokenization is lm-eval's (`TemplateLM._encode_pair`: context + continuation encoded jointly and
-split on the context's length; empty context -> BOS/EOS). Inputs longer than `max_length` are
-left-truncated exactly as HFLM does. Loglikelihood requests are grouped by their cached prefix:
-one source prefill + one mapping per unique context, shared by all of its continuations.
+`share_prefix=True`: target/source modes also prefill each context[:-1] once for all its continuations (equal to
+one pass up to float rounding; off by default, so `target` equals stock lm-eval `hf` bit for bit). Tokenization
+and left-truncation are lm-eval's / HFLM's; requests are grouped by cached prefix (one source prefill + mapping per
+unique context). The prefix caches themselves are built in kvtransfer.eval.prefix.
 """
 from __future__ import annotations
 
 import copy
 import logging
-import math
-import time
 from collections import defaultdict
 
 import torch
@@ -57,14 +48,13 @@ from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normali
 
 from ..core.context import check_mapper, check_policy, start_ids
 from ..maps.controls import wrong_contexts
-from ..core.hidden import prefill_with_hidden, used_layers
-from ..core.cache import cache_to_layers, continuation_logprobs, forward_on_cache, layers_to_cache, prefill
+from ..core.cache import continuation_logprobs, forward_on_cache
 from ..core.mapper import MapperBase, load_mapper
 from ..core.models import check_same_tokenizer, kv_shape, load_model
-from ..core.gate import Decision, check_thresholds, decide, tail_score
-from ..core.recompute import choose_tokens, recompute_cost, selective_recompute, token_flops
-from ..core.transfer import transfer
+from ..core.gate import check_thresholds
+from ..core.recompute import choose_tokens
 from .decode import chunks as _chunks, greedy_decode, hit_stop as _hit_stop, pad as _pad
+from .prefix import build_prefix_cache
 
 log = logging.getLogger(__name__)
 
@@ -300,83 +290,7 @@ class KVTransferLM(TemplateLM):
         layers: per target layer (K, V) [G, n_kv, P, d]. In `target` / `source` mode this is the
         scoring model's own prefill (used by the multi-turn protocol; lm-eval scoring runs one pass).
         """
-        if not prefixes or max(len(p) for p in prefixes) == 0:
-            return None, None
-        if min(len(p) for p in prefixes) == 0:
-            raise ValueError("prefix_cache: mix of empty and non-empty prefixes; batch them separately")
-        ids, mask = _pad(prefixes, self.pad_token_id, "left", self.scoring_model.device)
-        if self.mode in ("target", "source"):
-            return prefill(self.scoring_model, ids, mask), mask
-        if self.mode == "native_injected":
-            layers = prefill(self.target_model, ids, mask)
-            return cache_to_layers(layers_to_cache(layers, self.target_model.config)), mask
-        src_ids, src_mask = ids.to(self.source_model.device), mask.to(self.source_model.device)
-        hidden = None
-        if self.mode == "transfer" and getattr(self.mapper, "needs_hidden", False):
-            # a hidden-state map (kvtransfer.core.hidden) also reads the source's normed layer inputs: the same prefill
-            src, hidden = prefill_with_hidden(self.source_model, src_ids, src_mask,
-                                              layers=used_layers(self.mapper.selected_layers))
-        else:
-            src = prefill(self.source_model, src_ids, src_mask)
-        if self.mode == "identity":
-            dev, dt = self.target_model.device, self.target_model.dtype
-            return [(k.to(dev, dt), v.to(dev, dt)) for k, v in src], mask
-        layers = transfer(src, self.mapper, self.source_model, self.target_model, attention_mask=src_mask,
-                          input_ids=src_ids, native_sink=self.native_sink, as_layers=True,
-                          rope_at_inference=self.rope_at_inference, source_hidden=hidden)
-        if self.mode == "transfer" and (self.repair or self.gate is not None or self.recompute_fraction > 0):
-            layers = self._repair(layers, ids.to(self.target_model.device), mask.to(self.target_model.device))
-        return layers, mask.to(self.target_model.device)
-
-    def _repair(self, layers, ids: torch.Tensor, mask: torch.Tensor):
-        """The mapped prefix cache after the gate's decision per row (or the fixed recompute fraction); one record
-        per row appended to `events` (see the class doc)."""
-        target = self.target_model
-        started = time.perf_counter()
-        n_real = mask.long().sum(-1).tolist()
-        if self.gate is None:
-            decisions = [Decision("recompute", self.recompute_fraction, None, "eval.recompute_fraction")] * len(n_real)
-            scores = [None] * len(n_real)
-            gate_flops = [0.0] * len(n_real)
-        else:
-            score, _ = tail_score(target, layers, ids, mask, self.gate_tail)
-            scores = [None if math.isnan(x) else float(x) for x in score.tolist()]
-            decisions = [decide(x, self.gate) for x in score.tolist()]
-            gate_flops = [sum(token_flops(target.config, p + 1) for p in range(max(0, n - self.gate_tail), n))
-                          for n in n_real]
-        out = [(k.clone(), v.clone()) for k, v in layers]
-        rows_by_fraction: dict[float, list[int]] = defaultdict(list)
-        for b, d in enumerate(decisions):
-            if d.action != "map":
-                rows_by_fraction[d.fraction].append(b)
-        positions: dict[int, list[int]] = {}
-        for fraction, rows in rows_by_fraction.items():
-            sel = torch.tensor(rows, device=ids.device)
-            if fraction >= 1.0 and self.gate is not None:  # the gate's fall-back: the target's own prefill
-                new = prefill(target, ids.index_select(0, sel), mask.index_select(0, sel))
-                for b, n in zip(rows, [n_real[b] for b in rows]):
-                    positions[b] = list(range(n))
-            else:
-                sub = [(k.index_select(0, sel.to(k.device)), v.index_select(0, sel.to(v.device))) for k, v in layers]
-                new, recs = selective_recompute(target, ids.index_select(0, sel), sub, fraction,
-                                                select=self.recompute_select, attention_mask=mask.index_select(0, sel),
-                                                native_sink=self.native_sink, seed=self.recompute_seed)
-                for b, rec in zip(rows, recs):
-                    positions[b] = rec["positions"]
-            for (k, v), (nk, nv) in zip(out, new):
-                k[sel.to(k.device)] = nk.to(k.device, k.dtype)
-                v[sel.to(v.device)] = nv.to(v.device, v.dtype)
-        seconds = (time.perf_counter() - started) / max(1, len(n_real))
-        for b, d in enumerate(decisions):
-            pos = positions.get(b, [])
-            select = "full" if d.action == "full" else self.recompute_select
-            cost = recompute_cost(target.config, n_real[b], pos, select, self.native_sink)
-            full = cost["prefill_flops"]
-            self.events.append({**d.as_dict(), "key": hash(tuple(ids[b, len(ids[b]) - n_real[b]:].tolist())),
-                                "tokens": n_real[b], "recomputed": len(pos), "score": scores[b],
-                                "cost": (cost["flops"] + gate_flops[b]) / full if full else 0.0,
-                                "seconds": seconds})
-        return out
+        return build_prefix_cache(self, prefixes)
 
     def cut(self, context: list[int]) -> tuple[list[int], list[int]]:
         """(cached prefix, context tail the scorer runs itself) of a context in a cached-prefix mode.

@@ -134,9 +134,10 @@ def file_identity(path: str | Path) -> dict:
     return {"name": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
-def hub_dataset_revision(repo_id: str, revision: str | None = None) -> str:
+def hub_dataset_revision(repo_id: str, revision: str | None = None) -> str | None:
     """Commit sha a hub dataset `repo_id`@`revision` (default main) resolves to: asked of the hub, or, offline,
-    read from the HF cache's refs (what `datasets` read). Raises ValueError naming the fix when neither knows it."""
+    read from the HF cache's refs (what `datasets` read). None, with a warning naming the fix, when neither knows it
+    (a datasets-only offline cache): the keys then carry the id and config name only."""
     try:
         from huggingface_hub import HfApi
 
@@ -150,9 +151,12 @@ def hub_dataset_revision(repo_id: str, revision: str | None = None) -> str:
     ref = Path(constants.HF_HUB_CACHE) / f"datasets--{repo_id.replace('/', '--')}" / "refs" / (revision or "main")
     if ref.is_file():
         return ref.read_text().strip()
-    raise ValueError(f"cannot tell which revision of hub dataset {repo_id!r} a run reads (the hub is unreachable and "
-                     "the HF cache holds no ref of it): run once with hub access, or point the run at local files "
-                     "(calib.files / eval.data_dir)")
+    import warnings
+
+    warnings.warn(f"cannot tell which revision of hub dataset {repo_id!r} a run reads (the hub is unreachable and the "
+                  "HF cache holds no ref of it): its artifacts are keyed without a revision. Run once with hub access, "
+                  "or point the run at local files (calib.files / eval.data_dir)", stacklevel=2)
+    return None
 
 
 DATA_SUFFIXES = (".jsonl", ".json", ".txt", ".csv", ".parquet")

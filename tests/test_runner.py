@@ -645,8 +645,6 @@ def test_concurrent_jobs_fit_a_shared_mapper_once(tmp_path, monkeypatch):
     import threading
     import time as _time
 
-    import kvtransfer.runner.pipeline as pipeline
-
     calls, loads = [], []
     directory = tmp_path / "mappers" / "abc"
 
@@ -656,9 +654,9 @@ def test_concurrent_jobs_fit_a_shared_mapper_once(tmp_path, monkeypatch):
         d.mkdir(parents=True, exist_ok=False)  # a second fit into the same directory fails, as save does
         (d / "mapper.json").write_text("{}")
 
-    monkeypatch.setattr(Run, "_fit", fake_fit)
+    monkeypatch.setattr(fit_stage, "fit", fake_fit)
     monkeypatch.setattr(Run, "mapper_dir", lambda self: directory)
-    monkeypatch.setattr(pipeline, "load_mapper", lambda d: loads.append(d) or {"loaded": str(d)})
+    monkeypatch.setattr(run_module, "load_mapper", lambda d: loads.append(d) or {"loaded": str(d)})
     runs = []
     for _ in range(2):
         run = Run.__new__(Run)
@@ -771,10 +769,10 @@ def test_new_weights_at_the_same_path_recompute_every_artifact(tiny_pair_dirs, t
     assert len(calls) == 2 and second["mapper"]["path"] != first["mapper"]["path"]
 
 
-def test_the_run_applies_the_plans_knobs_and_records_them(tiny_pair_dirs, tmp_path, monkeypatch):
-    """Issue 19 §3: on a node where calibrate does not fit as typed, the run applies the plan's knob set, writes
-    it into config.json (written after applying) and summary.json (resources.applied), and calibrates with it;
-    plan.auto=false refuses instead."""
+def test_a_number_changing_knob_is_refused_with_the_override_to_type(tiny_pair_dirs, tmp_path, monkeypatch):
+    """Issue 32 (one command, one number): on a node where calibrate fits only with calib.dtype=float32 (which changes
+    the numbers), the run is refused before anything loads, naming the override to type; typed, every node runs it
+    and nothing is applied behind the user's back. plan.auto=false refuses too."""
     from kvtransfer import plan as P
     from run_configs import FIXED_RATES
 
@@ -788,13 +786,16 @@ def test_the_run_applies_the_plans_knobs_and_records_them(tiny_pair_dirs, tmp_pa
     assert cfg["calib"]["dtype"] == "float64" and fp32 < fp64
     node = P.Node("small disk", 0, 0.0, 64.0, (fp64 + fp32) / 2 / 0.95 / P.GiB)   # fits float32 moments only
     monkeypatch.setattr(P, "detect_node", lambda c: node)
-    summary = execute(cfg, tmp_path / "run")
-    assert [e["set"] for e in summary["resources"]["applied"]] == ["calib.dtype=float32"]
-    assert summary["resources"]["applied"][0]["changes"]   # it says that it changes the numbers, and by how much
+    with pytest.raises(Exception, match="calib.dtype=float32") as err:
+        execute(cfg, tmp_path / "refused_auto")
+    assert type(err.value).__name__ == "PlanError" and "changes the numbers" in str(err.value)
+    assert not (tmp_path / "refused_auto" / "summary.json").exists()
+    typed = dict(cfg, calib=dict(cfg["calib"], dtype="float32"))
+    summary = execute(typed, tmp_path / "run")
+    assert summary["resources"]["applied"] == []
     out = tmp_path / "run"
-    assert json.loads((out / "summary.json").read_text())["resources"] == summary["resources"]
     ran = json.loads((out / "config.json").read_text())
-    assert ran["calib"]["dtype"] == "float32" and json.loads((out / "plan.json").read_text())["applied"]
+    assert ran["calib"]["dtype"] == "float32"
     train, _, _ = Run(ran, out).moments()
     assert train.dtype == torch.float32
     with pytest.raises(Exception, match="plan.auto=false") as err:

@@ -51,7 +51,13 @@ def test_load_sessions_hand_over_and_serve_what_the_target_computes(report):
 
 def test_faults_are_counted_fallbacks_and_the_next_handoff_maps(report):
     faults = report["faults"]
-    assert faults["truncated"]["header"] == "fallback_reprefill: consumer_fallback"
+    # the block store: a truncated last block ends the stored prefix before it (the blocks before it still map);
+    # a block whose K bytes were flipped or replaced fails its checksum in the worker (load_failed -> recompute)
+    truncated = faults["truncated"]["header"]
+    assert truncated.startswith("mapped ") and int(truncated.split()[1]) < 192, truncated  # not the spoilt block
+    for name in ("corrupt_k_bytes", "foreign_weights"):
+        assert not faults[name]["header"].startswith("mapped 192"), (name, faults[name])
+    assert report["consumer_reasons"].get("load_failed", 0) >= 2, report["consumer_reasons"]
     assert faults["evicted"]["header"] == "fallback_reprefill: consumer_fallback"
     for name in ("truncated", "corrupt_k_bytes", "foreign_weights"):
         assert faults[name]["after"].startswith("mapped "), name
@@ -60,4 +66,4 @@ def test_faults_are_counted_fallbacks_and_the_next_handoff_maps(report):
     assert faults["both_dead"]["status"] == 502 and faults["proxy_alive_after"]
     assert report["crashed"] == {"proxy": False}
     assert not [k for k in report["proxy_stats"]["errors"] if k.startswith("proxy_error")]
-    assert report["consumer_reasons"]["corrupt"] >= 1 and report["consumer_reasons"]["no_entry"] >= 1
+    assert report["consumer_reasons"]["no_entry"] >= 1

@@ -121,7 +121,11 @@ def main() -> None:
         summary = json.loads((run / "summary.json").read_text())
         config = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
         scores = json.loads((run / "scores.json").read_text()) if (run / "scores.json").exists() else {}
-        out += [f"## {run.name}", "", f"pair {summary.get('pair')}: {summary.get('source')} -> {summary.get('target')}; "
+        env = summary.get("environment") or {}
+        machine = env.get("machine") or {}
+        out += [f"## {run.name}", "", f"Run at commit `{str(env.get('commit'))[:7]}` ({'dirty' if env.get('dirty') else 'clean'} tree) "
+                f"on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores, no GPU (load average at the start "
+                f"{machine.get('load_avg')}).", "", f"pair {summary.get('pair')}: {summary.get('source')} -> {summary.get('target')}; "
                 f"gate: {json.dumps(config.get('eval', {}).get('gate'))}; thresholds (held-out calibration text): "
                 f"{json.dumps(summary.get('gate_artifact'))}", ""]
         out += ppl_table(summary) + signal(scores, config.get("seed", 0)) + timing(summary) + goals(summary)

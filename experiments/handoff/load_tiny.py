@@ -144,7 +144,7 @@ async def faults(run: Run, producer: subprocess.Popen, consumer: subprocess.Pope
         header = int.from_bytes(data[:8], "little") + 8
         meta = json.loads(data[8:header])
         for name, spec in meta.items():
-            if name.startswith("layers.") and name.endswith(".k"):
+            if name == "k" or (name.startswith("layers.") and name.endswith(".k")):   # a block's K (or an old entry's)
                 a, b = spec["data_offsets"]
                 for j in range(header + a, header + b, 7):
                     data[j] ^= 0x5A
@@ -158,7 +158,7 @@ async def faults(run: Run, producer: subprocess.Popen, consumer: subprocess.Pope
         # another checkpoint of the same architecture: the same header and layout, other K/V numbers
         gen = torch.Generator().manual_seed(3)
         spoilt = {k: (torch.randn(v.shape, generator=gen, dtype=torch.float32).to(v.dtype)
-                      if k.startswith("layers.") else v) for k, v in tensors.items()}
+                      if k in ("k", "v") or k.startswith("layers.") else v) for k, v in tensors.items()}
         p.unlink()
         atomic_save_tensors(p, spoilt, header)
 

@@ -478,3 +478,18 @@ def test_start_ids_argument():
     assert P._ids("151643") == [151643] and P._ids("1,2") == [1, 2]
     with pytest.raises(Exception, match="comma-separated"):
         P._ids("a,b")
+
+
+def test_the_consumers_own_decision_outranks_vllms_cached_count():
+    """vLLM reports a rejected load's tokens as cached; the connector's kv_transfer_params says load_failed: the
+    proxy reports the fallback, not a mapping. Without the field it reads the usage as before."""
+    proxy = P.HandoffProxy("http://s", "http://t")
+    usage = {"prompt_tokens": 201, "prompt_tokens_details": {"cached_tokens": 192}}
+    failed = {"kvtransfer": {"reason": "load_failed", "mapped": 0, "prefilled": 201}}
+    out = proxy.judge(usage, "", 0.1, failed)
+    assert (out.status, out.mapped, out.prefilled, out.header()) == (
+        "fallback_reprefill", 0, 201, "fallback_reprefill: consumer_fallback (load_failed)")
+    ok = proxy.judge(usage, "", 0.1, {"kvtransfer": {"reason": "mapped", "mapped": 176, "prefilled": 25}})
+    assert ok.header() == "mapped 176 tokens, prefilled 25"
+    assert proxy.judge(usage, "", 0.1, None).header() == "mapped 192 tokens, prefilled 9"
+    assert proxy.judge(usage, "", 0.1, {"kvtransfer": "garbled"}).header() == "mapped 192 tokens, prefilled 9"

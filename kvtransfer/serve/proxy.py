@@ -244,8 +244,17 @@ class HandoffProxy:
         cached = details.get("cached_tokens") or 0
         return int(cached), int(prompt) - int(cached)
 
-    def judge(self, usage: dict | None, save_error: str, save_s: float | None) -> Outcome:
-        """The outcome of a consumer request from its usage and the save step's error (if any)."""
+    def judge(self, usage: dict | None, save_error: str, save_s: float | None, connector: Any = None) -> Outcome:
+        """The outcome of a consumer request from the save step's error (if any) and what the consumer says: its
+        connector's own decision (`kv_transfer_params.kvtransfer`: reason, mapped, prefilled; authoritative, since
+        vLLM still counts tokens whose load the worker rejected as cached), else its usage's cached tokens."""
+        decision = connector.get("kvtransfer") if isinstance(connector, dict) else None
+        if isinstance(decision, dict) and isinstance(decision.get("reason"), str):
+            mapped, prefilled = decision.get("mapped"), decision.get("prefilled")
+            if decision["reason"] == "mapped" and isinstance(mapped, int) and mapped > 0:
+                return Outcome("mapped", "target", mapped, prefilled if isinstance(prefilled, int) else None, "", save_s)
+            return Outcome("fallback_reprefill", "target", 0, prefilled if isinstance(prefilled, int) else None,
+                           save_error or f"consumer_fallback ({decision['reason']})", save_s)
         mapped, prefilled = self.counted(usage, save_error)
         if mapped is None:
             return Outcome("fallback_reprefill" if save_error else "handoff", "target", None, prefilled,
@@ -329,7 +338,7 @@ class HandoffProxy:
             session.engine = "source"
             return await self._forward("source", kind, body,
                                        Outcome("fallback_source", "source", reason=f"target_unreachable ({err})"))
-        out = self.judge(data.get("usage"), save_error, save_s)
+        out = self.judge(data.get("usage"), save_error, save_s, data.get("kv_transfer_params"))
         self.stats.outcome(out)
         if kind == "chat":
             data = completion_to_chat(data, await self.model_name("target"))

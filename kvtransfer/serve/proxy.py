@@ -1,5 +1,4 @@
 """The handoff proxy: one OpenAI-compatible endpoint in front of a producer (source) and a consumer (target) engine.
-
     python -m kvtransfer.serve.proxy --source http://127.0.0.1:8001 --target http://127.0.0.1:8002 \
         --start-ids 151643 --port 8000
 
@@ -245,16 +244,14 @@ class HandoffProxy:
         return int(cached), int(prompt) - int(cached)
 
     def judge(self, usage: dict | None, save_error: str, save_s: float | None, connector: Any = None) -> Outcome:
-        """The outcome of a consumer request from the save step's error (if any) and what the consumer says: its
-        connector's own decision (`kv_transfer_params.kvtransfer`: reason, mapped, prefilled; authoritative, since
-        vLLM still counts tokens whose load the worker rejected as cached), else its usage's cached tokens."""
+        """The outcome of a consumer request: its connector's own decision (`kv_transfer_params.kvtransfer`; vLLM
+        counts rejected loads as cached), else its usage's cached tokens; plus the save step's error."""
         decision = connector.get("kvtransfer") if isinstance(connector, dict) else None
         if isinstance(decision, dict) and isinstance(decision.get("reason"), str):
-            mapped, prefilled = decision.get("mapped"), decision.get("prefilled")
+            mapped, prefilled = decision.get("mapped"), (lambda n: n if isinstance(n, int) else None)(decision.get("prefilled"))
             if decision["reason"] == "mapped" and isinstance(mapped, int) and mapped > 0:
-                return Outcome("mapped", "target", mapped, prefilled if isinstance(prefilled, int) else None, "", save_s)
-            return Outcome("fallback_reprefill", "target", 0, prefilled if isinstance(prefilled, int) else None,
-                           save_error or f"consumer_fallback ({decision['reason']})", save_s)
+                return Outcome("mapped", "target", mapped, prefilled, "", save_s)
+            return Outcome("fallback_reprefill", "target", 0, prefilled, save_error or f"consumer_fallback ({decision['reason']})", save_s)
         mapped, prefilled = self.counted(usage, save_error)
         if mapped is None:
             return Outcome("fallback_reprefill" if save_error else "handoff", "target", None, prefilled,

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (kvtransfer/config/provenance.py)
 # paths whose changes do not make a checkout "dirty" for provenance: they hold outputs, not code; and Markdown
 # (READMEs carry generated blocks that the collect scripts rewrite, and no text changes a computed number)
 OUTPUT_PATHS = ("results", "runs")
@@ -32,17 +32,57 @@ def _git(*args: str, root: Path = ROOT) -> str | None:
 def git_state(root: Path = ROOT) -> dict:
     """{"commit": sha, "dirty": bool, "dirty_paths": [...]} of the checkout; {} outside a git checkout.
 
-    dirty: tracked files changed (staged or not) outside `OUTPUT_PATHS` (results/, runs/ at any depth) and
-    Markdown files, so writing results and their READMEs does not make the next run's provenance dirty;
-    untracked files are ignored."""
+    dirty: files changed (staged or not) or untracked (and not ignored: a new module the code imports is code
+    the commit does not hold) outside `OUTPUT_PATHS` (results/, runs/ at any depth) and Markdown files, so
+    writing results and their READMEs does not make the next run's provenance dirty."""
     sha = _git("rev-parse", "HEAD", root=root)
     if sha is None:
         return {}
     excludes = ([f":(exclude,glob){p}/**" for p in OUTPUT_PATHS] + [f":(exclude,glob)**/{p}/**" for p in OUTPUT_PATHS]
                 + [f":(exclude,glob){g}" for g in DOC_GLOBS])
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", *excludes, root=root)
+    status = _git("status", "--porcelain", "--untracked-files=all", "--", ".", *excludes, root=root)
     paths = [line[3:] for line in (status or "").splitlines() if line.strip()]
     return {"commit": sha.strip(), "dirty": status is None or bool(paths), "dirty_paths": paths[:50]}
+
+
+def produced_by(code_version: int | None = None) -> dict:
+    """What made an artifact, stored inside it when it is written: the checkout's commit, dirty flag and first
+    dirty paths (`git_state`), the UTC time, the kvtransfer / torch / transformers / lm-eval versions, and the
+    producing code's version (kvtransfer.runner.code_versions) when the caller names it."""
+    import datetime
+
+    from .. import __version__
+
+    state = git_state()
+    packages = package_versions(("torch", "transformers", "lm_eval"))
+    out = {"commit": state.get("commit"), "dirty": state.get("dirty"), "dirty_paths": state.get("dirty_paths", [])[:10],
+           "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "kvtransfer": __version__, **packages}
+    if code_version is not None:
+        out["code_version"] = code_version
+    return out
+
+
+def summarize_producers(producers: dict[str, dict]) -> dict:
+    """summary.json `producers`: {"artifacts": {path: produced_by + artifact}, "commits": {sha7: [path, ...]},
+    "dirty": [path, ...], "not_recorded": [path, ...]} of the cached artifacts a run read (Run.note)."""
+    commits: dict[str, list[str]] = {}
+    dirty, none = [], []
+    for where, stamp in sorted(producers.items()):
+        if not stamp.get("commit"):
+            none.append(where)
+            continue
+        commits.setdefault(stamp["commit"][:7], []).append(where)
+        if stamp.get("dirty"):
+            dirty.append(where)
+    return {"artifacts": dict(sorted(producers.items())), "commits": commits, "dirty": dirty, "not_recorded": none}
+
+
+def json_provenance() -> dict:
+    """The `provenance` block of a committed JSON result written outside a run (serve, handoff, plan files):
+    {"commit", "dirty", "dirty_paths", "time"} of the checkout that wrote it."""
+    stamp = produced_by()
+    return {k: stamp[k] for k in ("commit", "dirty", "dirty_paths", "time")}
 
 
 def config_digest(cfg: dict | None) -> str | None:
@@ -184,7 +224,43 @@ def provenance_header(summaries: dict[str, dict], collected_by: str, *, reproduc
             lines.append(f"  - `{name}`: not rerun: {not_rerun[name]}.")
     if not (p["dirty"] or p["no_commit"]) and len(p["commits"]) == 1:
         lines.append("- Every run is at one clean commit.")
+    lines += producer_lines(summaries)
     return "\n".join(lines)
+
+
+def producer_lines(summaries: dict[str, dict]) -> list[str]:
+    """Markdown lines on the cached artifacts the runs read (summary.json `producers`): the commits that made
+    them (by artifact kind), those made from a dirty tree, those that record none, and the runs made before
+    summaries listed producers (their cached artifacts may be older than the run's own commit)."""
+    kinds: dict[str, dict[str, int]] = {}
+    dirty: dict[str, int] = {}
+    unrecorded: dict[str, int] = {}
+    older = sorted(name for name, s in summaries.items() if "producers" not in s)
+    for name, s in summaries.items():
+        for where, stamp in (s.get("producers") or {}).get("artifacts", {}).items():
+            kind = stamp.get("artifact", "?")
+            if not stamp.get("commit"):
+                unrecorded[kind] = unrecorded.get(kind, 0) + 1
+                continue
+            per = kinds.setdefault(stamp["commit"][:7], {})
+            per[kind] = per.get(kind, 0) + 1
+            if stamp.get("dirty"):
+                dirty[kind] = dirty.get(kind, 0) + 1
+
+    def counts(d: dict[str, int]) -> str:
+        return ", ".join(f"{k} × {n}" for k, n in sorted(d.items()))
+    lines = []
+    if kinds:
+        lines.append("- Cached artifacts the runs read were made at " + "; ".join(
+            f"`{sha}` ({counts(per)})" for sha, per in sorted(kinds.items(), key=lambda kv: -sum(kv[1].values()))) + ".")
+    if dirty:
+        lines.append(f"- **Cached artifacts made from an uncommitted (dirty) tree**: {counts(dirty)}.")
+    if unrecorded:
+        lines.append(f"- Cached artifacts that record no producer (made before artifacts carried one): {counts(unrecorded)}.")
+    if older:
+        lines.append(f"- Made before summaries listed the producers of the cached artifacts they read, which may be "
+                     f"older than the run's own commit: {', '.join(f'`{n}`' for n in older)}.")
+    return lines
 
 
 def refuse_dirty_write(target: str | Path, allow_dirty: bool) -> dict:

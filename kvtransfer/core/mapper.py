@@ -55,6 +55,7 @@ class MapperBase:
     calibration: dict = field(default_factory=dict)
     r2: dict = field(default_factory=dict)
     native_sink: int = 0  # first N context positions the target computes itself when this map is applied
+    produced_by: dict = field(default_factory=dict)  # commit, dirty flag, time, code version of the fit (the runner's)
     kind = "base"
     features = "kv"  # what the map reads of the source per selected layer (kvtransfer.core.hidden.FEATURES)
     _FLOAT_TENSORS: ClassVar[tuple[str, ...]] = ()  # per kind: its floating-point tensor attributes
@@ -141,7 +142,7 @@ class MapperBase:
                 "shapes": {name: list(t.shape) for name, t in self.tensors().items()},
                 "n_parameters": self.n_parameters, "apply_flops_per_token": self.apply_flops_per_token,
                 "native_sink": self.native_sink, "calibration": self.calibration, "r2": self.r2,
-                **self.extra_manifest()}
+                "produced_by": self.produced_by, **self.extra_manifest()}
 
     def save(self, directory: str | Path) -> Path:
         """Write mapper.safetensors + mapper.json into `directory` (refuses to overwrite)."""
@@ -180,7 +181,7 @@ class MapperBase:
         common = dict(selected_layers=tensors["selected_layers"], source=manifest["source"],
                       target=manifest["target"], key_space=manifest["key_space"], lam=manifest["lambda"],
                       calibration=manifest.get("calibration", {}), r2=manifest.get("r2", {}),
-                      native_sink=int(manifest.get("native_sink", 0)))
+                      native_sink=int(manifest.get("native_sink", 0)), produced_by=manifest.get("produced_by") or {})
         mapper = kind.from_tensors(tensors, common, manifest)
         if source_model is not None and target_model is not None:
             mapper.check_pair(source_model, target_model)

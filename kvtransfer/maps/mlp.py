@@ -90,10 +90,11 @@ class FeatureSampler:
             raise ValueError("no calibration features were sampled (mlp_samples=0 or no train batches)")
         return {name: torch.cat(parts) for name, parts in self.parts.items()}
 
-    def save(self, path) -> None:
-        """Store the sample as safetensors (atomic)."""
+    def save(self, path, meta: dict | None = None) -> None:
+        """Store the sample as safetensors (atomic); `meta` (JSON-able, e.g. produced_by) joins its metadata."""
         atomic_save_tensors(path, self.tensors(), {"feature_sample": True, "batches": json.dumps(self.batches),
-                                                   "rows": json.dumps([t.shape[0] for t in self.parts["xk"]])})
+                                                   "rows": json.dumps([t.shape[0] for t in self.parts["xk"]]),
+                                                   **{k: json.dumps(v) for k, v in (meta or {}).items()}})
 
     @staticmethod
     def load(path) -> dict[str, torch.Tensor]:

@@ -8,10 +8,14 @@ with the reason; tests/test_artifact_keys.py walks every pair and group option a
 that is neither, so a new config key cannot slip into a run without deciding what it changes.
 
 A leaf module (standard library only): the pipeline, the eval and bench stages and the plan share it.
+It reads each kind's code version from code_versions.json (kept by kvtransfer.runner.code_versions).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 
 from .keys import artifact_key
 
@@ -33,7 +37,10 @@ class Artifact:
     The upstream rule is structural: every artifact a computation reads is in its `upstream`, and a knob that
     only shapes an upstream artifact is that artifact's input, never repeated here (its key carries it).
     `reads` maps an upstream artifact that is read only under some configs to the alternatives
-    ((config leaf, values), ...) under which it is read (any one suffices)."""
+    ((config leaf, values), ...) under which it is read (any one suffices).
+
+    `code`: the modules ("runner/fit_stage") that compute it; with what they import they are its producing
+    code, whose version (kvtransfer.runner.code_versions) enters the key from version 2 on."""
     name: str
     inputs: tuple[str, ...]
     upstream: tuple[str, ...] = ()
@@ -42,6 +49,7 @@ class Artifact:
     when: dict = field(default_factory=dict)
     reads: dict = field(default_factory=dict)
     doc: str = ""
+    code: tuple[str, ...] = ()
 
 
 # what every model computation reads: weights dtype and attention kernel change the numbers
@@ -61,8 +69,10 @@ _TRAINED = ("mapper.objective", "mapper.train_sequences", "mapper.stop_sequences
 _LAYER_LOCAL = ("mapper.query_positions",)  # read by the trained map's layer-local objective only
 _END_TO_END = ("mapper.context_tokens", "mapper.continuation_tokens")  # read by its end-to-end objective only
 
+_EVAL_CODE = ("runner/eval_stage",)  # the eval stage, the adapter and the metrics it imports
+
 ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
-    Artifact("calibration", doc="train moments + held-out features (+ the R² matrix of them, stored inside)",
+    Artifact("calibration", code=("runner/calibrate_stage",), doc="train moments + held-out features (+ the R² matrix of them, stored inside)",
              inputs=("calib.dataset", "calib.dataset_name", "calib.split", "calib.files", "calib.text_field",
                      "calib.domain", "calib.context_start", "calib.n_sequences", "calib.seq_len", "calib.stride",
                      "calib.heldout_fraction", "calib.heldout_observations", "calib.batch_size", "calib.capture",
@@ -71,13 +81,13 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
              # the source's hidden states are calibrated only for the map that reads them (runconfig.source_features):
              # a ridge/MLP/trained run keeps the paper's calibration (and its key)
              when={"mapper.features": ("mapper.kind", ("hidden",))}),
-    Artifact("feature_sample", doc="train feature rows for mapper=mlp / weighting=attention_mass",
+    Artifact("feature_sample", code=("runner/calibrate_stage",), doc="train feature rows for mapper=mlp / weighting=attention_mass",
              inputs=("calib.mlp_samples",), upstream=("calibration",)),
-    Artifact("query_energy", doc="target query energy of weighting=attention (families.query_energy)",
+    Artifact("query_energy", code=("runner/fit_family",), doc="target query energy of weighting=attention (families.query_energy)",
              inputs=("mapper.metric_sequences",), upstream=("calibration",)),
-    Artifact("attention_mass", doc="target attention mass per train token (families.attention_mass)",
+    Artifact("attention_mass", code=("runner/fit_family",), doc="target attention mass per train token (families.attention_mass)",
              inputs=(), upstream=("calibration",)),
-    Artifact("mapper", doc="the fitted map (ridge, its families, the trained map, the hidden-state map, or the MLP)",
+    Artifact("mapper", code=("runner/fit_stage",), doc="the fitted map (ridge, its families, the trained map, the hidden-state map, or the MLP)",
              inputs=("mapper.kind", "mapper.k", "mapper.lam", "mapper.selection", "mapper.force",
                      "mapper.native_sink", "mapper.support", "mapper.rank", "mapper.weighting",
                      "calib.batch_size", "ablation.k", "ablation.lam",
@@ -98,36 +108,36 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
                    # the objective decides which of its knobs are read (mapper.objective exists under kind=trained only)
                    **{k: ("mapper.objective", ("layer_local",)) for k in _LAYER_LOCAL},
                    **{k: ("mapper.objective", ("end_to_end",)) for k in _END_TO_END}}),
-    Artifact("fidelity", doc="mapped vs native cache on held-out calibration sequences",
+    Artifact("fidelity", code=("runner/fidelity",), doc="mapped vs native cache on held-out calibration sequences",
              inputs=("eval.fidelity.sequences", "eval.fidelity.continuation", "ablation.rope_at_inference"),
              upstream=("mapper",)),
-    Artifact("gate", doc="the per-request gate's thresholds on held-out calibration text (kvtransfer.core.gate)",
+    Artifact("gate", code=("runner/gate_stage",), doc="the per-request gate's thresholds on held-out calibration text (kvtransfer.core.gate)",
              inputs=("eval.gate.tail", "eval.gate.recompute_rate", "eval.gate.full_rate", "eval.gate.fraction",
                      "eval.gate.sequences", "eval.gate.select", "ablation.rope_at_inference"), upstream=("mapper",)),
-    Artifact("eval_tasks", doc="lm-eval task scores of the baseline modes (target, source, native_injected, floor)",
+    Artifact("eval_tasks", code=_EVAL_CODE, doc="lm-eval task scores of the baseline modes (target, source, native_injected, floor)",
              inputs=(*_TASKS, *_EVAL_COMMON), identities=("source", "target", "eval_data")),
-    Artifact("eval_ppl", doc="WikiText-2 prefix perplexity of the baseline modes",
+    Artifact("eval_ppl", code=_EVAL_CODE, doc="WikiText-2 prefix perplexity of the baseline modes",
              inputs=(*_PPL, *_EVAL_COMMON), identities=("source", "target", "eval_data", "ppl_data")),
-    Artifact("eval_coqa", doc="multi-turn CoQA drift of the baseline modes",
+    Artifact("eval_coqa", code=_EVAL_CODE, doc="multi-turn CoQA drift of the baseline modes",
              inputs=(*_COQA, *_EVAL_COMMON), identities=("source", "target", "eval_data")),
     # native_injected reads the target's own cache with its last eval.native_tail tokens recomputed: a split mode
-    Artifact("eval_tasks_native", doc="lm-eval task scores of native_injected (the tail > 1 plumbing check)",
+    Artifact("eval_tasks_native", code=_EVAL_CODE, doc="lm-eval task scores of native_injected (the tail > 1 plumbing check)",
              inputs=(*_TASKS, *_EVAL_COMMON, "eval.native_tail"), identities=("source", "target", "eval_data")),
-    Artifact("eval_ppl_native", doc="prefix perplexity of native_injected",
+    Artifact("eval_ppl_native", code=_EVAL_CODE, doc="prefix perplexity of native_injected",
              inputs=(*_PPL, *_EVAL_COMMON, "eval.native_tail"), identities=("source", "target", "eval_data", "ppl_data")),
-    Artifact("eval_coqa_native", doc="CoQA drift of native_injected",
+    Artifact("eval_coqa_native", code=_EVAL_CODE, doc="CoQA drift of native_injected",
              inputs=(*_COQA, *_EVAL_COMMON, "eval.native_tail"), identities=("source", "target", "eval_data")),
-    Artifact("eval_tasks_mapped", doc="lm-eval task scores through the map",
+    Artifact("eval_tasks_mapped", code=_EVAL_CODE, doc="lm-eval task scores through the map",
              inputs=(*_TASKS, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",)),
-    Artifact("eval_ppl_mapped", doc="prefix perplexity through the map",
+    Artifact("eval_ppl_mapped", code=_EVAL_CODE, doc="prefix perplexity through the map",
              inputs=(*_PPL, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data", "ppl_data")),
-    Artifact("eval_coqa_mapped", doc="CoQA drift through the map",
+    Artifact("eval_coqa_mapped", code=_EVAL_CODE, doc="CoQA drift through the map",
              inputs=(*_COQA, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",)),
-    Artifact("bench", doc="mapper vs re-prefill timing of the run's models",
+    Artifact("bench", code=("runner/bench_stage",), doc="mapper vs re-prefill timing of the run's models",
              inputs=("bench.tokens", "bench.warmup", "bench.repeats", "bench.shapes_only", "bench.dtype",
                      "bench.native_tails", "bench.mapper_dtypes", *_MODEL_RUN),
              upstream=("mapper",), identities=("source", "target"), extra=("device", "torch")),
-    Artifact("bench_shapes", doc="timing on random weights with the pair's real shapes (bench.shapes_only)",
+    Artifact("bench_shapes", code=("runner/bench_stage",), doc="timing on random weights with the pair's real shapes (bench.shapes_only)",
              inputs=("pair.name", "bench.tokens", "bench.warmup", "bench.repeats", "bench.layers", "bench.dtype",
                      "bench.mapper_dtypes"), extra=("device", "torch")),
 )}
@@ -233,11 +243,35 @@ def key_inputs(name: str, cfg: dict) -> dict:
     return out
 
 
+# the code version of each artifact kind and the digest of its producing code (kvtransfer.runner.code_versions)
+CODE_VERSIONS_FILE = Path(__file__).with_name("code_versions.json")
+
+
+@lru_cache(maxsize=1)
+def recorded() -> dict:
+    """{kind: {"version": int, "digest": str}, "python": "3.11"} as committed in code_versions.json."""
+    return json.loads(CODE_VERSIONS_FILE.read_text())
+
+
+def version(kind: str) -> int:
+    """The committed code version of artifact kind `kind` (KeyError naming the fix for an unlisted kind)."""
+    try:
+        return int(recorded()[kind]["version"])
+    except KeyError:
+        raise KeyError(f"artifact kind {kind!r} has no code version in {CODE_VERSIONS_FILE}: run "
+                       "`python -m kvtransfer.runner.code_versions --update`") from None
+
+
 def compute_key(name: str, cfg: dict, *, upstream: dict[str, str], identities: dict, extra: dict) -> str:
-    """Key of artifact `name`: the hash of its version, inputs, upstream keys, identities and extra values.
+    """Key of artifact `name`: the hash of the key version, its inputs, upstream keys, identities and extra
+    values, and its producing code's version (kvtransfer.runner.code_versions) once that is 2 or more.
 
     upstream (every one of `upstream_of(name, cfg)`), identities and extra must hold every name the declaration
     lists (KeyError otherwise: a caller that forgets an input fails, it does not hash without it)."""
     art = ARTIFACTS[name]
-    return artifact_key(KEY_VERSION, name, key_inputs(name, cfg), {u: upstream[u] for u in upstream_of(name, cfg)},
-                        {i: identities[i] for i in art.identities}, {e: extra[e] for e in art.extra})
+    parts = [KEY_VERSION, name, key_inputs(name, cfg), {u: upstream[u] for u in upstream_of(name, cfg)},
+             {i: identities[i] for i in art.identities}, {e: extra[e] for e in art.extra}]
+    code = version(name)
+    if code > 1:  # version 1 hashes as before code versions existed, so the keys of that code's artifacts stay valid
+        parts.append({"code_version": code})
+    return artifact_key(*parts)

@@ -121,7 +121,7 @@ def benchmark(run) -> list[dict]:
     name = "bench_shapes" if shapes_only else "bench"
     path = run.cache_dir / "bench" / f"{run.key(name)}.json"
     if path.exists():
-        return json.loads(path.read_text())
+        return _read_bench(run, name, path)
     dtype = _dtype(bcfg.get("dtype"), device)
     mapper_dtypes = [getattr(torch, name) for name in (bcfg.get("mapper_dtypes") or [EVAL_MAPPER_DTYPE])]
     rows = []
@@ -137,5 +137,15 @@ def benchmark(run) -> list[dict]:
             source, target = run.model("source")[0], run.model("target")[0]
             rows += bench_loaded(source, target, run.mapper(), bcfg["tokens"], mapper_dtype=mapper_dtype,
                                  warmup=bcfg["warmup"], repeats=bcfg["repeats"], native_tails=tails)
-    atomic_write_json(path, rows)
-    return rows
+    atomic_write_json(path, {"rows": rows, "produced_by": run.stamp(name)})
+    return _read_bench(run, name, path)
+
+
+def _read_bench(run, name: str, path) -> list[dict]:
+    """The bench rows at `path`, noting their producer (a bare list: written before bench files carried one)."""
+    data = json.loads(path.read_text())
+    if isinstance(data, list):
+        run.note(name, path, None)
+        return data
+    run.note(name, path, data.get("produced_by"))
+    return data["rows"]

@@ -70,7 +70,7 @@ def _calibrate_locked(run, directory: Path, key_space: str) -> None:
             "data": calib.get("files") or f"{calib.get('dataset')}/{calib.get('dataset_name')}",
             "domain": calib.get("domain") or _domain_name(calib),
             **describe_context(run.model("source")[1], run.context_start),
-            "seconds": round(seconds, 2)}
+            "seconds": round(seconds, 2), "produced_by": run.stamp("calibration")}
     atomic_write_json(directory / "calibration.json", info)  # the calibration/ checkpoint is now the artifact
     shutil.rmtree(directory / "features", ignore_errors=True)
 
@@ -117,7 +117,7 @@ def feature_sample_path(run) -> Path:
                         key_space=run.key_space, features=run.features,
                         checkpoint_every=max(1, calib.get("checkpoint_every", 64) // calib["batch_size"]),
                         progress=run.progress)
-        sampler.save(path)
+        sampler.save(path, meta={"produced_by": run.stamp("feature_sample")})
         partial.unlink(missing_ok=True)
     return path
 

@@ -218,6 +218,10 @@ def control_lm(lm: KVTransferLM, mode: str, run, seed: int) -> tuple[KVTransferL
 PARTS = ("tasks", "ppl", "coqa")
 
 
+# the artifact (kvtransfer.runner.artifacts) each kind of result directory of a part holds
+_ARTIFACT_OF_KIND = {"baseline": "eval_{part}", "native": "eval_{part}_native", "mapped": "eval_{part}_mapped"}
+
+
 def result_dirs(run, part: str = "tasks") -> dict[str, Path]:
     """{"baseline": dir, "native": dir, "mapped": dir}: where per-mode results of `part` ("tasks", "ppl" or "coqa")
     live ("native": native_injected's, keyed by eval.native_tail too).
@@ -228,9 +232,9 @@ def result_dirs(run, part: str = "tasks") -> dict[str, Path]:
     the key of exactly the parts that read it."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
-    return {"baseline": run.cache_dir / "eval" / "baseline" / run.key(f"eval_{part}"),
-            "native": run.cache_dir / "eval" / "native" / run.key(f"eval_{part}_native"),
-            "mapped": run.cache_dir / "eval" / run.key(f"eval_{part}_mapped")}
+    where = {"baseline": ("eval", "baseline"), "native": ("eval", "native"), "mapped": ("eval",)}
+    return {kind: run.cache_dir.joinpath(*where[kind], run.key(_ARTIFACT_OF_KIND[kind].format(part=part)))
+            for kind in where}
 
 
 def evaluate(run, on_compute=None) -> dict:
@@ -281,7 +285,8 @@ def evaluate(run, on_compute=None) -> dict:
         result: dict = {"tasks": {}}
         announced = False
         for name, compute in parts.items():
-            directory = dirs["tasks" if name.startswith("task.") else name.split(".")[0]][kind]
+            part = "tasks" if name.startswith("task.") else name.split(".")[0]
+            directory, artifact = dirs[part][kind], _ARTIFACT_OF_KIND[kind].format(part=part)
             directory.mkdir(parents=True, exist_ok=True)
             # the gated mode's numbers follow its thresholds: its files carry the gate artifact's key
             label = f"gated-{run.key('gate')[:16]}" if mode == "gated" else mode
@@ -300,8 +305,10 @@ def evaluate(run, on_compute=None) -> dict:
                 if name.startswith("ppl.") and isinstance(value, dict) and value.get("events"):
                     record["gate"] = {p: gate_summary([e for e in ev if e]) for p, ev in value["events"].items()
                                       if any(ev)}
+                record["produced_by"] = run.stamp(artifact)
                 atomic_write_json(path, record)
             record = json.loads(path.read_text())
+            run.note(artifact, path, record.get("produced_by"))
             if record.get("gate"):
                 result.setdefault("gate", {})[name] = record["gate"]
             if name.startswith("task."):

@@ -25,7 +25,9 @@ def fidelity(run) -> dict:
     sink = run.native_sink(mapper)
     path = run.mapper_dir() / f"fidelity_{run.key('fidelity')}.json"
     if path.exists():
-        return json.loads(path.read_text())
+        result = json.loads(path.read_text())
+        run.note("fidelity", path, result.get("produced_by"))
+        return result
     ids = run.token_ids()
     _, held = run.split()
     # calib.heldout_fraction=0 holds nothing out: the diagnostics then run on train sequences and say so
@@ -43,8 +45,10 @@ def fidelity(run) -> dict:
               "prefix": int(prefix.shape[1]),
               "continuation": cont,
               "native_sink": sink, "per_layer": compare_caches(target, native, mapped, continuation),
-              "per_position": position_diagnostics(target, native, mapped, continuation)}
+              "per_position": position_diagnostics(target, native, mapped, continuation),
+              "produced_by": run.stamp("fidelity")}
     atomic_write_json(path, result)
+    run.note("fidelity", path, result["produced_by"])
     return result
 
 # -- variance explained vs k (Table 7) --------------------------------------------------------

@@ -45,7 +45,8 @@ def attention_metrics(run) -> dict:
         calib = run.cfg["calib"]
         train_rows, _ = run.split()
         energy = query_energy(target, run.token_ids()[train_rows[:n_seq]], batch_size=calib["batch_size"])
-        atomic_save_tensors(path, {"energy": energy}, {"sequences": str(n_seq)})
+        atomic_save_tensors(path, {"energy": energy}, {"sequences": str(n_seq),
+                                                       "produced_by": json.dumps(run.stamp("query_energy"))})
     return {"k": key_metric(energy, kv_shape(target).n_kv), "v": value_metric(target)}
 
 
@@ -80,7 +81,8 @@ def observation_weights(run) -> tuple[dict, torch.Tensor]:
     else:
         target = run.model("target")[0]
         mass = attention_mass(target, ids[train_idx], positions, batch_size=calib["batch_size"])
-        atomic_save_tensors(mass_path, {"mass": mass}, {"sequences": "train", "window": "last quarter"})
+        atomic_save_tensors(mass_path, {"mass": mass}, {"sequences": "train", "window": "last quarter",
+                                                        "produced_by": json.dumps(run.stamp("attention_mass"))})
     weights = mass[seq, :, pos]  # [n, L_t]
     weights[positions[pos] < int(run.cfg["mapper"].get("native_sink") or 0)] = 0.0
     return sample, weights

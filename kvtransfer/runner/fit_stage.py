@@ -34,6 +34,7 @@ def fit(run, directory: Path) -> None:
     mapper = FITS[kind](run, train, heldout, selected, info)
     mapper.calibration["fit_seconds"] = round(time.perf_counter() - started, 2)
     mapper.native_sink = int(run.cfg["mapper"].get("native_sink") or 0)
+    mapper.produced_by = run.stamp("mapper")
     mapper.save(directory)
 
 

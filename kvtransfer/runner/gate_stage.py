@@ -15,7 +15,9 @@ def gate(run) -> dict:
     gcfg = run.cfg["eval"]["gate"]
     path = run.mapper_dir() / f"gate_{run.key('gate')}.json"
     if path.exists():
-        return load_gate(path)
+        data = load_gate(path)
+        run.note("gate", path, data.get("produced_by"))
+        return data
     mapper = run.mapper()
     sink = run.native_sink(mapper)
     ids = run.token_ids()
@@ -35,5 +37,8 @@ def gate(run) -> dict:
     thresholds = fit_thresholds(scores, recompute_rate=gcfg["recompute_rate"], full_rate=gcfg["full_rate"],
                                 fraction=gcfg["fraction"])
     save_gate(path, thresholds, {"tail": int(gcfg["tail"]), "sequences": index, "on_train_sequences": not held,
-                                 "sequence_tokens": int(ids.shape[1]), "scores": scores, "native_sink": sink})
-    return load_gate(path)
+                                 "sequence_tokens": int(ids.shape[1]), "scores": scores, "native_sink": sink,
+                                 "produced_by": run.stamp("gate")})
+    data = load_gate(path)
+    run.note("gate", path, data.get("produced_by"))
+    return data

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import plan as resource_plan
-from ..config.provenance import environment
+from ..config.provenance import environment, summarize_producers
 from ..config.runconfig import STAGES, needs_feature_sample, parse_stages  # noqa: F401 (STAGES: re-exported)
 from ..core.io import atomic_write_json
 from ..eval.metrics import SCHEMA_VERSION
@@ -142,5 +142,6 @@ def execute(cfg: dict, out_dir: str | Path, *, plan: dict | None = None) -> dict
         from ..report.outputs import write_outputs
 
         summary["outputs"] = write_outputs(cfg, summary, out_dir, r2_figure)
+    summary["producers"] = summarize_producers(run.producers)  # what made each cached artifact this run read
     atomic_write_json(out_dir / "summary.json", summary)
     return summary

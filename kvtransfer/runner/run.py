@@ -44,6 +44,7 @@ class Run:
         self.progress = _progress(cfg.get("progress", True))
         self._models: dict = {}
         self._memo: dict = {}
+        self.producers: dict[str, dict] = {}  # artifact path (under cache_dir) -> its produced_by, as read
         resolved = resolve(cfg)   # the same reading of the config as the resource plan's (kvtransfer.config.runconfig)
         self.key_space, self.rope_at_inference = resolved.key_space, resolved.rope_at_inference
         self.k, self.lam = resolved.k, resolved.lam
@@ -169,6 +170,24 @@ class Run:
                            identities={i: self.input_identity(i) for i in art.identities},
                            extra={e: runtime[e] for e in art.extra})
 
+    # -- provenance of artifacts -------------------------------------------------------------------
+    def stamp(self, kind: str) -> dict:
+        """`produced_by` of a new artifact of `kind` (kvtransfer.config.provenance): the checkout's commit and
+        dirty flag, the time, package versions and the producing code's version."""
+        from ..config.provenance import produced_by
+        from .artifacts import version
+
+        return produced_by(version(kind))
+
+    def note(self, kind: str, path, stamp: dict | None) -> None:
+        """Record that this run read artifact `kind` at `path` made by `stamp` (None: it records none, made before
+        artifacts carried provenance); summary.json `producers` lists them (provenance.summarize_producers)."""
+        try:
+            where = str(Path(path).resolve().relative_to(self.cache_dir.resolve()))
+        except ValueError:
+            where = str(path)
+        self.producers[where] = {"artifact": kind, **(stamp or {"commit": None})}
+
     # -- calibration ------------------------------------------------------------------------------
     def moments_dir(self, key_space: str) -> Path:
         """Artifact directory of the calibration moments for `key_space`."""
@@ -200,7 +219,9 @@ class Run:
             if not done.exists():
                 calibrate_stage.calibrate(self, directory, key_space)
             calib = load_calibration(directory / "calibration")
-            self._memo[memo] = (calib.train, calib.heldout, json.loads(done.read_text()))
+            info = json.loads(done.read_text())
+            self.note("calibration", directory, info.get("produced_by"))
+            self._memo[memo] = (calib.train, calib.heldout, info)
         return self._memo[memo]
 
     def calibration_info(self, key_space: str | None = None) -> dict:
@@ -210,7 +231,9 @@ class Run:
         done = directory / "calibration.json"
         if not done.exists():
             calibrate_stage.calibrate(self, directory, key_space)
-        return json.loads(done.read_text())
+        info = json.loads(done.read_text())
+        self.note("calibration", directory, info.get("produced_by"))
+        return info
 
     def split(self) -> tuple[list[int], list[int]]:
         """(train, held-out) calibration sequence indices this run's moments were computed on. The
@@ -297,6 +320,9 @@ class Run:
                     if not (directory / "mapper.json").exists():
                         fit_stage.fit(self, directory)
             self._memo[memo] = load_mapper(directory)
+            self.note("mapper", directory, self._memo[memo].produced_by or None)
+            # the calibration it was fitted on, as the mapper recorded it (a cached map reads no moments)
+            self.note("calibration", directory / "calibration", self._memo[memo].calibration.get("produced_by"))
         return copy.deepcopy(self._memo[memo])
 
     def native_sink(self, mapper=None) -> int:

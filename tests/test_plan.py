@@ -215,6 +215,18 @@ def test_cli_json_is_one_object_with_the_schema(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["node"]["gpus"] == 8
 
 
+def test_the_plan_text_says_a_number_changing_set_is_refused_not_applied():
+    """Issue 32: plan.auto applies number-neutral knobs only, so a plan whose set holds calib.dtype=float32 must
+    not say the run applies it (the text said so after the rule changed); a neutral set still says applied."""
+    changing = P.make_plan(_compose("pair=qwen3_14b_32b"), P.Node(**P.NODES["h200"]), rates=FIXED_RATES)
+    assert any(e["changes"] for e in changing["applied"])
+    text = P.format_plan(changing, markdown=True)
+    assert "the run refuses until they are typed" in text and "the run sets these itself" not in text
+    neutral = P.make_plan(_compose("pair=ministral3_3b_14b"), P.Node(**P.NODES["h200"]), rates=FIXED_RATES)
+    assert neutral["applied"] and not any(e["changes"] for e in neutral["applied"])
+    assert "applied (the run sets these itself" in P.format_plan(neutral, markdown=True)
+
+
 @pytest.mark.parametrize("node", ["h200", "8xh100"])
 def test_every_paper_pair_fits_both_nodes_at_defaults_with_the_applied_knobs(node):
     """Issue 19 §3's done-when: at the defaults every stage of the six pairs fits 1 x H200 / 128 GiB / 64 GiB and

@@ -660,7 +660,7 @@ def test_concurrent_jobs_fit_a_shared_mapper_once(tmp_path, monkeypatch):
     runs = []
     for _ in range(2):
         run = Run.__new__(Run)
-        run.cache_dir, run._memo = tmp_path, {}
+        run.cache_dir, run._memo, run.producers = tmp_path, {}, {}
         runs.append(run)
     errors = []
     jobs = [threading.Thread(target=lambda r=r: errors.append(None) if r.mapper() else None, name=f"job{i}")

@@ -83,15 +83,21 @@ FLOAT_LITERAL_DEBT = {"test_bench.py": 1, "test_calibration_fit.py": 4, "test_co
                       "test_tiny_family.py": 1, "test_train_map.py": 2, "test_transfer_reference.py": 1}
 
 
-def test_no_new_assert_against_a_float_literal():
-    assert float_literal_asserts("assert f(a, b) <= 1e-5\nassert 0.999 < r2\nassert x > -0.5\nassert n < 3\n"
-                                 "assert a == 0.5\n") == [1, 2, 3]
+def _over_debt(find, debt: dict[str, int]) -> dict[str, list[int]]:
+    """{test file: lines `find` flags} of the files holding more than their `debt` allows."""
     over = {}
     for path in sorted(TESTS.glob("*.py")):
         if path.name != "tolerance.py":
-            lines = float_literal_asserts(path.read_text())
-            if len(lines) > FLOAT_LITERAL_DEBT.get(path.name, 0):
+            lines = find(path.read_text())
+            if len(lines) > debt.get(path.name, 0):
                 over[path.name] = lines
+    return over
+
+
+def test_no_new_assert_against_a_float_literal():
+    assert float_literal_asserts("assert f(a, b) <= 1e-5\nassert 0.999 < r2\nassert x > -0.5\nassert n < 3\n"
+                                 "assert a == 0.5\n") == [1, 2, 3]
+    over = _over_debt(float_literal_asserts, FLOAT_LITERAL_DEBT)
     assert not over, ("bound a float through tests/tolerance.py (assert_close / assert_within with the derivation in "
                       f"reason=), not `assert value <= 1e-5`: {over}")
 
@@ -104,12 +110,7 @@ HAND_TOLERANCE_DEBT = {"test_calibration_fit.py": 2, "test_core_fixes.py": 3, "t
 
 def test_no_new_hand_written_tolerance():
     assert hand_tolerances("assert abs(a - b) <= 1e-5\nassert (x - y).abs().max() < tol\nassert a < b\n") == [1, 2]
-    over = {}
-    for path in sorted(TESTS.glob("*.py")):
-        if path.name != "tolerance.py":
-            lines = hand_tolerances(path.read_text())
-            if len(lines) > HAND_TOLERANCE_DEBT.get(path.name, 0):
-                over[path.name] = lines
+    over = _over_debt(hand_tolerances, HAND_TOLERANCE_DEBT)
     assert not over, f"bound float differences through tests/tolerance.py, not abs(a - b) <= tol: {over}"
 
 

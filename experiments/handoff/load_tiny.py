@@ -247,13 +247,12 @@ async def main_async(args) -> dict:
 
 
 def machine() -> dict:
+    """The checkout (commit, dirty: kvtransfer.config.provenance.git_state, untracked source counted) and the machine."""
     import platform
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip())
-    return {"commit": commit, "dirty": dirty, "cpus": os.cpu_count(), "platform": platform.platform(),
-            "cpu": platform.processor()}
+    from kvtransfer.config.provenance import cpu_model, json_provenance
+
+    return {**json_provenance(), "cpus": os.cpu_count(), "platform": platform.platform(), "cpu": cpu_model()}
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from kvtransfer.maps.families import map_cost
 from kvtransfer.eval.metrics import format_with_se, gap_closed, upgrade_summary
 from kvtransfer.core.io import atomic_write_bytes, atomic_write_json
 from kvtransfer.core.models import kv_shape
-from kvtransfer.config.provenance import provenance_header, refuse_dirty_write
+from kvtransfer.config.provenance import json_provenance, provenance_header, refuse_dirty_write
 from kvtransfer.report import readme
 
 PAPER_RUNS = {"paper_k8_sink1": "results/qwen25coder/runs/wiki_k8_sink1",
@@ -590,7 +590,8 @@ def main() -> None:
     _write(pd.DataFrame(data["cost_rows"]), out / "tables", "cost_paper_pairs")
     atomic_write_json(out / "maps.json", {"rows": data["rows"], "hs200_rows": data["hs_rows"],
                                           "timing_ms_1k": data["timings"], "runs": data["runs"],
-                                          "goal2_paired_difference": data.get("goal2")})
+                                          "goal2_paired_difference": data.get("goal2"),
+                                          "provenance": json_provenance()})
     summaries = load_all(args)
     maps_figure(data, out / "figures" / "maps_cost_vs_gap.png", next(iter(summaries.values())))
     readme.rewrite(out / "README.md", readme_blocks(data, summaries))

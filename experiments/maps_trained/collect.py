@@ -25,7 +25,7 @@ from kvtransfer.eval.metrics import format_with_se, gap_closed_difference, paire
 from kvtransfer.maps.families import map_cost  # noqa: E402
 from kvtransfer.core.io import atomic_write_json  # noqa: E402
 from kvtransfer.core.models import kv_shape  # noqa: E402
-from kvtransfer.config.provenance import provenance_header, refuse_dirty_write  # noqa: E402
+from kvtransfer.config.provenance import json_provenance, provenance_header, refuse_dirty_write  # noqa: E402
 from kvtransfer.report import readme  # noqa: E402
 
 COLLECT = "experiments/maps_trained/collect.py"
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{out / 'README.md'}: block {name!r} is stale: rerun {COLLECT}")
         return 1 if stale else 0
     refuse_dirty_write(out, args.allow_dirty)
-    atomic_write_json(out / "maps_trained.json", data)
+    atomic_write_json(out / "maps_trained.json", {**data, "provenance": json_provenance()})
     readme.rewrite(out / "README.md", blocks)
     readme.rewrite(Path(args.readme), {"maps_trained_headline": data["top"]})
     print(f"wrote {out}: {len(data['rows'])} rows")

@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} {kind.upper()}: R² {mean['r2']:.3f}, centred R² {mean['r2_centred']:.3f}, "
                   f"shared shift {100 * mean['shift_share']:.1f} % of the SSE (mean over layers), "
                   f"{100 * d[kind]['pooled_shift_share']:.1f} % pooled over layers")
-    atomic_write_json(Path(args.out), result)
+    from kvtransfer.config.provenance import json_provenance
+
+    atomic_write_json(Path(args.out), {**result, "provenance": json_provenance()})
     return 0
 
 

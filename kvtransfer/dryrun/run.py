@@ -74,7 +74,11 @@ def plan_real_run(cfg: dict, out_dir: Path, stages: list[str], *, log=print) -> 
         if named and enforce:
             raise DryRunError(f"the real run on {node.name}: {msg}")
         log(f"[dry run] NOTE: {msg}" + ("" if named else "; name the node you will book with dry.node=..."))
-    if plan["applied"]:
+    changing = [e["set"] for e in plan["applied"] if e.get("changes")]
+    if changing:
+        log(f"[dry run] the real run refuses unless you type {plan['overrides']} ({' '.join(changing)} changes the "
+            "numbers); the dry run runs with them")
+    elif plan["applied"]:
         log(f"[dry run] the real run applies {plan['overrides']}; the dry run runs with them")
     return resource_plan.applied_config(cfg, plan), plan
 

@@ -13,7 +13,9 @@ order puts first what changes no number of the run, then what changes them least
     calib.accumulate=device      train moments on the GPU, merged in place -- changes the numbers
     pair.<side>.max_memory       keep part of the target's weights on the host (slow: streamed every forward)
 
-A run applies the recommended set by itself (`plan.auto`, runner.pipeline.plan_run).
+A run applies the recommended set by itself (`plan.auto`, runner.pipeline.plan_run) when every knob of it is
+number-neutral; a set holding a knob that changes the numbers is refused with the overrides to type, so the
+same command gives the same numbers on every node it runs on.
 """
 from __future__ import annotations
 

@@ -34,7 +34,11 @@ def _knob_lines(plan: dict, markdown: bool) -> list[str]:
     bullet = "- " if markdown else "  "
     if not plan["recommended"]:
         return []
-    head = ("applied (the run sets these itself; plan.auto=false refuses instead):" if plan["applied"] else
+    changing = [e["set"] for e in plan["applied"] if e["changes"]]
+    head = (f"recommended; the run refuses until they are typed, since {' '.join(changing)} changes the numbers "
+            "(plan.auto applies number-neutral knobs only, so one command gives one number on every node):"
+            if changing else
+            "applied (the run sets these itself; plan.auto=false refuses instead):" if plan["applied"] else
             "recommended, not applied (plan.auto=false):")
     lines = ["", f"{head} {shell_overrides(plan['recommended'])}"]
     for e in plan["recommended"]:

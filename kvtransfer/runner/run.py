@@ -320,9 +320,10 @@ class Run:
                     if not (directory / "mapper.json").exists():
                         fit_stage.fit(self, directory)
             self._memo[memo] = load_mapper(directory)
-            self.note("mapper", directory, self._memo[memo].produced_by or None)
+            loaded = self._memo[memo]
+            self.note("mapper", directory, getattr(loaded, "produced_by", None) or None)
             # the calibration it was fitted on, as the mapper recorded it (a cached map reads no moments)
-            self.note("calibration", directory / "calibration", self._memo[memo].calibration.get("produced_by"))
+            self.note("calibration", directory / "calibration", (getattr(loaded, "calibration", None) or {}).get("produced_by"))
         return copy.deepcopy(self._memo[memo])
 
     def native_sink(self, mapper=None) -> int:

@@ -35,18 +35,25 @@ def duration(seconds: float) -> str:
 
 
 def key_numbers(plans: dict) -> str:
-    """The numbers the README's reading cites, each with the plan it comes from (stage figures are after the
-    knobs the run applies; `as_typed` holds the figures of the config as typed)."""
+    """The numbers the README's reading cites, each with the plan it comes from (stage figures are with the
+    recommended knobs set; `as_typed` holds the figures of the config as typed). A set holding a knob that
+    changes the numbers is one the run refuses until the command types it (`how`)."""
     h200, fp32, h100 = plans["h200"], plans["h200_fp32_device"], plans["8xh100"]
     q, ll = "qwen3_14b_32b", "llama31_8b_70b"
     cal = h200[q]["stages"]["calibrate"]
+
+    def how(plan: dict) -> str:
+        changing = [e["set"] for e in plan["applied"] if e.get("changes")]
+        if changing:
+            return f"with `{plan['overrides']}` typed (the run refuses until it is: {' '.join(changing)} changes the numbers)"
+        return f"with `{plan['overrides']}`, which the run applies itself" if plan["applied"] else "as typed"
     lines = [
         f"- Qwen3-14B → 32B calibrate on 1 x H200: {duration(fp32[q]['stages']['calibrate']['seconds'])} with "
-        f"`calib.dtype=float32 calib.accumulate=device` (`h200_fp32_device/`); at the defaults the run applies "
-        f"`{h200[q]['overrides']}` and takes {duration(cal['seconds'])} (`h200/`; as typed it does not fit).",
+        f"`calib.dtype=float32 calib.accumulate=device` (`h200_fp32_device/`); {how(h200[q])} it takes "
+        f"{duration(cal['seconds'])} (`h200/`; as typed it does not fit).",
         f"- Qwen3-14B → 32B calibrate + fit on 8 x H100: {duration(h100[q]['stages']['calibrate']['seconds'])} + "
-        f"{duration(h100[q]['stages']['fit']['seconds'])} (`8xh100/`, applying `{h100[q]['overrides']}`).",
-        f"- Llama-3.1-8B → 70B eval on 8 x H100 with the knobs the run applies (`{h100[ll]['overrides']}`): "
+        f"{duration(h100[q]['stages']['fit']['seconds'])} (`8xh100/`, {how(h100[q])}).",
+        f"- Llama-3.1-8B → 70B eval on 8 x H100 {how(h100[ll])}: "
         f"{duration(h100[ll]['stages']['eval']['seconds'])} (`8xh100/`).",
     ]
     return "\n".join(lines) + "\n"

@@ -547,6 +547,38 @@ def test_the_eval_plan_counts_mmlu_per_subject_and_a_shared_context_once(cfg_14_
         assert tokens(data_dir, True, "target", controls=["mean_map"]) == tokens(data_dir, True, "target")  # no transfer
 
 
+def test_the_eval_plan_counts_selective_recompute_and_the_gate(cfg_14_32):
+    """Issue 30: the repair modes were not in the eval plan. Each recompute_<r> costs a transfer plus r of every
+    context recomputed by the target, and the deviation rule one layer of prefill (1/L_t of the context) where it
+    ranks (0 < r < 1); gated costs a transfer, the tail per context, and at its calibration rates full_rate of the
+    contexts re-prefilled plus recompute_rate recomputing `fraction` of theirs (by hand, ARC-C's EVAL_TASKS row)."""
+    from kvtransfer.plan.evalbench import EVAL_TASKS, eval_tokens
+    from kvtransfer.plan.setup import Setup
+
+    def tokens(**eval_keys):
+        e = dict(cfg_14_32["eval"], tasks=["arc_challenge"], limit=100, limits={}, share_prefix=True, modes=["transfer"],
+                 controls=[], ppl=dict(cfg_14_32["eval"]["ppl"], enabled=False), fidelity={"enabled": False},
+                 coqa=dict(cfg_14_32["eval"]["coqa"], enabled=False), **eval_keys)
+        cfg = dict(cfg_14_32, eval=e)
+        setup = Setup(cfg, P.load_shape(cfg["pair"]["source"]), P.load_shape(cfg["pair"]["target"]), H200, FIXED_RATES)
+        return eval_tokens(setup), setup.tgt.layers
+
+    ctx, items = EVAL_TASKS["arc_challenge"]["ctx"], 100
+    base, layers = tokens(recompute_fraction=[])
+    one = {k: v for k, v in base.items()}
+    for select, r, layer in (("random", 0.5, 0.0), ("deviation", 0.5, 1.0), ("deviation", 1.0, 0.0), ("recent", 0.0, 0.0)):
+        got, _ = tokens(recompute_fraction=[r], recompute_select=[select])
+        want_target = 2 * one["target"] + items * (r * ctx + layer * ctx / layers)
+        assert got["source"] == 2 * one["source"] and got["map"] == 2 * one["map"], (select, r)
+        assert_rounded(got["target"], want_target, decimals=6, reason="token counts: sums of a few products")
+    g = dict(cfg_14_32["eval"]["gate"], enabled=True)
+    got, _ = tokens(recompute_fraction=[], gate=g)
+    expected = g["full_rate"] + g["recompute_rate"] * g["fraction"]
+    want_target = 2 * one["target"] + items * (expected * ctx + g["tail"]) + g["recompute_rate"] * items * ctx / layers
+    assert_rounded(got["target"], want_target, decimals=6, reason="token counts: sums of a few products")
+    assert got["target"] > base["target"] * 2   # the gate's work is counted, not free
+
+
 def test_share_prefix_keeps_the_context_logits_out_of_the_eval_plan(cfg_14_32):
     # with share_prefix the context goes through the decoder body alone (cache.prefill, no LM head): only
     # the last context token + the longest continuation reach the [batch, rows, vocab] logits

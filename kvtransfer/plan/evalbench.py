@@ -104,6 +104,37 @@ def _count_mode(out: dict, mode: str, t: dict, b: int, shared: bool = False) -> 
         out[f"passes_{side}"] += math.ceil(t["items"] / b) * t["gen"]
 
 
+def repair_costs(e: dict) -> list[tuple[float, bool, float, int]]:
+    """Per repair mode of eval.recompute_fraction x eval.recompute_select and eval.gate (runner.eval_stage.repair_modes):
+    (expected fraction of each context the target recomputes, whether the deviation rule's one layer of
+    prefill over the context is read, expected fraction of contexts that read it, gate tail tokens per context).
+    The gated mode is planned at the rates its thresholds were chosen for on calibration text: full_rate of the
+    contexts re-prefilled, recompute_rate recomputing `fraction` of theirs."""
+    out = []
+    selects = list(e.get("recompute_select") or ["deviation"])
+    for select in selects:
+        for r in e.get("recompute_fraction") or []:
+            r = float(r)
+            out.append((r, select == "deviation" and 0 < r < 1, 1.0, 0))
+    g = e.get("gate") or {}
+    if g.get("enabled"):
+        full, part, frac = float(g.get("full_rate", 0.1)), float(g.get("recompute_rate", 0.2)), float(g.get("fraction", 0.15))
+        out.append((full + part * frac, g.get("select", "deviation") == "deviation", part, int(g.get("tail", 8))))
+    return out
+
+
+def _count_repair(out: dict, e: dict, t: dict, b: int, shared: bool, target_layers: int) -> None:
+    """Add the repair modes of one task: each costs a transfer plus the target's recomputed context tokens (each
+    reads the mapped rest, counted as a token of prefill), the deviation rule's one layer of prefill (1/L of a
+    context's tokens) and the gate's tail."""
+    contexts = t["items"] * t["contexts"]
+    for fraction, one_layer, layer_share, tail in repair_costs(e):
+        _count_mode(out, "transfer", t, b, shared)
+        out["target"] += contexts * (fraction * t["ctx"] + tail) + (layer_share * contexts * t["ctx"] / target_layers
+                                                                     if one_layer else 0.0)
+        out["passes_target"] += math.ceil(contexts / b) * (1 + (tail > 0))
+
+
 def _count_coqa(out: dict, coqa: dict, modes: list) -> None:
     conv, turns = int(coqa.get("conversations", 100)), int(coqa.get("turns", 10))
     n_all = conv * turns * len(coqa.get("protocols", ["every_turn", "once"]))
@@ -133,6 +164,8 @@ def eval_tokens(s: Setup) -> dict:
     for mode in modes:
         for t in jobs:
             _count_mode(out, mode, t, b, shared)
+    for t in jobs:   # selective recompute and the gate (eval.recompute_fraction, eval.gate)
+        _count_repair(out, e, t, b, shared, s.tgt.layers)
     if (e.get("coqa") or {}).get("enabled"):
         _count_coqa(out, e["coqa"], modes)
     fid = e.get("fidelity") or {}

@@ -323,7 +323,8 @@ class Run:
             loaded = self._memo[memo]
             self.note("mapper", directory, getattr(loaded, "produced_by", None) or None)
             # the calibration it was fitted on, as the mapper recorded it (a cached map reads no moments)
-            self.note("calibration", directory / "calibration", (getattr(loaded, "calibration", None) or {}).get("produced_by"))
+            fitted_on = getattr(loaded, "calibration", None) or {}
+            self.note("calibration", directory / "calibration", fitted_on.get("produced_by"))
         return copy.deepcopy(self._memo[memo])
 
     def native_sink(self, mapper=None) -> int:

@@ -140,8 +140,12 @@ def task_rows(summary: dict, scores: dict) -> list[dict]:
         items = (scores.get("task_items") or {}).get(task) or {}
         sig = task_signal(items, seed=0) if all(m in items for m in ("gated", "transfer", "no_context", "target")) \
             else None
+        if sig:
+            finite = sorted(g["gate"]["score"] for g in items["gated"] if g.get("gate") and g["gate"]["score"] is not None)
+            sig["score_quartiles"] = [finite[int(f * (len(finite) - 1))] for f in (0.25, 0.5, 0.75)] if finite else None
         out.append({"task": task, "n": len(per.get("transfer", [])), "modes": modes, "minus_floor": minus,
-                    "gate": row.get("gated_gate"), "signal": sig})
+                    "gate": row.get("gated_gate"), "signal": sig,
+                    "thresholds": (summary.get("gate_artifact") or {}).get("thresholds")})
     return out
 
 
@@ -162,8 +166,11 @@ def task_table(rows: list[dict]) -> list[str]:
         lines.append("")
         sig = r["signal"]
         if sig:
+            q = sig.get("score_quartiles") or [None] * 3
             lines += [f"ROC AUC of the gate's tail score on {r['task']} ({sig['n']} items, {sig['unscored']} without "
-                      "a gate record):", "", "| transfer below | by | AUC | bootstrap SE | positives |", "|---|---|---|---|---|"]
+                      f"a gate record; score quartiles {_f(q[0], 3)} / {_f(q[1], 3)} / {_f(q[2], 3)} against the thresholds "
+                      f"recompute {_f((r['thresholds'] or {}).get('recompute'), 3)}, full "
+                      f"{_f((r['thresholds'] or {}).get('full'), 3)}):", "", "| transfer below | by | AUC | bootstrap SE | positives |", "|---|---|---|---|---|"]
             for floor in ("no_context", "target"):
                 for how in ("margin", "flip"):
                     a = sig[f"{floor}_{how}"]
@@ -189,6 +196,9 @@ def floor_goal(runs: dict) -> list[str]:
                 continue
             acc = {m: f"{_f(a, pct=True)} ± {_f(e, pct=True)}" for m, (a, e) in r["modes"].items()}
             met = "yes" if d["difference"] >= -d["se"] else f"no (below by {-d['difference'] / d['se']:.1f} SE)"
+            g = r["gate"] or {}
+            if g.get("requests") and g.get("full") == g["requests"]:
+                met += " (trivially: every item fell back to a full prefill)"
             lines.append(f"| {r['task']} (accuracy, %) | {name} ({commit}) | {r['n']} | {acc.get('no_context')} | "
                          f"{acc.get('transfer')} | {acc.get('gated')} | {100 * d['difference']:+.1f} ± "
                          f"{100 * d['se']:.1f} pp | {_f((r['gate'] or {}).get('recompute_rate'), 3)} | {met} |")

@@ -174,7 +174,9 @@ def task_table(rows: list[dict]) -> list[str]:
             for floor in ("no_context", "target"):
                 for how in ("margin", "flip"):
                     a = sig[f"{floor}_{how}"]
-                    lines.append(f"| {floor} | {how} | {_f(a['auc'], 2)} | {_f(a['se'], 2)} | {a['positives']} of {a['n']} |")
+                    few = " (fewer than 10 in a class: the AUC and its bootstrap SE are not reliable)" \
+                        if min(a["positives"], a["n"] - a["positives"]) < 10 else ""
+                    lines.append(f"| {floor} | {how} | {_f(a['auc'], 2)} | {_f(a['se'], 2)} | {a['positives']} of {a['n']}{few} |")
             lines.append("")
     return lines
 

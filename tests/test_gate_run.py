@@ -90,3 +90,18 @@ def test_gated_rows_record_the_gates_actions(tiny_pair_dirs, shared, tmp_path): 
     # the gated files carry the gate's key: other rates are other files, the transfer's stay shared
     other = Run(_tiny_cfg(tiny_pair_dirs, shared, *COMMON, "eval.gate.enabled=true", "eval.gate.full_rate=0.3"), "y")
     assert other.key("gate") != run.key("gate") and other.key("eval_ppl_mapped") == run.key("eval_ppl_mapped")
+    # per item (kvtransfer.eval.items): every mode holds the same doc ids, in per_item_scores' order, with its
+    # correctness and gold margin; the gated items carry their own prefix's gate event
+    scores = json.loads((tmp_path / "eval" / "scores.json").read_text())
+    items = scores["task_items"]["tiny_cloze"]
+    assert set(items) == {"target", "transfer", "no_context", "gated"}
+    for mode, recs in items.items():
+        assert [r["score"] for r in recs] == scores["tasks"]["tiny_cloze"][mode]
+        assert [(r["task"], r["doc_id"]) for r in recs] == [(r["task"], r["doc_id"]) for r in items["target"]]
+        assert all((r["margin"] > 0) == (r["score"] == 1) for r in recs)
+    gates = [r["gate"] for r in items["gated"]]
+    assert all(g is not None and g["score"] is not None for g in gates)
+    assert all(decide(g["score"], t).action == g["action"] for g in gates)
+    assert all(r["gate"] is None for r in items["transfer"])
+    acts = [g["action"] for g in gates]
+    assert sum(acts.count(a) for a in ("map", "recompute", "full")) == row["gated_gate"]["requests"]

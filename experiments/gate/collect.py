@@ -7,7 +7,14 @@ Definitions: gap closed = (log ppl no_context - log ppl mode) / (log ppl no_cont
 bootstrap SE over windows (one window per document). cost = FLOPs of what the mode computes beyond the map (the
 recomputed tokens, the deviation rule's one layer of prefill, the gate's tail tokens) as a fraction of a
 re-prefill of the context (kvtransfer.core.recompute.recompute_cost). AUC: the gated mode's per-window score against
-"transfer's NLL on the window is above no_context's" (the map hurts), bootstrap SE over windows.
+"transfer's NLL on the window is above no_context's" (the map hurts), bootstrap SE over windows. Tasks: accuracy
+(the task's lm-eval metric: acc_norm for HellaSwag and ARC-C, acc for MMLU) ± its SE over items (sample SD / sqrt(n));
+gated minus no_context with a paired bootstrap SE over items; per item (joined on (subtask, doc_id), never on
+position: kvtransfer.eval.items) "transfer below the floor" is either transfer's gold-answer margin (the metric's
+log-likelihood of the gold choice minus the best other choice's) below the floor mode's ("margin": the mapped
+context made the gold answer less likely against its rivals than the floor does; every item counts, so the AUC has
+positives at small n) or transfer wrong where the floor mode is right ("flip": the accuracy-level event, rarer);
+AUC of the gated mode's tail score for each, bootstrap SE over items (a gated item without a score ranks highest).
 """
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from kvtransfer.eval.metrics import paired_difference  # noqa: E402
 from kvtransfer.core.gate import bootstrap_auc  # noqa: E402
+from kvtransfer.eval.items import task_signal  # noqa: E402
+from kvtransfer.runner.eval_stage import repair_mode  # noqa: E402
 from kvtransfer.core.io import atomic_write_bytes  # noqa: E402
 
 RUNS = ROOT / "results" / "gate" / "runs"
@@ -113,10 +122,145 @@ def goals(summary: dict) -> list[str]:
             f"{'met by ' + '; '.join(hits) if hits else 'not met by any repair mode of this run'}.", ""]
 
 
+def _mean_se(xs: list[float]) -> tuple[float, float]:
+    n = len(xs)
+    m = sum(xs) / n
+    return m, (sum((x - m) ** 2 for x in xs) / (n - 1) / n) ** 0.5 if n > 1 else math.nan
+
+
+def task_rows(summary: dict, scores: dict) -> list[dict]:
+    """Per task of a run: {"task", "n", "modes": {mode: (accuracy, SE)}, "minus_floor": {mode: paired difference},
+    "gate": gate summary of the gated mode, "signal": kvtransfer.eval.items.task_signal or None}."""
+    out = []
+    for task, row in sorted((summary.get("tasks") or {}).items()):
+        per = scores.get("tasks", {}).get(task, {})
+        modes = {m: _mean_se(per[m]) for m in ("target", "no_context", "transfer", "gated") if per.get(m)}
+        minus = {m: paired_difference(per[m], per["no_context"]) for m in modes if m != "no_context"} \
+            if "no_context" in per else {}
+        items = (scores.get("task_items") or {}).get(task) or {}
+        sig = task_signal(items, seed=0) if all(m in items for m in ("gated", "transfer", "no_context", "target")) \
+            else None
+        if sig:
+            finite = sorted(g["gate"]["score"] for g in items["gated"] if g.get("gate") and g["gate"]["score"] is not None)
+            sig["score_quartiles"] = [finite[int(f * (len(finite) - 1))] for f in (0.25, 0.5, 0.75)] if finite else None
+        out.append({"task": task, "n": len(per.get("transfer", [])), "modes": modes, "minus_floor": minus,
+                    "gate": row.get("gated_gate"), "signal": sig,
+                    "thresholds": (summary.get("gate_artifact") or {}).get("thresholds")})
+    return out
+
+
+def task_table(rows: list[dict]) -> list[str]:
+    """Markdown of `task_rows`."""
+    lines = []
+    for r in rows:
+        lines += [f"{r['task']}: n = {r['n']} items.", "",
+                  "| mode | accuracy (%) | minus no_context (pp, paired SE) | recompute rate | cost (× re-prefill) | "
+                  "gate actions |", "|---|---|---|---|---|---|"]
+        for m, (acc, se) in r["modes"].items():
+            d = r["minus_floor"].get(m)
+            diff = "–" if d is None else f"{100 * d['difference']:+.1f} ± {100 * d['se']:.1f}"
+            g = r["gate"] if m == "gated" and r["gate"] else None
+            acts = ", ".join(f"{a} {g[a]}" for a in ("map", "recompute", "full")) if g else "–"
+            lines.append(f"| {m} | {_f(acc, pct=True)} ± {_f(se, pct=True)} | {diff} | "
+                         f"{_f(g['recompute_rate'], 3) if g else '–'} | {_f(g['cost'], 3) if g else '–'} | {acts} |")
+        lines.append("")
+        sig = r["signal"]
+        if sig:
+            q = sig.get("score_quartiles") or [None] * 3
+            lines += [f"ROC AUC of the gate's tail score on {r['task']} ({sig['n']} items, {sig['unscored']} without "
+                      f"a gate record; score quartiles {_f(q[0], 3)} / {_f(q[1], 3)} / {_f(q[2], 3)} against the thresholds "
+                      f"recompute {_f((r['thresholds'] or {}).get('recompute'), 3)}, full "
+                      f"{_f((r['thresholds'] or {}).get('full'), 3)}):", "", "| transfer below | by | AUC | bootstrap SE | positives |", "|---|---|---|---|---|"]
+            for floor in ("no_context", "target"):
+                for how in ("margin", "flip"):
+                    a = sig[f"{floor}_{how}"]
+                    few = " (fewer than 10 in a class: the AUC and its bootstrap SE are not reliable)" \
+                        if min(a["positives"], a["n"] - a["positives"]) < 10 else ""
+                    lines.append(f"| {floor} | {how} | {_f(a['auc'], 2)} | {_f(a['se'], 2)} | {a['positives']} of {a['n']}{few} |")
+            lines.append("")
+    return lines
+
+
+# the real-pair runs of experiments/gate/run.sh this README reports on (a missing one is named as missing)
+EXPECTED = ("real_ppl_a", "real_arc", "real_hellaswag", "real_mmlu", "real_curve_a", "real_curve_b", "real_curve_c")
+CURVE_R = (0.05, 0.15, 0.3, 0.5)
+CURVE_SELECT = ("deviation", "random", "recent")
+
+
+def floor_goal(runs: dict) -> list[str]:
+    """Goal 1 per task: gated vs its no-context floor, with the paired SE (tasks: accuracy; WikiText-2: NLL)."""
+    lines = ["| task | run (commit) | n | no_context | transfer | gated | gated minus floor (paired SE) | recompute rate "
+             "| goal met |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, (summary, scores, commit) in runs.items():
+        for r in task_rows(summary, scores):
+            d = r["minus_floor"].get("gated")
+            if d is None:
+                continue
+            acc = {m: f"{_f(a, pct=True)} ± {_f(e, pct=True)}" for m, (a, e) in r["modes"].items()}
+            met = "yes" if d["difference"] >= -d["se"] else f"no (below by {-d['difference'] / d['se']:.1f} SE)"
+            g = r["gate"] or {}
+            if g.get("requests") and g.get("full") == g["requests"]:
+                met += " (trivially: every item fell back to a full prefill)"
+            lines.append(f"| {r['task']} (accuracy, %) | {name} ({commit}) | {r['n']} | {acc.get('no_context')} | "
+                         f"{acc.get('transfer')} | {acc.get('gated')} | {100 * d['difference']:+.1f} ± "
+                         f"{100 * d['se']:.1f} pp | {_f((r['gate'] or {}).get('recompute_rate'), 3)} | {met} |")
+        for set_name, part in (scores.get("ppl_sets") or {}).items():
+            for p, nll in part.get("window_nll", {}).items():
+                if p == "0" or not all(m in nll for m in ("gated", "no_context", "transfer")):
+                    continue
+                d = paired_difference(nll["gated"], nll["no_context"])
+                row = next(x for x in summary["ppl"] if str(x["prefix"]) == p)
+                met = "yes" if d["difference"] <= d["se"] else f"no (above by {d['difference'] / d['se']:.1f} SE)"
+                lines.append(f"| {set_name} P = {p} (perplexity; NLL nats/token) | {name} ({commit}) | {len(nll['gated'])} "
+                             f"windows | {_f(row.get('no_context'), 2)} | {_f(row.get('transfer'), 2)} | "
+                             f"{_f(row.get('gated'), 2)} | {d['difference']:+.4f} ± {d['se']:.4f} nats | "
+                             f"{_f(row.get('gated_recompute_rate'), 3)} | {met} |")
+    return ["## Goal: no task's gated score below its no-context floor by more than one SE", "",
+            "Met on a task when gated minus no_context >= -1 paired SE (accuracy) or <= +1 SE (NLL).", "", *lines, ""]
+
+
+def curve(runs: dict) -> list[str]:
+    """The recompute curve on WikiText-2 at P = 256 over every run (same windows), and goal 2."""
+    points, base = {}, None
+    for name, (summary, _, commit) in runs.items():
+        for row in summary.get("ppl", []):
+            if row["prefix"] != 256:
+                continue
+            base = base or (row, name, commit)
+            for m in _modes(row):
+                if m != "gated" and row.get(m + "_gap_closed") is not None:
+                    points.setdefault(m, (row, name, commit))
+    if base is None:
+        return []
+    lines = ["## The recompute curve (WikiText-2, P = 256)", "",
+             f"Windows: {base[0].get('windows')} (one per document, so the paired bootstrap SE over windows is clustered "
+             f"by document). r = 0 is the transfer row: transfer gap closed {_f(base[0].get('transfer_gap_closed'), pct=True)}"
+             f" ± {_f(base[0].get('transfer_gap_closed_se'), pct=True)} % ({base[1]}, {base[2]}).", "",
+             "| tokens chosen by | r | gap closed (%) | cost (× re-prefill) | run (commit) |", "|---|---|---|---|---|"]
+    hits, missing = [], []
+    for sel in CURVE_SELECT:
+        for r in CURVE_R:
+            m = repair_mode(r, sel)
+            if m not in points:
+                missing.append(f"{sel} r = {r:g}")
+                continue
+            row, name, commit = points[m]
+            g, c = row[m + "_gap_closed"], row.get(m + "_cost")
+            lines.append(f"| {sel} | {r:g} | {_f(g, pct=True)} ± {_f(row.get(m + '_gap_closed_se'), pct=True)} | "
+                         f"{_f(c, 3)} | {name} ({commit}) |")
+            if g >= 0.8 and c is not None and c <= 0.3:
+                hits.append(f"{sel} r = {r:g} ({_f(g, pct=True)} % at {_f(c, 3)})")
+    lines += ["", "Goal '>= 80 % of the log-ppl gap at <= 30 % of a re-prefill': " +
+              (f"met by {'; '.join(hits)}." if hits else "not met by any measured point.") +
+              (f" Not measured (runs missing or unfinished): {', '.join(missing)}." if missing else ""), ""]
+    return lines
+
+
 def main() -> None:
     out = ["# Selective recompute and the per-request gate (issue 30)", "",
            "Generated by `python experiments/gate/collect.py` from `results/gate/runs/*` (runs: "
            "`bash experiments/gate/run.sh`). " + __doc__.split("\n\n", 2)[2].replace("\n", " "), ""]
+    real = {}
     for run in sorted(p for p in RUNS.glob("*") if (p / "summary.json").exists()):
         summary = json.loads((run / "summary.json").read_text())
         config = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
@@ -128,7 +272,15 @@ def main() -> None:
                 f"{machine.get('load_avg')}).", "", f"pair {summary.get('pair')}: {summary.get('source')} -> {summary.get('target')}; "
                 f"gate: {json.dumps(config.get('eval', {}).get('gate'))}; thresholds (held-out calibration text): "
                 f"{json.dumps(summary.get('gate_artifact'))}", ""]
+        out += task_table(task_rows(summary, scores))
         out += ppl_table(summary) + signal(scores, config.get("seed", 0)) + timing(summary) + goals(summary)
+        if run.name in EXPECTED:
+            real[run.name] = (summary, scores, f"{str(env.get('commit'))[:7]}{', dirty' if env.get('dirty') else ''}")
+    missing = [n for n in EXPECTED if n not in real]
+    head = floor_goal(real) + curve(real)
+    if missing:
+        head += [f"Missing (not run or unfinished by the time this README was generated): {', '.join(missing)}.", ""]
+    out = out[:4] + head + out[4:]
     atomic_write_bytes(ROOT / "results" / "gate" / "README.md", ("\n".join(out) + "\n").encode())
     print("\n".join(out))
 

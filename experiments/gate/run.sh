@@ -35,7 +35,21 @@ REAL="+experiment=qwen25coder_cpu cache_dir=$CACHE stage=[fit,eval] eval.tasks=[
 # modes named in eval.modes run in that order (the repair modes before the dear target)
 run real_ppl_a $REAL "eval.modes=[no_context,transfer,recompute_0.15,recompute_random_0.15,gated,target]" \
   "eval.recompute_fraction=[0.15]" "eval.recompute_select=[deviation,random]" eval.gate.enabled=true
-run real_ppl_b $REAL "eval.modes=[target,transfer,no_context]" "eval.recompute_fraction=[0,0.15,0.3]" "eval.recompute_select=[deviation,random]" \
-  eval.gate.enabled=true
-run real_ppl_c $REAL "eval.modes=[target,transfer,no_context]" "eval.recompute_fraction=[0,0.05,0.15,0.3,0.5]" "eval.recompute_select=[deviation,random,recent]" \
-  eval.gate.enabled=true
+# 3. the tasks (issue 30 item 1-2): per item the gate's score and action (gated) and each mode's correctness and
+#    gold margin (kvtransfer.eval.items), so collect.py computes the score's ROC AUC for "transfer below the
+#    no-context floor / the target"; gated rows beside transfer, no_context, target. Sized for a 2-core CPU
+#    (~10 s per HellaSwag item over the four modes, ~30 s per MMLU 5-shot item): one run per task, the cheap first
+TASKS="+experiment=qwen25coder_cpu cache_dir=$CACHE stage=[fit,eval] eval.ppl.enabled=false eval.controls=[]
+  eval.fidelity.enabled=false eval.modes=[no_context,transfer,target] eval.gate.enabled=true"
+run real_arc $TASKS "eval.tasks=[arc_challenge]" eval.limit=60
+run real_hellaswag $TASKS "eval.tasks=[hellaswag]" eval.limit=50
+run real_mmlu $TASKS "eval.tasks=[mmlu]" "eval.limits={mmlu:3}"
+# 4. the recompute curve on WikiText-2 (the windows of real_ppl_a), r x {deviation, random, recent}; r = 0 is the
+#    transfer row by construction (tests/test_gate_run.py), r = 0.15 deviation / random and the gated row are
+#    real_ppl_a's. Three runs, so the points the goal turns on (r = 0.3, the cost bound) finish first
+run real_curve_a $REAL "eval.modes=[no_context,transfer,target]" "eval.recompute_fraction=[0.3]" \
+  "eval.recompute_select=[random,recent,deviation]"
+run real_curve_b $REAL "eval.modes=[no_context,transfer,target]" "eval.recompute_fraction=[0.05,0.5]" \
+  "eval.recompute_select=[random,recent,deviation]"
+run real_curve_c $REAL "eval.modes=[no_context,transfer,target]" "eval.recompute_fraction=[0.15]" \
+  "eval.recompute_select=[recent]"

@@ -16,7 +16,6 @@ there is a different protocol, not this control.
 from __future__ import annotations
 
 import copy
-
 import json
 import math
 import tempfile
@@ -25,6 +24,7 @@ import warnings
 from pathlib import Path
 
 from ..eval.adapter import KVTransferLM
+from ..eval.items import attach_events, item_records
 from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl, prefix_pairs
 from ..core.gate import action_counts
@@ -77,8 +77,9 @@ def _task_setup(ecfg: dict, work_dir: Path):
     return manager, spec
 
 
-def _benchmarks(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:
-    """{task: per-item scores} for one mode through lm-eval's simple_evaluate."""
+def _benchmarks(lm: KVTransferLM, mode: str, ecfg: dict, seed: int, items: dict | None = None) -> dict:
+    """{task: per-item scores} for one mode through lm-eval's simple_evaluate; `items` (a dict) also gets
+    {task: per-item records} of multiple-choice tasks (kvtransfer.eval.items)."""
     from lm_eval import simple_evaluate
 
     with tempfile.TemporaryDirectory(prefix="kvtransfer_eval_") as tmp, data_access():
@@ -87,6 +88,9 @@ def _benchmarks(lm: KVTransferLM, mode: str, ecfg: dict, seed: int) -> dict:
                                   task_manager=manager, limit=ecfg.get("limit"), num_fewshot=ecfg.get("num_fewshot"),
                                   log_samples=True, bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
                                   torch_random_seed=seed, fewshot_random_seed=seed, gen_kwargs=_gen_kwargs(ecfg))
+    if items is not None:
+        items.update({task: item_records(results, name, metric, lm.with_mode(mode))
+                      for task, (name, metric, _) in spec.items() if metric in ("acc", "acc_norm")})
     return {task: per_item_scores(results, name, metric) for task, (name, metric, _) in spec.items()}
 
 
@@ -270,13 +274,14 @@ def evaluate(run, on_compute=None) -> dict:
         kind = "native" if mode == "native_injected" else "baseline" if mode in BASELINE_MODES else "mapped"
         limits = ecfg.get("limits") or {}
         moded: list = []  # the control's LM, built on first use (mean/random maps read the calibration moments)
+        side: dict = {}  # per-item records of the task just computed (kvtransfer.eval.items)
 
         def mode_lm(mode=mode, moded=moded):
             if not moded:
                 moded.extend(control_lm(lm, mode, run, seed))
             return moded
         parts = {f"task.{t}": (lambda t=t: _benchmarks(*mode_lm(), dict(ecfg, tasks=[t], limit=limits.get(t, ecfg.get("limit"))),
-                                                       seed)[t])
+                                                       seed, side)[t])
                  for t in ecfg["tasks"]}
         for name in ppl_sets:
             parts[f"ppl.{name}"] = lambda name=name: _ppl(*mode_lm(), ecfg, seed, name)
@@ -302,6 +307,9 @@ def evaluate(run, on_compute=None) -> dict:
                 record = {"value": value, "seconds": round(time.perf_counter() - started, 2)}
                 if moded and moded[0].events and not name.startswith("ppl."):
                     record["gate"] = gate_summary(moded[0].events)
+                if name[5:] in side:  # per item: doc id, correctness, gold margin, and the gate's event
+                    record["items"] = [{k: v for k, v in r.items() if k != "prefixes"} for r in
+                                       attach_events(side.pop(name[5:]), moded[0].events if moded else [])]
                 if name.startswith("ppl.") and isinstance(value, dict) and value.get("events"):
                     record["gate"] = {p: gate_summary([e for e in ev if e]) for p, ev in value["events"].items()
                                       if any(ev)}
@@ -313,6 +321,8 @@ def evaluate(run, on_compute=None) -> dict:
                 result.setdefault("gate", {})[name] = record["gate"]
             if name.startswith("task."):
                 result["tasks"][name[5:]] = record["value"]
+                if record.get("items"):
+                    result.setdefault("items", {})[name[5:]] = record["items"]
             elif name.startswith("ppl."):
                 set_name = name[4:]
                 value = record["value"]
@@ -352,14 +362,17 @@ def gate_summary(events: list[dict]) -> dict:
 def write_scores(path: Path, per_mode: dict) -> None:
     """The per-item / per-window scores behind a summary, next to it (small JSON), so paired SEs and
     paired differences between runs can be recomputed from committed files: {"tasks": {task: {mode:
-    [score per item, in (subtask, doc_id) order]}}, "ppl_window_nll": {P: {mode: [mean NLL per window,
+    [score per item, in (subtask, doc_id) order]}}, "task_items": {task: {mode: [kvtransfer.eval.items record per
+    item: task, doc_id, score, margin, gate]}} (multiple choice), "ppl_window_nll": {P: {mode: [mean NLL per window,
     nats/token]}} (the first perplexity set), "ppl_sets": {set: {"window_doc": [page index per window],
     "window_nll": {P: {mode: [...]}}, "events": {repair mode: {P: [gate / recompute record per window]}}}},
     "coqa": {protocol: {mode: [[F1 per turn] per conversation]}}}."""
-    scores: dict = {"tasks": {}, "ppl_window_nll": {}, "coqa": {}, "ppl_sets": {}}
+    scores: dict = {"tasks": {}, "task_items": {}, "ppl_window_nll": {}, "coqa": {}, "ppl_sets": {}}
     for mode, result in per_mode.items():
         for task, items in (result.get("tasks") or {}).items():
             scores["tasks"].setdefault(task, {})[mode] = items
+        for task, items in (result.get("items") or {}).items():
+            scores["task_items"].setdefault(task, {})[mode] = items
         for prefix, nll in (result.get("ppl_windows") or {}).items():
             scores["ppl_window_nll"].setdefault(prefix, {})[mode] = nll
         for set_name, part in (result.get("ppl_sets") or {}).items():

@@ -1,0 +1,84 @@
+"""Per-item pairing of the gate's score with each mode's outcome (kvtransfer.eval.items): records join on
+(task, doc_id), never on position, and the margin follows lm-eval's acc / acc_norm."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvtransfer.eval.items import attach_events, below, item_records, pair_items, sample_margin, task_signal
+
+
+def _rec(task, doc, score, margin, gate=None):
+    return {"task": task, "doc_id": doc, "score": score, "margin": margin, "gate": gate}
+
+
+def test_pairing_is_by_doc_id_not_by_position():
+    floor = [_rec("a", i, float(i % 2), float(i)) for i in range(8)]
+    mode = [_rec("a", i, 1.0, float(i) - (1 if i in (2, 5) else -1)) for i in range(8)]
+    shuffled = mode[:]
+    random.Random(3).shuffle(shuffled)
+    assert [r["doc_id"] for r in shuffled] != list(range(8))
+    order, paired = pair_items({"transfer": shuffled, "no_context": floor})
+    assert order == [("a", i) for i in range(8)]
+    flags = below(paired["transfer"], paired["no_context"])
+    assert [i for i, f in enumerate(flags["margin"]) if f] == [2, 5]
+    # positional pairing of the shuffled list would flag other items: the test above can fail
+    assert [i for i, f in enumerate(below(shuffled, floor)["margin"]) if f] != [2, 5]
+    assert flags["flip"] == [False] * 8
+
+
+def test_pairing_refuses_different_or_repeated_items():
+    a = [_rec("a", i, 1.0, 1.0) for i in range(4)]
+    with pytest.raises(ValueError, match="different items"):
+        pair_items({"x": a, "y": a[:3]})
+    with pytest.raises(ValueError, match="different items"):
+        pair_items({"x": a, "y": a[:3] + [_rec("b", 3, 1.0, 1.0)]})
+    with pytest.raises(ValueError, match="repeats"):
+        pair_items({"x": a + a[:1], "y": a})
+
+
+def _sample(doc, lls, conts, gold, acc, acc_norm):
+    return {"doc_id": doc, "filtered_resps": [(x, False) for x in lls], "arguments": [("ctx", c) for c in conts],
+            "target": gold, "acc": acc, "acc_norm": acc_norm}
+
+
+def test_margin_follows_the_metric_and_records_keep_doc_order():
+    # raw log-likelihoods favour the short wrong choice; per character (delimiter not counted) the long gold one
+    s = _sample(1, [-3.0, -2.0], [" abcdef", " ab"], 0, 0.0, 1.0)
+    assert sample_margin(s, "acc") == -1.0
+    assert sample_margin(s, "acc_norm") == -3.0 / 6 - (-2.0 / 2)
+    assert (sample_margin(s, "acc") > 0) == bool(s["acc"]) and (sample_margin(s, "acc_norm") > 0) == bool(s["acc_norm"])
+    assert math.isnan(sample_margin(_sample(2, [-1.0], [" a"], 0, 1.0, 1.0), "acc"))
+    results = {"samples": {"t": [_sample(5, [-1.0, -2.0], [" a", " b"], 1, 0.0, 0.0), s]}}
+    recs = item_records(results, "t", "acc")
+    assert [r["doc_id"] for r in recs] == [1, 5] and [r["score"] for r in recs] == [0.0, 0.0]
+
+
+def test_events_attach_by_prefix_key():
+    items = [{"task": "t", "doc_id": 0, "prefixes": [11]}, {"task": "t", "doc_id": 1, "prefixes": [22, 33]},
+             {"task": "t", "doc_id": 2, "prefixes": [44]}]
+    ev = [{"key": 22, "action": "map", "fraction": 0.0, "score": 0.1},
+          {"key": 33, "action": "full", "fraction": 1.0, "score": 0.9},
+          {"key": 11, "action": "recompute", "fraction": 0.15, "score": 0.5}]
+    out = attach_events(items, ev)
+    assert [o["gate"] and o["gate"]["action"] for o in out] == ["recompute", "full", None]
+
+
+def test_task_signal_pairs_the_score_with_the_same_items_outcomes():
+    n = 12
+    # the score ranks items exactly by how far transfer falls below the floor: AUC 1 when paired by doc id
+    floor = [_rec("t", i, 1.0, 0.0) for i in range(n)]
+    transfer = [_rec("t", i, 1.0 if i < 6 else 0.0, 1.0 if i < 6 else -1.0) for i in range(n)]
+    gated = [_rec("t", i, 1.0, 0.0, {"action": "map", "fraction": 0.0, "score": float(i)}) for i in range(n)]
+    target = [_rec("t", i, 1.0, 2.0) for i in range(n)]
+    by_mode = {"gated": gated, "transfer": transfer, "no_context": floor, "target": target}
+    got = task_signal(by_mode, n_boot=20)
+    assert got["no_context_margin"]["auc"] == 1 and got["no_context_flip"]["auc"] == 1
+    assert got["no_context_margin"]["positives"] == 6 and got["target_margin"]["positives"] == n
+    shuffled = dict(by_mode, gated=random.Random(1).sample(gated, n))
+    assert task_signal(shuffled, n_boot=20)["no_context_margin"]["auc"] == 1
+    # a wrong pairing (the scores moved to other doc ids) breaks the ranking, and the test sees it
+    moved = [dict(r, doc_id=(r["doc_id"] + 6) % n) for r in gated]
+    assert task_signal(dict(by_mode, gated=moved), n_boot=20)["no_context_margin"]["auc"] == 0

@@ -57,13 +57,15 @@ def test_forced_full_serves_exactly_the_targets_own_greedy_output(gate):
 
 
 def test_forced_map_serves_todays_mapped_output_with_the_gate_tail_native(gate):
-    """Thresholds above every score: `map`; the output is the ungated connector's with native_tail = tail + 1 (the
-    gate's tail is computed natively by construction) -- and differs from the cold one (the map is perturbed)."""
+    """Thresholds above every score: `map`; the output is today's (ungated) connector's mapping the same tokens --
+    all but the gate's tail, which is computed natively by construction -- and differs from the cold one (the map
+    is perturbed)."""
     for name, got in gate["map"].items():
-        g, plain = _gate_of(got), gate["plain"][name]
+        g, plain = _gate_of(got), gate["shorter"][f"map:{name}"]
         n = gate["prompts"][name]
         assert g["action"] == "map" and g["score"] > 0 and g["start"] == g["hi"] - gate["tail"], (name, g)
         assert g["prefilled"] == n - g["start"] == plain["kv_transfer_params"]["kvtransfer"]["prefilled"]
+        assert got["kv_transfer_params"]["kvtransfer"]["mapped"] == g["start"] == gate["starts"][f"map:{name}"]
         assert got["tokens"] == plain["tokens"], name
         assert_within(*_shared(got, plain), atol=1e-5,
                       reason="the same tokens mapped and computed by the same kernels in two engines: float32 rounding")
@@ -87,10 +89,13 @@ def test_forced_recompute_recomputes_the_recent_blocks(gate):
         assert g["action"] == "recompute" and g["fraction"] == 0.5
         want = recompute_start(Decision("recompute", 0.5, g["score"], ""), lo=0, head_end=g["hi"] - gate["tail"],
                                hi=g["hi"], native_sink=1, block_size=g["block_size"])
-        assert g["start"] == want == gate["starts"][name] and want % g["block_size"] == 0 and g["block_size"] > 0
-        short = gate["shorter"][name]
+        assert g["start"] == want == gate["starts"][f"recompute:{name}"]
+        assert want % g["block_size"] == 0 and g["block_size"] > 0
+        short = gate["shorter"][f"recompute:{name}"]
         assert short["kv_transfer_params"]["kvtransfer"]["mapped"] == want
         assert got["tokens"] == short["tokens"], name
+    # the longest prompt keeps part of its map: a partial recompute, not a full one
+    assert 0 < _gate_of(gate["recompute"]["longer"])["start"] < _gate_of(gate["map"]["longer"])["start"]
 
 
 def test_bad_gate_file_falls_back_to_a_normal_prefill_counted(gate):

@@ -115,8 +115,11 @@ def main() -> None:
             rows[-1] |= {"served_action": served.get("action"), "harness_action": row["gate"]["action"],
                          "served_start": served.get("start"), "harness_start": row["gate"]["start"],
                          "served_score": served.get("score"), "harness_score": row["gate"]["score"]}
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=HERE).stdout.strip()  # noqa: E731
     report = {"bound": BOUND, "mapper": args.mapper, "gate": args.gate, "windows": rows,
-              "reasons": v["stats"]["reasons"], "gates": v["stats"].get("gates")}
+              "reasons": v["stats"]["reasons"], "gates": v["stats"].get("gates"), "source": args.source,
+              "target": args.target, "commit": git("rev-parse", "--short", "HEAD"),
+              "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     (out / "equivalence.json").write_text(json.dumps(report, indent=1))
     (out / "equivalence.md").write_text(table(rows) + (gate_table(rows) if args.gate else ""))
     print(table(rows) + (gate_table(rows) if args.gate else ""))

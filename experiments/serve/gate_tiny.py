@@ -9,8 +9,9 @@ mapped output is not the cold one), gate tail 8:
   3 gate "map"   (thresholds 1e9: every request keeps the map)
   4 gate "full"  (thresholds -1: every request falls back to a full prefill; its output must be the cold one)
   5 gate file that is not a gate artifact: every request prefilled normally, reason "gate_unusable"
-  6 no gate, native_tail = 9 (the gate's tail + the last token): today's mapped output at that tail; and the same
-    prompts with kvtransfer_source_len = the start engine 2 recorded (the recompute served as a shorter map)
+  6 no gate, native_tail = 9 (the gate's tail + the last token): each prompt as it is (today's connector then maps
+    exactly what the gated "map" keeps: the prompts are 16 k + 1 tokens, so the store's whole blocks end at the last
+    token) and with kvtransfer_source_len = the start engine 2 ("recompute") recorded
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ FORCE = {"recompute": {"recompute": -1.0, "full": 1e9, "fraction": 0.5},
 
 def prompts() -> dict[str, list[int]]:
     body = lambda seed, n: [100 + (seed * 37 + 11 * i) % 3000 for i in range(n)]  # noqa: E731
-    return {"long": [START] + body(1, 300), "mid": [START] + body(2, 150), "odd": [START] + body(3, 77)}
+    return {"longer": [START] + body(4, 592), "long": [START] + body(1, 288), "mid": [START] + body(2, 144),
+            "short": [START] + body(3, 80)}
 
 
 def run_consumer(name: str, out: Path, ps: dict, params: dict | None = None, **extra) -> tuple[dict, dict]:
@@ -73,11 +75,11 @@ def main(out: Path) -> None:
     for name in (*FORCE, "bad"):
         got, stats = run_consumer(name, out, ps, gate=out / f"gate_{name}.json")
         report[name], report[f"{name}_stats"] = got, stats
-    starts = {k: report["recompute"][k]["kv_transfer_params"]["kvtransfer"]["gate"]["start"] for k in ps}
-    got, stats = run_consumer("plain", out, ps, native_tail=TAIL + 1)
-    report["plain"], report["plain_stats"] = got, stats
-    got, stats = run_consumer("shorter", out, ps, params={k: {"kvtransfer_source_len": s} for k, s in starts.items()},
-                              native_tail=TAIL + 1)
+    starts = {f"{mode}:{k}": report[mode][k]["kv_transfer_params"]["kvtransfer"]["gate"]["start"]
+              for mode in ("map", "recompute") for k in ps}
+    got, stats = run_consumer("shorter", out, {key: ps[key.split(":")[1]] for key in starts}, native_tail=TAIL + 1,
+                              params={key: {"kvtransfer_source_len": s} for key, s in starts.items()
+                                      if key.startswith("recompute:")})
     report["shorter"], report["shorter_stats"], report["starts"] = got, stats, starts
     (out / "report.json").write_text(json.dumps(report, indent=1))
 

@@ -35,7 +35,7 @@ VLLM_CPU_KVCACHE_SPACE=1 KVT_HARNESS_PYTHON=python3 /work/venv-serve/bin/python 
   --out $OUT/eq_tiny --windows 8 --max-new 16 --fit-gate $OUT/eq_tiny/gate.json
 VLLM_CPU_KVCACHE_SPACE=1 /work/venv-serve/bin/python experiments/serve/ttft_gate.py --synthetic \
   --source models/tiny/qwen3-tiny-3m --target models/tiny/qwen3-tiny-3m --mapper $OUT/perturbed \
-  --gate $OUT/eq_tiny/gate.json --out $OUT/ttft_tiny --tokens 513 1025 2049 --repeats 3 --label "tiny family, float32"
+  --gate $OUT/eq_tiny/gate.json --out $OUT/ttft_tiny --tokens 257 513 1025 --repeats 3 --label "tiny family, float32"
 mkdir -p results/serve/gate
 cp $OUT/eq_tiny/equivalence.json results/serve/gate/equivalence_tiny.json
 cp $OUT/eq_tiny/equivalence.md results/serve/gate/equivalence_tiny.md

@@ -62,11 +62,41 @@ def block_ttft(tt: dict) -> str:
             f"mapper `{Path(m['mapper']).name}`, {m['cpus']} CPUs, load average at the end {load}.\n")
 
 
+def block_gate(folder: Path) -> str:
+    """Issue 30: served gate = harness gate (per family: the equivalence tables and one line) and served TTFT at the
+    rate the gate chose (per family: the table and one line), from results/serve/gate/*.json."""
+    eqm, ttm = _script("equivalence"), _script("ttft_gate")
+    out = []
+    for path in sorted((folder / "gate").glob("equivalence_*.json")):
+        eq = json.loads(path.read_text())
+        rows = eq["windows"]
+        same = sum(r["served_action"] == r["harness_action"] and r["served_start"] == r["harness_start"] for r in rows)
+        gaps = [abs(r["served_score"] - r["harness_score"]) for r in rows if r["served_score"] is not None
+                and r["harness_score"] is not None]
+        out.append(f"**{path.stem}** (`{Path(eq['source']).name}` -> `{Path(eq['target']).name}`, mapper "
+                   f"`{Path(eq['mapper']).name}`, commit `{eq['commit']}`{' (dirty)' if eq['dirty'] else ''}):\n\n"
+                   + eqm.table(rows) + eqm.gate_table(rows) + "\n"
+                   f"{len(rows)} windows: served and harness gate took the same action and start in {same} / {len(rows)}"
+                   f" (actions served: {eq['gates']}); largest score difference "
+                   f"{max(gaps) if gaps else float('nan'):.2e}; greedy continuations equal token for token in "
+                   f"{sum(r['tokens_agree'] == r['tokens'] for r in rows)} / {len(rows)} windows, largest first-token "
+                   f"logprob gap {max(r['first_logprob_gap'] for r in rows):.2e} nats (bound {eq['bound']:.0e}).\n")
+    for path in sorted((folder / "gate").glob("ttft_*.json")):
+        tt = json.loads(path.read_text())
+        m = tt["machine"]
+        out.append(f"**{path.stem}** (`{Path(m['source']).name}` -> `{Path(m['target']).name}`, gate "
+                   f"`{Path(m['gate']).name}`{', ' + m['label'] if m.get('label') else ''}):\n\n" + ttm.table(tt["rows"])
+                   + f"\nMedian of {m['repeats']} timed requests per mode after one warm-up; commit `{m['commit']}`"
+                   f"{' (dirty)' if m['dirty'] else ''}, {m['dtype']}, {m['cpus']} CPUs, load average at the end "
+                   f"{', '.join(f'{x:.2f}' for x in m['load_avg_end'])}.\n")
+    return "\n".join(out) if out else "(not run yet)\n"
+
+
 def blocks(folder: Path = FOLDER) -> dict[str, str]:
     """{block name: Markdown} of results/serve/README.md."""
     eq = json.loads((folder / "equivalence.json").read_text())
     tt = json.loads((folder / "ttft.json").read_text())
-    return {"equivalence": block_equivalence(eq), "ttft": block_ttft(tt)}
+    return {"equivalence": block_equivalence(eq), "ttft": block_ttft(tt), "gate": block_gate(folder)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
     KVT_HARNESS_PYTHON=python3 .venv-serve/bin/python experiments/serve/equivalence.py \
         --real ~/.cache/kvtransfer-real --mapper <mapper dir> --out results/serve/equivalence [--windows 32]
+        [--gate <gate artifact>]     # the gated configuration (issue 30): served gate = harness gate
 
 1. the harness side (experiments/serve/harness_side.py, in the project's environment: KVT_HARNESS_PYTHON)
 2. vLLM, float32, eager: the 0.5B source as kv_producer prefills every context (its entries land in the
@@ -10,6 +11,9 @@
    {"kvtransfer": "off"} (the engine's own cold prefill: the floor of engine-vs-engine rounding)
 3. equivalence.json / equivalence.md: per window, first-token logprob gap on the top-20 tokens both
    sides list, tokens equal up to the first divergence.
+With --gate both sides run the gate (harness: harness_side.py --gate, core.gate's score and decision with the
+served rule serve.gating.recompute_start; vLLM: the consumer with extra config "gate"): per window also the
+action and the first position the target computed on each side, which must agree.
 """
 from __future__ import annotations
 
@@ -47,13 +51,14 @@ def vllm_side(args, ctxs: list[list[int]], out: Path) -> dict:
 
     from kvtransfer.serve.policy import Counters
 
-    hf = Path(args.real) / "hf"
-    llm = engine(hf / "qwen25coder-0.5b", kv=kv_config("kv_producer", out / "store"))
+    src, tgt = Path(args.source), Path(args.target)
+    llm = engine(src, kv=kv_config("kv_producer", out / "store"))
     generate(llm, ctxs, 1)
     close(llm)
     stats = out / "stats.json"
-    llm = engine(hf / "qwen25coder-1.5b", kv=kv_config("kv_consumer", out / "store", mapper=args.mapper,
-                                                       source_model=hf / "qwen25coder-0.5b", stats=stats))
+    gate = {"gate": args.gate} if args.gate else {}
+    llm = engine(tgt, kv=kv_config("kv_consumer", out / "store", mapper=args.mapper, source_model=src, stats=stats,
+                                   **gate))
     mapped = generate(llm, ctxs, args.max_new, logprobs=20)
     cold = generate(llm, ctxs, args.max_new, logprobs=20, params={"kvtransfer": "off"})
     close(llm)
@@ -68,15 +73,29 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--gate", default=None)
+    ap.add_argument("--fit-gate", default=None, help="the harness side fits a gate here on held-out windows "
+                    "(harness_side.py --fit-gate) and both sides use it")
+    ap.add_argument("--block-size", type=int, default=128, help="vLLM's cache block (CPU default 128): the granularity "
+                    "of the served recompute, which the harness side reproduces")
+    ap.add_argument("--source", default=None, help="source model dir (default: <real>/hf/qwen25coder-0.5b)")
+    ap.add_argument("--target", default=None, help="target model dir (default: <real>/hf/qwen25coder-1.5b)")
     args = ap.parse_args()
+    args.source = args.source or str(Path(args.real) / "hf/qwen25coder-0.5b")
+    args.target = args.target or str(Path(args.real) / "hf/qwen25coder-1.5b")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     harness = out / "harness.json"
     if not harness.is_file():
         py = os.environ.get("KVT_HARNESS_PYTHON", "python3")
         subprocess.run([py, str(HERE / "harness_side.py"), "--real", args.real, "--mapper", args.mapper, "--out",
-                        str(harness), "--windows", str(args.windows), "--max-new", str(args.max_new)],
+                        str(harness), "--windows", str(args.windows), "--max-new", str(args.max_new),
+                        "--source", args.source, "--target", args.target,
+                        *(["--fit-gate", args.fit_gate] if args.fit_gate else
+                          ["--gate", args.gate] if args.gate else []),
+                        *(["--block-size", str(args.block_size)] if args.gate or args.fit_gate else [])],
                        check=True, cwd=HERE.parents[1])
+    args.gate = args.fit_gate or args.gate
     h = json.loads(harness.read_text())["windows"]
     v = vllm_side(args, [row["context"] for row in h], out)
     records = list(v["stats"]["requests"].values())[:len(h)]  # the mapped requests, in order
@@ -91,10 +110,19 @@ def main() -> None:
                      "cold_vs_mapped_first_gap": gap(c["first_logprobs"], m["first_logprobs"]),
                      "map_ms": next((x.get("map_s", 0) * 1e3 for x in v["worker"]["loads"]
                                      if x["req_id"] == list(v["stats"]["requests"])[i]), None)})
-    report = {"bound": BOUND, "mapper": args.mapper, "windows": rows, "reasons": v["stats"]["reasons"]}
+        if args.gate:
+            served = (m["kv_transfer_params"] or {}).get("kvtransfer", {}).get("gate") or {}
+            rows[-1] |= {"served_action": served.get("action"), "harness_action": row["gate"]["action"],
+                         "served_start": served.get("start"), "harness_start": row["gate"]["start"],
+                         "served_score": served.get("score"), "harness_score": row["gate"]["score"]}
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=HERE).stdout.strip()  # noqa: E731
+    report = {"bound": BOUND, "mapper": args.mapper, "gate": args.gate, "windows": rows,
+              "reasons": v["stats"]["reasons"], "gates": v["stats"].get("gates"), "source": args.source,
+              "target": args.target, "commit": git("rev-parse", "--short", "HEAD"),
+              "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     (out / "equivalence.json").write_text(json.dumps(report, indent=1))
-    (out / "equivalence.md").write_text(table(rows))
-    print(table(rows))
+    (out / "equivalence.md").write_text(table(rows) + (gate_table(rows) if args.gate else ""))
+    print(table(rows) + (gate_table(rows) if args.gate else ""))
 
 
 def table(rows: list[dict]) -> str:
@@ -107,6 +135,19 @@ def table(rows: list[dict]) -> str:
     lines.append(f"| **all {n}** | | {sum(r['first_token_equal'] for r in rows)} / {n} | "
                  f"max {max(r['first_logprob_gap'] for r in rows):.2e} (bound {BOUND:.0e}) | "
                  f"{sum(r['tokens_agree'] == r['tokens'] for r in rows)} / {n} windows all equal |")
+    return "\n".join(lines) + "\n"
+
+
+def gate_table(rows: list[dict]) -> str:
+    """The gate's decision per window on both sides (action, first position the target computed, score)."""
+    lines = ["", "| window | served action | harness action | served start | harness start | served score | "
+             "harness score |", "|---|---|---|---|---|---|---|"]
+    fmt = lambda x: "-" if x is None else f"{x:.4g}"  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['window']} | {r['served_action']} | {r['harness_action']} | {r['served_start']} | "
+                     f"{r['harness_start']} | {fmt(r['served_score'])} | {fmt(r['harness_score'])} |")
+    same = sum(r["served_action"] == r["harness_action"] and r["served_start"] == r["harness_start"] for r in rows)
+    lines.append(f"| **all {len(rows)}** | | | {same} / {len(rows)} same action and start | | | |")
     return "\n".join(lines) + "\n"
 
 

@@ -59,6 +59,12 @@ def layer_errors(mapped: KVLayers, native: KVLayers) -> torch.Tensor:
     return torch.stack(out, dim=1).cpu()
 
 
+def tail_score_kv(mapped: KVLayers, native: KVLayers) -> torch.Tensor:
+    """[batch] float64: the tail score from the map's and the target's own per-layer (K, V) [batch, n_kv, m, d] at the
+    same tail positions (mean over layers of `layer_errors`); what `tail_score` and the vLLM connector both use."""
+    return layer_errors(mapped, native).mean(dim=1)
+
+
 @torch.no_grad()
 def tail_score(target_model, mapped: KVLayers, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor | None,
                tail: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,8 +87,9 @@ def tail_score(target_model, mapped: KVLayers, prefix_ids: torch.Tensor, prefix_
     _, cache = forward_on_cache(target_model, head, mask[:, :-tail].to(dev), prefix_ids[:, -tail:].to(dev),
                                 mask[:, -tail:].to(dev), return_cache=True)
     native = [(layer.keys[:, :, -tail:], layer.values[:, :, -tail:]) for layer in cache.layers]
-    errors = layer_errors([(k[:, :, -tail:], v[:, :, -tail:]) for k, v in mapped], native)
-    score = errors.mean(dim=1)
+    tail_mapped = [(k[:, :, -tail:], v[:, :, -tail:]) for k, v in mapped]
+    errors = layer_errors(tail_mapped, native)
+    score = errors.mean(dim=1)  # = tail_score_kv(tail_mapped, native)
     short = mask.long().sum(-1).cpu() <= tail
     score[short] = math.nan
     errors[short] = math.nan

@@ -15,6 +15,9 @@ extra config
     mapper         consumer: a saved mapper directory (kvtransfer.core.mapper)
     source_model   consumer: the source model's directory (its config builds the source RoPE)
     native_tail    consumer: prompt tokens the target always computes itself (default 1, the paper's)
+    gate           consumer: a gate artifact (kvtransfer.core.gate.save_gate): the per-request gate, served
+                   (kvtransfer.serve.gating; gate_tail overrides the artifact's tail). An unusable file: every
+                   request is prefilled normally, reason "gate_unusable"
     mapped_cache_salt  consumer with prefix caching on: only requests with this cache_salt are mapped
                    (default "kvtransfer-mapped"), so mapped blocks never serve unsalted requests as exact hits
     per request    kv_transfer_params (SamplingParams.extra_args["kv_transfer_params"]; the OpenAI server's
@@ -45,21 +48,22 @@ constructing the connector needs it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import paged
+from . import gating, paged
 from .policy import MAPPED, Counters, Decider, MapSpec, Timings
+from .specs import LoadSpec, SaveSpec, layer_index
 from .store import KVStore, Prefix
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+        KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata)
     HAVE_VLLM = True
 except ImportError:  # the default suite and the harness run without vLLM
     HAVE_VLLM = False
@@ -71,36 +75,13 @@ except ImportError:  # the default suite and the harness run without vLLM
     class KVConnectorMetadata:
         pass
 
+    class KVConnectorWorkerMetadata:
+        pass
+
     KVConnectorRole = None
 
 log = logging.getLogger("kvtransfer.serve")
-_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 DEFAULT_SALT = "kvtransfer-mapped"
-
-
-@dataclass
-class LoadSpec:
-    """Worker instruction: map stored tokens lo..hi-1 (blocks `hashes` of model `model_key`) into the request's
-    blocks; `prompt` is the request's prompt ids over the blocks read (the worker checks every block against it).
-    `error`: the scheduler failed building this load -- the worker reports the blocks as load errors."""
-
-    req_id: str
-    model_key: str
-    hashes: list[str]
-    lo: int
-    hi: int
-    block_ids: list[int]
-    prompt: list[int] = field(default_factory=list)
-    error: str = ""
-
-
-@dataclass
-class SaveSpec:
-    """Worker instruction: store the request's prompt K/V (its prefill completes this step)."""
-
-    req_id: str
-    token_ids: list[int]
-    block_ids: list[int]
 
 
 @dataclass
@@ -150,12 +131,15 @@ def worker_layout(vllm_config, dtype: torch.dtype, head_dim: int) -> paged.Paged
     return paged.select_layout(names[0], isa, str(vllm_config.cache_config.cache_dtype))
 
 
-def layer_index(layer_name: str) -> int:
-    """Decoder layer index of a vLLM attention layer name ("model.layers.7.self_attn.attn" -> 7)."""
-    found = _LAYER_INDEX.search(layer_name)
-    if found is None:
-        raise ValueError(f"cannot tell the decoder layer of attention layer {layer_name!r}")
-    return int(found.group(1))
+class GateMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the gate's records of one step (kvtransfer.serve.gating.after_forward), by request."""
+
+    def __init__(self, gates: dict):
+        self.gates = gates
+
+    def aggregate(self, other):
+        """The union of two workers' records."""
+        return GateMeta({**self.gates, **getattr(other, "gates", {})})
 
 
 class KVTransferConnector(KVConnectorBase_V1):
@@ -182,6 +166,14 @@ class KVTransferConnector(KVConnectorBase_V1):
         if self.native_tail < 1:
             raise ValueError(f"native_tail={self.native_tail}: the target computes at least the last prompt token")
         self._extra = extra
+        self.gate = None if self.producer else gating.load_served_gate(extra.get("gate"), extra.get("gate_tail"))
+        if self.gate is not None and self.gate.error:
+            log.error("kvtransfer: gate %s unusable (%s): every request is prefilled normally", self.gate.path,
+                      self.gate.error)
+        self._gate_hi: dict[str, int] = {}  # scheduler: request -> the end of the range the gate scores
+        self._gates: dict[str, dict] = {}  # scheduler: request -> the gate's record
+        self._gate_kept: dict[str, tuple] = {}  # worker: request -> (LoadSpec, the map's tail K/V per layer)
+        self._gate_out: dict[str, dict] = {}  # worker: records for the scheduler (build_connector_worker_meta)
         # scheduler side
         self._requests: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
@@ -241,11 +233,33 @@ class KVTransferConnector(KVConnectorBase_V1):
             if decision.reason != MAPPED:
                 self._pending.pop(request.request_id, None)
                 return 0, False
+            if self.gate is not None:
+                decision = self._gated(request, decision)
+                if decision is None:
+                    return 0, False
             self._pending[request.request_id] = decision
             return decision.matched, False
         except Exception as err:  # noqa: BLE001 -- never down: a fault here is a normal prefill
             self._fault("get_num_new_matched_tokens", err, request)
             return 0, False
+
+    def _gated(self, request, decision):
+        """The gate's range for a mapped request (vLLM is told lo..hi-tail-1), or None: the gate file is unusable or
+        the context too short to score -> a normal prefill, re-classified and recorded (serve.gating)."""
+        rid, n = request.request_id, len(request.prompt_token_ids)
+        head_end = None if self.gate.error else gating.plan(decision.lo, decision.hi, self.gate.tail,
+                                                            self.spec.native_sink)
+        if head_end is not None:
+            self._gate_hi[rid] = decision.hi
+            return dataclasses.replace(decision, matched=head_end - decision.lo, hi=head_end, tail=n - head_end)
+        if rid not in self._gates:
+            why = (f"gate_unusable: {self.gate.error}" if self.gate.error else
+                   f"no score: nothing mapped before the gate's {self.gate.tail}-token tail")
+            self._gates[rid] = gating.record(gating.unscored(why), start=decision.lo, lo=decision.lo, hi=decision.hi,
+                                             prompt_len=n, tail=self.gate.tail)
+            self.decider.fail(rid, why, reason="gate_unusable" if self.gate.error else "gate_no_score")
+            self.counters.annotate(rid, self._gates[rid])
+        return None
 
     def _fault(self, hook: str, err: Exception, request=None) -> None:
         """Count and log a scheduler-side hook's exception (the request, if any, falls back)."""
@@ -277,11 +291,14 @@ class KVTransferConnector(KVConnectorBase_V1):
                 continue
             try:
                 prefix = decision.prefix
-                n_blocks = (decision.hi - 1) // prefix.block_size + 1
+                gate_hi = self._gate_hi.pop(req_id, 0)
+                n_blocks = (max(decision.hi, gate_hi) - 1) // prefix.block_size + 1
                 # whole blocks: the worker compares each stored block's ids with the prompt's
-                prompt = list(self._requests[req_id].prompt_token_ids)[:n_blocks * prefix.block_size]
+                prompt_all = list(self._requests[req_id].prompt_token_ids)
+                prompt = prompt_all[:n_blocks * prefix.block_size]
                 meta.loads.append(LoadSpec(req_id, prefix.model_key, list(prefix.hashes[:n_blocks]), decision.lo,
-                                           decision.hi, blocks, prompt))
+                                           decision.hi, blocks, prompt, gate_hi=gate_hi,
+                                           native_sink=self.spec.native_sink, prompt_len=len(prompt_all)))
                 first, last = decision.lo // self.block_size, (decision.hi - 1) // self.block_size
                 self._loading[req_id] = set(blocks[first:last + 1])
             except Exception as err:  # noqa: BLE001 -- the worker reports the promised blocks as load errors
@@ -313,6 +330,11 @@ class KVTransferConnector(KVConnectorBase_V1):
         """Scheduler side: a mapped request whose blocks the worker reported as load errors is re-classified
         "load_failed" (vLLM recomputes it), so its counts and response field say what happened."""
         try:
+            for rid, rec in getattr(getattr(connector_output, "kv_connector_worker_meta", None), "gates", {}).items():
+                self._gates[rid] = rec
+                self.counters.annotate(rid, rec)
+                if rec["action"] != "map":  # its load errors are the gate's recompute, not a failed load
+                    self._loading.pop(rid, None)
             invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
             if not invalid or self.decider is None:
                 return
@@ -327,7 +349,8 @@ class KVTransferConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         """Frees the request's state; a consumer returns {"kvtransfer": Decision.summary} as its kv_transfer_params."""
         try:
-            for table in (self._requests, self._pending, self._loading):
+            gate = self._gates.pop(request.request_id, None)
+            for table in (self._requests, self._pending, self._loading, self._gate_hi):
                 table.pop(request.request_id, None)
             self._saved.discard(request.request_id)
             if self.decider is None:
@@ -335,7 +358,7 @@ class KVTransferConnector(KVConnectorBase_V1):
             decision = self.decider.forget(request.request_id)
             if decision is None:
                 return False, None
-            return False, {"kvtransfer": decision.summary(len(request.prompt_token_ids or []))}
+            return False, {"kvtransfer": gating.response(decision.summary(len(request.prompt_token_ids or [])), gate)}
         except Exception as err:  # noqa: BLE001
             self._fault("request_finished", err, request)
             return False, None
@@ -405,9 +428,14 @@ class KVTransferConnector(KVConnectorBase_V1):
             raise RuntimeError(self._smap_error or "no mapper")
         t0 = time.perf_counter()
         prefix = Prefix(spec.model_key, self.store.block_size, tuple(spec.hashes))
-        source = self.store.read(prefix, spec.prompt, spec.lo, spec.hi)  # checksums, ids vs the prompt
+        end = max(spec.hi, spec.gate_hi)
+        source = self.store.read(prefix, spec.prompt, spec.lo, end)  # checksums, ids vs the prompt
         t1 = time.perf_counter()
-        mapped = self._smap.map_range(source, spec.lo, spec.hi)
+        mapped = self._smap.map_range(source, spec.lo, end)
+        if spec.gate_hi:  # the map's prediction of the gate's tail, scored after the forward (wait_for_save)
+            n = spec.hi - spec.lo
+            self._gate_kept[spec.req_id] = (spec, [(k[:, n:], v[:, n:]) for k, v in mapped])
+            mapped = [(k[:, :n], v[:, :n]) for k, v in mapped]
         t2 = time.perf_counter()
         slots = paged.slot_mapping(spec.block_ids, self.block_size, spec.lo, spec.hi)
         for name, layer in self._kv_caches.items():
@@ -428,6 +456,12 @@ class KVTransferConnector(KVConnectorBase_V1):
             parts[layer_index(layer_name)] = self._layout.gather(kv_layer, slots)
 
     def wait_for_save(self):
+        if self._gate_kept:  # consumer: the gate, on the native tail the forward just wrote
+            kept, self._gate_kept = self._gate_kept, {}
+            records, failed = gating.after_forward(kept, [(layer_index(n), t) for n, t in self._kv_caches.items()],
+                                                   self._layout, self.gate.thresholds, self.block_size)
+            self._gate_out.update(records)
+            self._failed_blocks.update(failed)
         if not self.producer or not self.has_connector_metadata():
             return
         for spec in self._get_connector_metadata().saves:
@@ -446,6 +480,13 @@ class KVTransferConnector(KVConnectorBase_V1):
 
             self._model_identity = serving_identity(str(self.model_path))
         return self._model_identity
+
+    def build_connector_worker_meta(self):
+        """The gate's records of this step for the scheduler side (None when there are none)."""
+        if not self._gate_out:
+            return None
+        out, self._gate_out = self._gate_out, {}
+        return GateMeta(out)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

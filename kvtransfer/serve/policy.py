@@ -28,6 +28,7 @@ log = logging.getLogger("kvtransfer.serve")
 
 MAPPED = "mapped"
 LOAD_FAILED = "load_failed"
+FINAL = (LOAD_FAILED, "gate_unusable", "gate_no_score")  # reasons a request keeps once given (never mapped again)
 
 
 class BadRequest(ValueError):
@@ -161,6 +162,7 @@ class Counters:
         self.reasons: Counter = Counter()
         self.requests: OrderedDict[str, dict] = OrderedDict()
         self.tags: OrderedDict[str, str] = OrderedDict()
+        self.gates: Counter = Counter()  # the gate's actions (kvtransfer.serve.gating), one per gated request
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._dirty = False
@@ -179,6 +181,8 @@ class Counters:
         with self._lock:
             tag = tag or (self.requests.get(request_id) or {}).get("tag")
             row = decision.summary(prompt_len) | ({"tag": tag} if tag else {})
+            if "gate" in (self.requests.get(request_id) or {}):
+                row["gate"] = self.requests[request_id]["gate"]
             if count:
                 self.reasons[decision.reason] += 1
             self.requests[request_id] = row
@@ -195,6 +199,21 @@ class Counters:
         else:
             log.warning("kvtransfer: request %s falls back to a normal prefill (%s) %s", request_id,
                         decision.reason, decision.detail)
+        self._schedule()
+
+    def annotate(self, request_id: str, gate: dict) -> None:
+        """Add the gate's record to a request's record (under "gate", with mapped / prefilled as the gate left them:
+        kvtransfer.serve.gating.response) and count its action ("gates")."""
+        from .gating import response
+
+        with self._lock:
+            row = self.requests.get(request_id)
+            if row is not None and "gate" not in row:
+                self.gates[gate["action"]] += 1
+            if row is not None:
+                self.requests[request_id] = response(row, gate)
+        log.info("kvtransfer: request %s gate %s (fraction %s, score %s: %s)", request_id, gate["action"],
+                 gate["fraction"], gate["score"], gate["reason"])
         self._schedule()
 
     def move(self, request_id: str, prompt_len: int, old_reason: str, decision: Decision) -> None:
@@ -219,7 +238,8 @@ class Counters:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"reasons": dict(self.reasons), "requests": dict(self.requests), "tags": dict(self.tags)}
+            return {"reasons": dict(self.reasons), "requests": dict(self.requests), "tags": dict(self.tags),
+                    "gates": dict(self.gates)}
 
     def flush(self) -> None:
         """Write the JSON now if anything changed since the last write (atomic; errors logged, never raised)."""
@@ -293,8 +313,8 @@ class Decider:
         prompt = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
         n = len(prompt) if isinstance(prompt, list) else 0
         known = self._memo.get(request_id)
-        if known is not None and (known[:2] == (n, num_computed) or known[2].reason == LOAD_FAILED):
-            return known[2]  # a failed load stays failed: the request is recomputed, never mapped again
+        if known is not None and (known[:2] == (n, num_computed) or known[2].reason in FINAL):
+            return known[2]  # a failed load (or the gate's fall-back) stays: the request is prefilled, never mapped
         decision = safe_decide(prompt, num_computed, self.store, self.spec, params=params,
                                prefix_caching=self.prefix_caching, salted=cache_salt == self.salt)
         tag = params.get("kvtransfer_tag") if isinstance(params, dict) else None
@@ -309,13 +329,14 @@ class Decider:
             self._memo.popitem(last=False)
         return decision
 
-    def fail(self, request_id: str, detail: str) -> None:
-        """The worker could not load a mapped request's blocks (vLLM recomputes them): its reason becomes
-        "load_failed" -- in the counts (moved from "mapped"), its record and the response field."""
+    def fail(self, request_id: str, detail: str, reason: str = LOAD_FAILED) -> None:
+        """The worker could not load a mapped request's blocks (vLLM recomputes them), or the gate sent it to a
+        normal prefill: its reason becomes `reason` (one of FINAL) -- in the counts (moved from "mapped"), its
+        record and the response field."""
         known = self._memo.get(request_id)
         if known is None or known[2].reason != MAPPED:
             return
-        failed = Decision(LOAD_FAILED, detail=detail)
+        failed = Decision(reason, detail=detail)
         self._memo[request_id] = (known[0], known[1], failed)
         self.counters.move(request_id, known[0], MAPPED, failed)
 

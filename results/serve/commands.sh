@@ -24,3 +24,21 @@ VLLM_CPU_KVCACHE_SPACE=1 KVT_HARNESS_PYTHON=python3 /work/venv-serve/bin/python 
 cp /work/cache-serve/proof/ttft_main/ttft.{json,md} /work/cache-serve/proof/equivalence_main/equivalence.{json,md} results/serve/
 cp /work/cache-serve/proof/equivalence_main/harness.json results/serve/harness_transfer_32windows.json
 python experiments/serve/collect.py                          # the README's generated tables
+# 5. the per-request gate served (issue 30), tiny family (3m -> 3m, identity map + 0.05 noise), from a clean checkout
+#    of the commit the results name; OUT = a scratch folder
+OUT=/tmp/gs/proof; mkdir -p $OUT
+python3 -c "from transformers import AutoConfig; from kvtransfer.config.identity import weights_identity as w; \
+from kvtransfer.serve.mapping import identity_mapper as m; T='models/tiny/qwen3-tiny-3m'; \
+m(AutoConfig.from_pretrained(T), model_id=T, start_ids=[0], noise=0.05, weights=w(T)).save('$OUT/perturbed')"
+VLLM_CPU_KVCACHE_SPACE=1 KVT_HARNESS_PYTHON=python3 /work/venv-serve/bin/python experiments/serve/equivalence.py \
+  --source models/tiny/qwen3-tiny-3m --target models/tiny/qwen3-tiny-3m --mapper $OUT/perturbed \
+  --out $OUT/eq_tiny --windows 8 --max-new 16 --fit-gate $OUT/eq_tiny/gate.json
+VLLM_CPU_KVCACHE_SPACE=1 /work/venv-serve/bin/python experiments/serve/ttft_gate.py --synthetic \
+  --source models/tiny/qwen3-tiny-3m --target models/tiny/qwen3-tiny-3m --mapper $OUT/perturbed \
+  --gate $OUT/eq_tiny/gate.json --out $OUT/ttft_tiny --tokens 257 513 1025 --repeats 3 --label "tiny family, float32"
+mkdir -p results/serve/gate
+cp $OUT/eq_tiny/equivalence.json results/serve/gate/equivalence_tiny.json
+cp $OUT/eq_tiny/equivalence.md results/serve/gate/equivalence_tiny.md
+cp $OUT/eq_tiny/gate.json results/serve/gate/gate_tiny.json
+cp $OUT/ttft_tiny/ttft_gate.json results/serve/gate/ttft_tiny.json
+python experiments/serve/collect.py

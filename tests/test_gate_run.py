@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvtransfer.core.gate import decide, load_gate
-from kvtransfer.runner.eval_stage import parse_repair_mode, repair_mode, repair_modes
+from kvtransfer.eval.repair import parse_repair_mode, repair_mode, repair_modes
 from kvtransfer.runner.pipeline import Run, execute
 from test_runner import _tiny_cfg, tiny_pair_dirs  # noqa: F401 (the module fixture)
 from tolerance import assert_close

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from kvtransfer.eval.metrics import paired_difference  # noqa: E402
 from kvtransfer.core.gate import bootstrap_auc  # noqa: E402
 from kvtransfer.eval.items import task_signal  # noqa: E402
-from kvtransfer.runner.eval_stage import repair_mode  # noqa: E402
+from kvtransfer.eval.repair import repair_mode  # noqa: E402
 from kvtransfer.core.io import atomic_write_bytes  # noqa: E402
 
 RUNS = ROOT / "results" / "gate" / "runs"

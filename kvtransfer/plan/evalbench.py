@@ -105,7 +105,7 @@ def _count_mode(out: dict, mode: str, t: dict, b: int, shared: bool = False) -> 
 
 
 def repair_costs(e: dict) -> list[tuple[float, bool, float, int]]:
-    """Per repair mode of eval.recompute_fraction x eval.recompute_select and eval.gate (runner.eval_stage.repair_modes):
+    """Per repair mode of eval.recompute_fraction x eval.recompute_select and eval.gate (kvtransfer.eval.repair.repair_modes):
     (expected fraction of each context the target recomputes, whether the deviation rule's one layer of
     prefill over the context is read, expected fraction of contexts that read it, gate tail tokens per context).
     The gated mode is planned at the rates its thresholds were chosen for on calibration text: full_rate of the

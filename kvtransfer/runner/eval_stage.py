@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..eval.adapter import KVTransferLM
 from ..eval.items import attach_events, item_records
+from ..eval.repair import REPAIR_PREFIX, parse_repair_mode, repair_modes
 from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl, prefix_pairs
 from ..core.gate import action_counts
@@ -155,39 +156,6 @@ def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
 
 
 BASELINE_MODES = ("target", "source", "native_injected", "no_context", "target_wrong")
-REPAIR_PREFIX = "recompute_"  # recompute_<r> (deviation-chosen tokens) and recompute_<select>_<r>
-
-
-def repair_modes(ecfg: dict) -> list[str]:
-    """The selective-recompute modes of eval.recompute_fraction x eval.recompute_select, then `gated` when
-    eval.gate.enabled (kvtransfer.core.recompute, kvtransfer.core.gate). ValueError naming the fix for a bad r or rule."""
-    from ..core.recompute import SELECTIONS
-
-    fractions = list(ecfg.get("recompute_fraction") or [])
-    selects = list(ecfg.get("recompute_select") or ["deviation"])
-    bad = [f for f in fractions if not isinstance(f, (int, float)) or not 0 <= float(f) <= 1]
-    if bad:
-        raise ValueError(f"eval.recompute_fraction={fractions}: {bad} not in [0, 1]; e.g. [0,0.15,1]")
-    unknown = [s for s in selects if s not in SELECTIONS]
-    if unknown:
-        raise ValueError(f"eval.recompute_select={selects}: unknown {unknown}; use a list of {list(SELECTIONS)}")
-    modes = [repair_mode(float(f), s) for s in selects for f in fractions]
-    if (ecfg.get("gate") or {}).get("enabled"):
-        modes.append("gated")
-    return list(dict.fromkeys(modes))
-
-
-def repair_mode(fraction: float, select: str = "deviation") -> str:
-    """Mode name of recomputing `fraction` of the tokens chosen by `select`: recompute_0.15, recompute_random_0.15."""
-    return f"{REPAIR_PREFIX}{fraction:g}" if select == "deviation" else f"{REPAIR_PREFIX}{select}_{fraction:g}"
-
-
-def parse_repair_mode(mode: str) -> tuple[float, str]:
-    """(fraction, select) of a `repair_mode` name."""
-    body = mode[len(REPAIR_PREFIX):]
-    select, _, r = body.rpartition("_")
-    return float(r), select or "deviation"
-
 assert tuple(CONTROLS) == CONTROL_MODES  # one vocabulary: the modes kvtransfer.maps.controls builds, metrics reads
 
 

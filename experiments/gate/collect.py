@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvtransfer.eval.metrics import paired_difference  # noqa: E402
 from kvtransfer.core.gate import bootstrap_auc  # noqa: E402
-from kvtransfer.eval.items import task_signal  # noqa: E402
+from kvtransfer.eval.items import pair_items, task_signal  # noqa: E402
 from kvtransfer.runner.eval_stage import repair_mode  # noqa: E402
 from kvtransfer.core.io import atomic_write_bytes  # noqa: E402
 
@@ -140,7 +140,11 @@ def task_rows(summary: dict, scores: dict) -> list[dict]:
         items = (scores.get("task_items") or {}).get(task) or {}
         sig = task_signal(items, seed=0) if all(m in items for m in ("gated", "transfer", "no_context", "target")) \
             else None
-        if sig:
+        if sig:  # a pairing check on real data: an item the gate sent to a full prefill is the target's own item
+            _, paired = pair_items({m: items[m] for m in ("gated", "target")})
+            full = [abs(a["margin"] - b["margin"]) for a, b in zip(paired["gated"], paired["target"])
+                    if a.get("gate") and a["gate"]["action"] == "full"]
+            sig["full_vs_target"] = (len(full), max(full) if full else None)
             finite = sorted(g["gate"]["score"] for g in items["gated"] if g.get("gate") and g["gate"]["score"] is not None)
             sig["score_quartiles"] = [finite[int(f * (len(finite) - 1))] for f in (0.25, 0.5, 0.75)] if finite else None
         out.append({"task": task, "n": len(per.get("transfer", [])), "modes": modes, "minus_floor": minus,
@@ -170,7 +174,9 @@ def task_table(rows: list[dict]) -> list[str]:
             lines += [f"ROC AUC of the gate's tail score on {r['task']} ({sig['n']} items, {sig['unscored']} without "
                       f"a gate record; score quartiles {_f(q[0], 3)} / {_f(q[1], 3)} / {_f(q[2], 3)} against the thresholds "
                       f"recompute {_f((r['thresholds'] or {}).get('recompute'), 3)}, full "
-                      f"{_f((r['thresholds'] or {}).get('full'), 3)}):", "", "| transfer below | by | AUC | bootstrap SE | positives |", "|---|---|---|---|---|"]
+                      f"{_f((r['thresholds'] or {}).get('full'), 3)}; pairing check: on the "
+                      f"{sig['full_vs_target'][0]} items the gate sent to a full prefill, max |gated - target| gold "
+                      f"margin = {_f(sig['full_vs_target'][1], 6)}):", "", "| transfer below | by | AUC | bootstrap SE | positives |", "|---|---|---|---|---|"]
             for floor in ("no_context", "target"):
                 for how in ("margin", "flip"):
                     a = sig[f"{floor}_{how}"]

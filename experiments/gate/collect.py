@@ -225,6 +225,34 @@ def floor_goal(runs: dict) -> list[str]:
             "Met on a task when gated minus no_context >= -1 paired SE (accuracy) or <= +1 SE (NLL).", "", *lines, ""]
 
 
+def signal_summary(runs: dict) -> list[str]:
+    """Per task the tail score's AUC for each definition, and whether it is distinguishable from chance."""
+    lines = ["| task (run) | n | AUC: below no_context by margin | by flip | below target by margin | by flip |",
+             "|---|---|---|---|---|---|"]
+    verdicts = []
+    for name, (summary, scores, commit) in runs.items():
+        for r in task_rows(summary, scores):
+            sig = r["signal"]
+            if not sig:
+                continue
+            cells = []
+            for k in ("no_context_margin", "no_context_flip", "target_margin", "target_flip"):
+                a = sig[k]
+                cells.append(f"{_f(a['auc'], 2)} ± {_f(a['se'], 2)} ({a['positives']}/{a['n']})")
+                if a["se"] is not None and math.isfinite(a["se"]) and min(a["positives"], a["n"] - a["positives"]) >= 10:
+                    verdicts.append(abs(a["auc"] - 0.5) <= 2 * a["se"])
+            lines.append(f"| {r['task']} ({name}, {commit}) | {sig['n']} | " + " | ".join(cells) + " |")
+    if len(lines) == 2:
+        return []
+    verdict = (f"On all {len(verdicts)} AUCs with at least 10 items in each class the score is within 2 bootstrap SE "
+               "of 0.5: per item, the gate's tail score is no better than chance at telling which items the map hurts."
+               if verdicts and all(verdicts) else
+               f"{sum(not v for v in verdicts)} of {len(verdicts)} AUCs (at least 10 items per class) differ from 0.5 "
+               "by more than 2 bootstrap SE.")
+    return ["## The signal per item: ROC AUC of the gate's tail score (bootstrap SE; positives/n)", "", *lines, "",
+            verdict, ""]
+
+
 def curve(runs: dict) -> list[str]:
     """The recompute curve on WikiText-2 at P = 256 over every run (same windows), and goal 2."""
     points, base = {}, None
@@ -283,7 +311,7 @@ def main() -> None:
         if run.name in EXPECTED:
             real[run.name] = (summary, scores, f"{str(env.get('commit'))[:7]}{', dirty' if env.get('dirty') else ''}")
     missing = [n for n in EXPECTED if n not in real]
-    head = floor_goal(real) + curve(real)
+    head = floor_goal(real) + signal_summary(real) + curve(real)
     if missing:
         head += [f"Missing (not run or unfinished by the time this README was generated): {', '.join(missing)}.", ""]
     out = out[:4] + head + out[4:]

@@ -273,6 +273,8 @@ def curve(runs: dict) -> list[str]:
              "| tokens chosen by | r | gap closed (%) | cost (× re-prefill) | run (commit) |", "|---|---|---|---|---|"]
     hits, missing = [], []
     for sel in CURVE_SELECT:
+        lines.append(f"| {sel} | 0 (the transfer row) | {_f(base[0].get('transfer_gap_closed'), pct=True)} ± "
+                     f"{_f(base[0].get('transfer_gap_closed_se'), pct=True)} | 0 | {base[1]} ({base[2]}) |")
         for r in CURVE_R:
             m = repair_mode(r, sel)
             if m not in points:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvtransfer.eval.metrics import paired_difference  # noqa: E402
 from kvtransfer.core.gate import bootstrap_auc  # noqa: E402
-from kvtransfer.eval.items import task_signal  # noqa: E402
+from kvtransfer.eval.items import pair_items, task_signal  # noqa: E402
 from kvtransfer.eval.repair import repair_mode  # noqa: E402
 from kvtransfer.core.io import atomic_write_bytes  # noqa: E402
 
@@ -140,7 +140,11 @@ def task_rows(summary: dict, scores: dict) -> list[dict]:
         items = (scores.get("task_items") or {}).get(task) or {}
         sig = task_signal(items, seed=0) if all(m in items for m in ("gated", "transfer", "no_context", "target")) \
             else None
-        if sig:
+        if sig:  # a pairing check on real data: an item the gate sent to a full prefill is the target's own item
+            _, paired = pair_items({m: items[m] for m in ("gated", "target")})
+            full = [abs(a["margin"] - b["margin"]) for a, b in zip(paired["gated"], paired["target"])
+                    if a.get("gate") and a["gate"]["action"] == "full"]
+            sig["full_vs_target"] = (len(full), max(full) if full else None)
             finite = sorted(g["gate"]["score"] for g in items["gated"] if g.get("gate") and g["gate"]["score"] is not None)
             sig["score_quartiles"] = [finite[int(f * (len(finite) - 1))] for f in (0.25, 0.5, 0.75)] if finite else None
         out.append({"task": task, "n": len(per.get("transfer", [])), "modes": modes, "minus_floor": minus,
@@ -170,7 +174,9 @@ def task_table(rows: list[dict]) -> list[str]:
             lines += [f"ROC AUC of the gate's tail score on {r['task']} ({sig['n']} items, {sig['unscored']} without "
                       f"a gate record; score quartiles {_f(q[0], 3)} / {_f(q[1], 3)} / {_f(q[2], 3)} against the thresholds "
                       f"recompute {_f((r['thresholds'] or {}).get('recompute'), 3)}, full "
-                      f"{_f((r['thresholds'] or {}).get('full'), 3)}):", "", "| transfer below | by | AUC | bootstrap SE | positives |", "|---|---|---|---|---|"]
+                      f"{_f((r['thresholds'] or {}).get('full'), 3)}; pairing check: on the "
+                      f"{sig['full_vs_target'][0]} items the gate sent to a full prefill, max |gated - target| gold "
+                      f"margin = {_f(sig['full_vs_target'][1], 6)}):", "", "| transfer below | by | AUC | bootstrap SE | positives |", "|---|---|---|---|---|"]
             for floor in ("no_context", "target"):
                 for how in ("margin", "flip"):
                     a = sig[f"{floor}_{how}"]
@@ -219,6 +225,34 @@ def floor_goal(runs: dict) -> list[str]:
             "Met on a task when gated minus no_context >= -1 paired SE (accuracy) or <= +1 SE (NLL).", "", *lines, ""]
 
 
+def signal_summary(runs: dict) -> list[str]:
+    """Per task the tail score's AUC for each definition, and whether it is distinguishable from chance."""
+    lines = ["| task (run) | n | AUC: below no_context by margin | by flip | below target by margin | by flip |",
+             "|---|---|---|---|---|---|"]
+    verdicts = []
+    for name, (summary, scores, commit) in runs.items():
+        for r in task_rows(summary, scores):
+            sig = r["signal"]
+            if not sig:
+                continue
+            cells = []
+            for k in ("no_context_margin", "no_context_flip", "target_margin", "target_flip"):
+                a = sig[k]
+                cells.append(f"{_f(a['auc'], 2)} ± {_f(a['se'], 2)} ({a['positives']}/{a['n']})")
+                if a["se"] is not None and math.isfinite(a["se"]) and min(a["positives"], a["n"] - a["positives"]) >= 10:
+                    verdicts.append(abs(a["auc"] - 0.5) <= 2 * a["se"])
+            lines.append(f"| {r['task']} ({name}, {commit}) | {sig['n']} | " + " | ".join(cells) + " |")
+    if len(lines) == 2:
+        return []
+    verdict = (f"On all {len(verdicts)} AUCs with at least 10 items in each class the score is within 2 bootstrap SE "
+               "of 0.5: per item, the gate's tail score is no better than chance at telling which items the map hurts."
+               if verdicts and all(verdicts) else
+               f"{sum(not v for v in verdicts)} of {len(verdicts)} AUCs (at least 10 items per class) differ from 0.5 "
+               "by more than 2 bootstrap SE.")
+    return ["## The signal per item: ROC AUC of the gate's tail score (bootstrap SE; positives/n)", "", *lines, "",
+            verdict, ""]
+
+
 def curve(runs: dict) -> list[str]:
     """The recompute curve on WikiText-2 at P = 256 over every run (same windows), and goal 2."""
     points, base = {}, None
@@ -239,6 +273,8 @@ def curve(runs: dict) -> list[str]:
              "| tokens chosen by | r | gap closed (%) | cost (× re-prefill) | run (commit) |", "|---|---|---|---|---|"]
     hits, missing = [], []
     for sel in CURVE_SELECT:
+        lines.append(f"| {sel} | 0 (the transfer row) | {_f(base[0].get('transfer_gap_closed'), pct=True)} ± "
+                     f"{_f(base[0].get('transfer_gap_closed_se'), pct=True)} | 0 | {base[1]} ({base[2]}) |")
         for r in CURVE_R:
             m = repair_mode(r, sel)
             if m not in points:
@@ -277,7 +313,7 @@ def main() -> None:
         if run.name in EXPECTED:
             real[run.name] = (summary, scores, f"{str(env.get('commit'))[:7]}{', dirty' if env.get('dirty') else ''}")
     missing = [n for n in EXPECTED if n not in real]
-    head = floor_goal(real) + curve(real)
+    head = floor_goal(real) + signal_summary(real) + curve(real)
     if missing:
         head += [f"Missing (not run or unfinished by the time this README was generated): {', '.join(missing)}.", ""]
     out = out[:4] + head + out[4:]

@@ -19,8 +19,8 @@ def recorded_provenance(data) -> dict | None:
     """The {"commit", "dirty"} (or {"commit": None, "not_recorded"}) block of a committed JSON result, or None."""
     if not isinstance(data, dict):
         return None
-    for block in (data.get("provenance"), data.get("machine"), data.get("environment"),
-                  (data.get("extra") or {}).get("environment")):
+    for block in (data.get("provenance"), data.get("produced_by"), data.get("machine"), data.get("environment"),
+                  (data.get("extra") or {}).get("environment"), data):
         if isinstance(block, dict) and "commit" in block and ("dirty" in block or block.get("not_recorded")):
             return block
     return None

@@ -58,7 +58,7 @@ def block_ttft(tt: dict) -> str:
     load = ", ".join(f"{x:.2f}" for x in m.get("load_avg_end", []))
     return (_script("ttft").table(rows) + "\n"
             f"Goal ≥ {TTFT_GOAL:.0f}x lower TTFT at {last['tokens']:,} tokens: **{met}** ({last['speedup']:.1f}x; median of "
-            f"{len(last['cold_all_s'])} timed requests per mode after one warm-up). Commit `{m['commit']}`, {m['dtype']}, "
+            f"{len(last['cold_all_s'])} timed requests per mode after one warm-up). Commit `{m['commit'][:7]}`, {m['dtype']}, "
             f"mapper `{Path(m['mapper']).name}`, {m['cpus']} CPUs, load average at the end {load}.\n")
 
 
@@ -74,7 +74,7 @@ def block_gate(folder: Path) -> str:
         gaps = [abs(r["served_score"] - r["harness_score"]) for r in rows if r["served_score"] is not None
                 and r["harness_score"] is not None]
         out.append(f"**{path.stem}** (`{Path(eq['source']).name}` -> `{Path(eq['target']).name}`, mapper "
-                   f"`{Path(eq['mapper']).name}`, commit `{eq['commit']}`{' (dirty)' if eq['dirty'] else ''}):\n\n"
+                   f"`{Path(eq['mapper']).name}`, commit `{eq['commit'][:7]}`{' (dirty)' if eq['dirty'] else ''}):\n\n"
                    + eqm.table(rows) + eqm.gate_table(rows) + "\n"
                    f"{len(rows)} windows: served and harness gate took the same action and start in {same} / {len(rows)}"
                    f" (actions served: {eq['gates']}); largest score difference "
@@ -86,7 +86,7 @@ def block_gate(folder: Path) -> str:
         m = tt["machine"]
         out.append(f"**{path.stem}** (`{Path(m['source']).name}` -> `{Path(m['target']).name}`, gate "
                    f"`{Path(m['gate']).name}`{', ' + m['label'] if m.get('label') else ''}):\n\n" + ttm.table(tt["rows"])
-                   + f"\nMedian of {m['repeats']} timed requests per mode after one warm-up; commit `{m['commit']}`"
+                   + f"\nMedian of {m['repeats']} timed requests per mode after one warm-up; commit `{m['commit'][:7]}`"
                    f"{' (dirty)' if m['dirty'] else ''}, {m['dtype']}, {m['cpus']} CPUs, load average at the end "
                    f"{', '.join(f'{x:.2f}' for x in m['load_avg_end'])}.\n")
     return "\n".join(out) if out else "(not run yet)\n"

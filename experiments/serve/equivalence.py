@@ -115,11 +115,12 @@ def main() -> None:
             rows[-1] |= {"served_action": served.get("action"), "harness_action": row["gate"]["action"],
                          "served_start": served.get("start"), "harness_start": row["gate"]["start"],
                          "served_score": served.get("score"), "harness_score": row["gate"]["score"]}
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=HERE).stdout.strip()  # noqa: E731
+    from kvtransfer.config.provenance import json_provenance
+
+    stamp = json_provenance()  # the checkout: commit, dirty (untracked source counted), time
     report = {"bound": BOUND, "mapper": args.mapper, "gate": args.gate, "windows": rows,
               "reasons": v["stats"]["reasons"], "gates": v["stats"].get("gates"), "source": args.source,
-              "target": args.target, "commit": git("rev-parse", "--short", "HEAD"),
-              "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+              "target": args.target, "commit": stamp["commit"], "dirty": stamp["dirty"], "provenance": stamp}
     (out / "equivalence.json").write_text(json.dumps(report, indent=1))
     (out / "equivalence.md").write_text(table(rows) + (gate_table(rows) if args.gate else ""))
     print(table(rows) + (gate_table(rows) if args.gate else ""))

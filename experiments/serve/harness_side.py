@@ -149,8 +149,10 @@ def main() -> None:
             row |= {"cold_first_logprobs": top(cold_first), "cold_tokens": cold_tokens}
         rows.append(row)
         print(f"window {i}: {tokens[:8]}", flush=True)
+    from kvtransfer.config.provenance import json_provenance
+
     Path(args.out).write_text(json.dumps({"mapper": args.mapper, "tail": args.tail, "gate": args.gate,
-                                          "windows": rows}))
+                                          "windows": rows, "provenance": json_provenance()}))
 
 
 if __name__ == "__main__":

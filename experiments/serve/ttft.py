@@ -89,9 +89,10 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     close(llm)
+    from kvtransfer.config.provenance import json_provenance
+
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=ROOT).stdout.strip(), "dtype": args.dtype, "mapper": args.mapper,
+               **{k: v for k, v in json_provenance().items() if k in ("commit", "dirty")}, "dtype": args.dtype, "mapper": args.mapper,
                "load_avg_end": os.getloadavg()}
     (out / "ttft.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
     (out / "ttft.md").write_text(table(rows))

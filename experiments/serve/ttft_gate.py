@@ -87,14 +87,18 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=ROOT).stdout.strip(),
-               "dirty": bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                            capture_output=True, text=True, cwd=ROOT).stdout.strip()),
-               "dtype": args.dtype, "source": args.source, "target": args.target, "mapper": args.mapper,
+               **_checkout(), "dtype": args.dtype, "source": args.source, "target": args.target, "mapper": args.mapper,
                "gate": args.gate, "repeats": args.repeats, "label": args.label, "load_avg_end": os.getloadavg()}
     (out / "ttft_gate.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
     print(table(rows))
+
+
+def _checkout() -> dict:
+    """commit and dirty flag of the checkout (kvtransfer.config.provenance: untracked source counted)."""
+    from kvtransfer.config.provenance import json_provenance
+
+    stamp = json_provenance()
+    return {"commit": stamp["commit"], "dirty": stamp["dirty"]}
 
 
 def table(rows: list[dict]) -> str:

@@ -82,3 +82,17 @@ def test_task_signal_pairs_the_score_with_the_same_items_outcomes():
     # a wrong pairing (the scores moved to other doc ids) breaks the ranking, and the test sees it
     moved = [dict(r, doc_id=(r["doc_id"] + 6) % n) for r in gated]
     assert task_signal(dict(by_mode, gated=moved), n_boot=20)["no_context_margin"]["auc"] == 0
+
+
+def test_the_margin_of_a_task_whose_choices_are_contexts():
+    """WinoGrande's lm-eval target is the shared continuation's text, not an index (a dry run crashed on it): the
+    gold choice comes from the doc's 1-based answer; with no index anywhere the margin is NaN, never a crash."""
+    import math
+
+    from kvtransfer.eval.items import sample_margin
+
+    sample = {"filtered_resps": [[-3.0, False], [-1.0, False]], "arguments": [["a _", " ends."], ["b _", " ends."]],
+              "target": "ends.", "doc": {"answer": "2"}}
+    assert sample_margin(sample, "acc") == 2.0           # gold = option 2 (index 1): -1 - (-3)
+    assert sample_margin(dict(sample, doc={"answer": "1"}), "acc") == -2.0
+    assert math.isnan(sample_margin(dict(sample, doc={}), "acc"))

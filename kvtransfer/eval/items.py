@@ -23,14 +23,26 @@ def _choice_len(continuation: str) -> int:
     return max(1, len(continuation[1:] if continuation.startswith(" ") else continuation))
 
 
+def _gold_index(sample: dict) -> int | None:
+    """The gold choice's index of an lm-eval sample: its target when that is an index; for a task whose choices
+    are contexts sharing one continuation (WinoGrande: the target is that continuation's text) the doc's 1-based
+    "answer"; None when neither says."""
+    gold = sample["target"]
+    gold = gold[0] if isinstance(gold, (list, tuple)) else gold
+    try:
+        return int(gold)
+    except (TypeError, ValueError):
+        answer = str((sample.get("doc") or {}).get("answer", ""))
+        return int(answer) - 1 if answer.isdigit() else None
+
+
 def sample_margin(sample: dict, metric: str) -> float:
     """Gold-answer margin of one lm-eval multiple-choice sample (see module doc); NaN without a rival choice."""
     lls = np.array([float(r[0]) for r in sample["filtered_resps"]], dtype=np.float64)
     if metric == "acc_norm":
         lls = lls / np.array([_choice_len(a[1]) for a in sample["arguments"]], dtype=np.float64)
-    gold = sample["target"]
-    gold = int(gold[0] if isinstance(gold, (list, tuple)) else gold)
-    if len(lls) < 2 or not 0 <= gold < len(lls):
+    gold = _gold_index(sample)
+    if gold is None or len(lls) < 2 or not 0 <= gold < len(lls):
         return math.nan
     return float(lls[gold] - np.delete(lls, gold).max())
 

@@ -15,6 +15,20 @@ pytest_plugins = ("pytester", "headroom_guard")  # pytester: test_repo.py runs t
 BENCH = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
 
 
+@pytest.fixture
+def git_repo(tmp_path):
+    """A throw-away git repository in tmp_path (user set): returns git(*args), run there, failing on error."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    return git
+
+
 @pytest.fixture(scope="session")
 def bench_dir() -> Path:
     """The offline benchmark samples shipped in the repo (data/benchmarks, see its README).

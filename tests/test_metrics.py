@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import subprocess
 
 import numpy as np
 import pytest
@@ -133,15 +132,10 @@ def test_rounding_to_what_the_se_supports():
     assert M.format_with_se(0.25, None) == "0.250" and M.format_with_se(None, 0.1) == "–"
 
 
-def test_provenance_ignores_results_and_runs(tmp_path):
+def test_provenance_ignores_results_and_runs(tmp_path, git_repo):
     from kvtransfer.config import provenance
 
-    def git(*args):
-        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
-
-    git("init", "-q")
-    git("config", "user.email", "t@t")
-    git("config", "user.name", "t")
+    git = git_repo
     for rel in ("code.py", "results/x/summary.json", "experiments/e/runs/r/summary.json", "README.md"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("0")

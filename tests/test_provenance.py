@@ -23,14 +23,8 @@ def test_the_provenance_root_is_the_repository():
     assert (provenance.ROOT / "pyproject.toml").is_file() and (provenance.ROOT / "kvtransfer").is_dir()
 
 
-def test_untracked_source_files_make_the_tree_dirty(tmp_path):
-    import subprocess
-
-    def git(*args):
-        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
-    git("init", "-q")
-    git("config", "user.email", "t@t")
-    git("config", "user.name", "t")
+def test_untracked_source_files_make_the_tree_dirty(tmp_path, git_repo):
+    git = git_repo
     (tmp_path / ".gitignore").write_text("artifacts/\n")
     (tmp_path / "code.py").write_text("0")
     git("add", "-A")

@@ -10,28 +10,18 @@ two dead engines a 502 from a proxy that stays up.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from vllm_tests import SERVE_ONLY, run_script
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="needs vLLM: run in the serving environment (scripts/setup_serve.sh cpu)")]
+pytestmark = SERVE_ONLY
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("handoff") / "run"
-    done = subprocess.run([sys.executable, str(ROOT / "experiments/handoff/load_tiny.py"), str(out),
-                           "--sessions", "4", "--turns", "4"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=2400, env=os.environ | {"PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_script("experiments/handoff/load_tiny.py", out, "--sessions", 4, "--turns", 4, kv_space=False)
     return json.loads((out / "report.json").read_text())
 
 

@@ -5,40 +5,24 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from tolerance import assert_within
+from vllm_tests import SERVE_ONLY, run_script, shared_logprobs as _shared
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="needs vLLM: run in the serving environment (scripts/setup_serve.sh cpu)")]
+pytestmark = SERVE_ONLY
 
 
 @pytest.fixture(scope="module")
 def gate(tmp_path_factory):
     out = tmp_path_factory.mktemp("gate")
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    done = subprocess.run([sys.executable, str(ROOT / "experiments/serve/gate_tiny.py"), str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=2400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_script("experiments/serve/gate_tiny.py", out)
     return json.loads((out / "report.json").read_text())
 
 
 def _gate_of(got: dict) -> dict:
     return got["kv_transfer_params"]["kvtransfer"]["gate"]
-
-
-def _shared(a: dict, b: dict) -> tuple[list[float], list[float]]:
-    shared = sorted(set(a["first_logprobs"]) & set(b["first_logprobs"]))
-    assert shared
-    return [a["first_logprobs"][t] for t in shared], [b["first_logprobs"][t] for t in shared]
 
 
 def test_forced_full_serves_exactly_the_targets_own_greedy_output(gate):

@@ -6,27 +6,18 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from tolerance import assert_within
+from vllm_tests import SERVE_ONLY, run_script, shared_logprobs as _shared_logprobs
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="needs vLLM: run in the serving environment (scripts/setup_serve.sh cpu)")]
+pytestmark = SERVE_ONLY
 
 
 def _run(script: str, *args, timeout=1800):
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    done = subprocess.run([sys.executable, str(ROOT / "experiments/serve" / script), *map(str, args)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_script(f"experiments/serve/{script}", *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +25,6 @@ def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
     _run("e2e_tiny.py", out)
     return json.loads((out / "report.json").read_text())
-
-
-def _shared_logprobs(a: dict, b: dict) -> tuple[list[float], list[float]]:
-    """(a's, b's) first-token logprobs of the candidates both list, in one order."""
-    shared = sorted(set(a["first_logprobs"]) & set(b["first_logprobs"]))
-    assert shared, "no first-token candidates in common"
-    return [a["first_logprobs"][t] for t in shared], [b["first_logprobs"][t] for t in shared]
 
 
 def _by_name(tiny) -> dict[str, tuple[dict, dict]]:

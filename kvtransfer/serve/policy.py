@@ -150,24 +150,63 @@ def safe_decide(prompt, num_computed, store: KVStore, spec: MapSpec, *, params=N
         return Decision("error", detail=f"{type(err).__name__}: {err}")
 
 
-class Counters:
+class _TimedJSON:
+    """A JSON file (`snapshot()`) written at most every `flush_s` seconds by a timer thread after a change, and at
+    exit; atomic, errors logged, never raised. No path: nothing is written."""
+
+    what = "file"
+
+    def __init__(self, path: str | Path | None, flush_s: float):
+        self.path, self.flush_s = (Path(path) if path else None), flush_s
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._dirty = False
+        if self.path is not None:
+            atexit.register(self.flush)
+
+    def snapshot(self) -> dict:
+        raise NotImplementedError
+
+    def _schedule(self) -> None:
+        if self.path is None:
+            return
+        with self._lock:
+            self._dirty = True
+            if self._timer is not None:
+                return
+            self._timer = threading.Timer(self.flush_s, self.flush)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def flush(self) -> None:
+        """Write the JSON now if anything changed since the last write (atomic; errors logged, never raised)."""
+        with self._lock:
+            self._timer = None
+            if self.path is None or not self._dirty:
+                return
+            self._dirty = False
+        try:
+            atomic_write_json(self.path, self.snapshot())
+        except (OSError, ValueError, TypeError) as err:
+            log.error("kvtransfer: cannot write %s %s: %s", self.what, self.path, err)
+
+
+class Counters(_TimedJSON):
     """Fallback reasons and the last `keep` per-request records (bounded), logged per decision and written as JSON
     (with a path) at most every `flush_s` seconds by a timer thread, and at exit.
 
     File: {"reasons": {reason: count}, "requests": {request id: Decision.summary | {"tag"}}, "tags": {tag: id}}.
     """
 
+    what = "stats"
+
     def __init__(self, path: str | Path | None = None, keep: int = 1000, flush_s: float = 0.5):
-        self.path, self.keep, self.flush_s = (Path(path) if path else None), keep, flush_s
+        super().__init__(path, flush_s)
+        self.keep = keep
         self.reasons: Counter = Counter()
         self.requests: OrderedDict[str, dict] = OrderedDict()
         self.tags: OrderedDict[str, str] = OrderedDict()
         self.gates: Counter = Counter()  # the gate's actions (kvtransfer.serve.gating), one per gated request
-        self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
-        self._dirty = False
-        if self.path is not None:
-            atexit.register(self.flush)
 
     def count(self, reason: str) -> None:
         """Count a reason that has no request record (a hook's fault)."""
@@ -225,33 +264,10 @@ class Counters:
                     del self.reasons[old_reason]
         self.record(request_id, prompt_len, decision)
 
-    def _schedule(self) -> None:
-        if self.path is None:
-            return
-        with self._lock:
-            self._dirty = True
-            if self._timer is not None:
-                return
-            self._timer = threading.Timer(self.flush_s, self.flush)
-            self._timer.daemon = True
-            self._timer.start()
-
     def snapshot(self) -> dict:
         with self._lock:
             return {"reasons": dict(self.reasons), "requests": dict(self.requests), "tags": dict(self.tags),
                     "gates": dict(self.gates)}
-
-    def flush(self) -> None:
-        """Write the JSON now if anything changed since the last write (atomic; errors logged, never raised)."""
-        with self._lock:
-            self._timer = None
-            if self.path is None or not self._dirty:
-                return
-            self._dirty = False
-        try:
-            atomic_write_json(self.path, self.snapshot())
-        except (OSError, ValueError, TypeError) as err:
-            log.error("kvtransfer: cannot write stats %s: %s", self.path, err)
 
     @staticmethod
     def load(path: str | Path, wait_s: float = 2.0) -> dict:
@@ -263,35 +279,24 @@ class Counters:
         return json.loads(path.read_text())
 
 
-class Timings:
+class Timings(_TimedJSON):
     """The worker's per-load timings: the last `keep` kept (bounded), written like Counters' (timer, at exit)."""
 
+    what = "timings"
+
     def __init__(self, path: str | Path | None = None, keep: int = 1000, flush_s: float = 0.5):
-        self.path, self.flush_s = (Path(path) if path else None), flush_s
+        super().__init__(path, flush_s)
         self.loads: deque = deque(maxlen=keep)
-        self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
-        if self.path is not None:
-            atexit.register(self.flush)
 
     def add(self, row: dict) -> None:
+        """Keep one load's timings (the oldest beyond `keep` dropped) and schedule a write."""
         with self._lock:
             self.loads.append(row)
-            if self.path is None or self._timer is not None:
-                return
-            self._timer = threading.Timer(self.flush_s, self.flush)
-            self._timer.daemon = True
-            self._timer.start()
+        self._schedule()
 
-    def flush(self) -> None:
+    def snapshot(self) -> dict:
         with self._lock:
-            self._timer = None
-            rows = list(self.loads)
-        if self.path is not None and rows:
-            try:
-                atomic_write_json(self.path, {"loads": rows})
-            except (OSError, ValueError, TypeError) as err:
-                log.error("kvtransfer: cannot write timings %s: %s", self.path, err)
+            return {"loads": list(self.loads)}
 
 
 class Decider:

@@ -361,6 +361,123 @@ def task_curve(runs: dict) -> list[str]:
     return lines if found else []
 
 
+def allocation(values: dict[str, list[float]], actions: list[str], *, lower_is_better: bool) -> dict:
+    """What the gate's choice of requests is worth against chance and against hindsight, at the same action counts.
+
+    values: per action ("map", "recompute", "full") each request's outcome under that action (map = transfer,
+    recompute = the recompute mode at the gate's fraction and rule, full = target); actions: what the gate did per
+    request. Returns {"gated": mean outcome of the gate's choice, "random": the mean under a uniformly random
+    assignment of the same counts (each request gets each action with probability count / n), "minus_random":
+    paired difference gated - random per request (SE over requests), "oracle": the best assignment of the same
+    counts in hindsight (exact, by dynamic programming over requests), "counts"}."""
+    n = len(actions)
+    counts = {a: actions.count(a) for a in ("map", "recompute", "full")}
+    gated = [values[a][i] for i, a in enumerate(actions)]
+    random_ = [sum(counts[a] * values[a][i] for a in counts if counts[a]) / n for i in range(n)]
+    sign = 1.0 if lower_is_better else -1.0
+    # best[(m, r)]: least signed total over the requests so far with m maps and r recomputes (the rest full)
+    best = {(0, 0): 0.0}
+    for i in range(n):
+        nxt = {}
+        for (m, r), tot in best.items():
+            f = i - m - r
+            for a, key in (("map", (m + 1, r)), ("recompute", (m, r + 1)), ("full", (m, r))):
+                if (a == "map" and m >= counts["map"]) or (a == "recompute" and r >= counts["recompute"]) or \
+                        (a == "full" and f >= counts["full"]):
+                    continue
+                cand = tot + sign * values[a][i]
+                if cand < nxt.get(key, math.inf):
+                    nxt[key] = cand
+        best = nxt
+    oracle = sign * best[(counts["map"], counts["recompute"])] / n
+    return {"gated": sum(gated) / n, "random": sum(random_) / n, "minus_random": paired_difference(gated, random_),
+            "oracle": oracle, "counts": counts, "n": n}
+
+
+def gate_control(runs: dict) -> list[str]:
+    """The gate's control: its choice of which requests to repair against a random choice of the same counts (and
+    the hindsight best), per task and on the WikiText-2 windows, where each action's per-request outcome is known."""
+    rows, skipped = [], []
+    for name, (summary, scores, commit) in runs.items():
+        for P, per in (scores.get("ppl_window_nll") or {}).items():
+            events = (((scores.get("ppl_sets") or {}).get("wikitext2") or {}).get("events") or {}).get("gated", {}).get(P)
+            if not events or not all(m in per for m in ("gated", "transfer", "target")):
+                continue
+            acts = [e["action"] for e in events]
+            rec = _recompute_values(runs, "ppl", P, summary)
+            if "recompute" in acts and rec is None:
+                skipped.append(f"wikitext2 P = {P} ({name})")
+                continue
+            vals = {"map": per["transfer"], "full": per["target"], "recompute": rec or per["transfer"]}
+            check = max(abs(g - vals[a][i]) for i, (g, a) in enumerate(zip(per["gated"], acts)))
+            rows.append((f"wikitext2 P = {P} (NLL, nats/token; lower is better)", name, commit,
+                         allocation(vals, acts, lower_is_better=True), check, 1.0))
+        for task, items in (scores.get("task_items") or {}).items():
+            if not all(m in items for m in ("gated", "transfer", "target")):
+                continue
+            _, paired = pair_items({m: items[m] for m in ("gated", "transfer", "target")})
+            acts = [r["gate"]["action"] if r.get("gate") else "full" for r in paired["gated"]]
+            rec = None
+            if "recompute" in acts:
+                rec = _recompute_values(runs, task, [(r["task"], int(r["doc_id"])) for r in paired["gated"]], summary)
+                if rec is None:
+                    skipped.append(f"{task} ({name})")
+                    continue
+            vals = {"map": [r["score"] for r in paired["transfer"]], "full": [r["score"] for r in paired["target"]],
+                    "recompute": rec or [r["score"] for r in paired["transfer"]]}
+            check = max(abs(r["score"] - vals[a][i]) for i, (r, a) in enumerate(zip(paired["gated"], acts)))
+            rows.append((f"{task} (accuracy, %)", name, commit, allocation(vals, acts, lower_is_better=False), check,
+                         100.0))
+    if not rows:
+        return []
+    lines = ["## The gate's control: its choice against a random choice of the same counts", "",
+             "Each request's outcome under each action is measured (map = transfer, recompute = the recompute mode of the "
+             "gate's fraction and rule, full = target), so the gated row is their mixture by the gate's choice. random = "
+             "the expected outcome when the same numbers of requests are mapped, recomputed and prefilled but chosen "
+             "at random; gated - random is paired over requests (SE = sd / sqrt(n)); oracle = the best choice of the same "
+             "counts in hindsight. consistency = max |gated - the chosen action's outcome| over requests (0: the gated "
+             "row is exactly its actions' outcomes).", "",
+             "| part | run (commit) | n | map / recompute / full | gated | random, same counts | gated - random (SE) | "
+             "oracle, same counts | consistency |", "|---|---|---|---|---|---|---|---|---|"]
+    for part, name, commit, a, check, scale in rows:
+        c, d = a["counts"], a["minus_random"]
+        lines.append(f"| {part} | {name} ({commit}) | {a['n']} | {c['map']} / {c['recompute']} / {c['full']} | "
+                     f"{scale * a['gated']:.3f} | {scale * a['random']:.3f} | {scale * d['difference']:+.3f} ± "
+                     f"{scale * d['se']:.3f} | {scale * a['oracle']:.3f} | {check:.1e} |")
+    chose = [r[3] for r in rows if sum(1 for v in r[3]["counts"].values() if v) > 1]  # more than one action used
+    within = sum(abs(a["minus_random"]["difference"]) <= 2 * a["minus_random"]["se"] for a in chose)
+    lines += ["", f"{len(rows) - len(chose)} of {len(rows)} parts used one action only (no choice to test). On {within} "
+              f"of the {len(chose)} where the gate chose, its choice is within 2 SE of a random choice of the same counts:"
+              " there, what the gated row gains over transfer comes from how many requests it repairs, not from which."
+              + (f" Not shown: {', '.join(skipped)} (a recompute action whose per-request outcome no run measured)."
+                 if skipped else ""), ""]
+    return lines
+
+
+def _recompute_values(runs: dict, part: str, key, summary: dict):
+    """Per request, the outcome of the recompute mode the gate's recompute runs (its fraction and rule), from any run
+    that measured it on the same requests: WikiText-2 windows (part "ppl", key P) in window order, or task items
+    (part = task, key = [(subtask, doc_id)] in order); None when no run did."""
+    gate = ((summary.get("gate_artifact") or {}).get("thresholds") or {})
+    fraction = gate.get("fraction")
+    select = (summary.get("gate_config") or {}).get("select") or "deviation"
+    if fraction is None:
+        return None
+    mode = repair_mode(float(fraction), select)
+    for _, scores, _ in runs.values():
+        if part == "ppl":
+            per = (scores.get("ppl_window_nll") or {}).get(key) or {}
+            if mode in per and len(per[mode]) == len(per.get("gated") or per[mode]):
+                return per[mode]
+        else:
+            recs = ((scores.get("task_items") or {}).get(part) or {}).get(mode)
+            if recs:
+                by = {(r["task"], int(r["doc_id"])): r["score"] for r in recs}
+                if all(k in by for k in key):
+                    return [by[k] for k in key]
+    return None
+
+
 def main() -> None:
     out = ["# Selective recompute and the per-request gate (issue 30)", "",
            "Generated by `python experiments/gate/collect.py` from `results/gate/runs/*` (runs: "
@@ -380,9 +497,9 @@ def main() -> None:
         out += task_table(task_rows(summary, scores))
         out += ppl_table(summary) + signal(scores, config.get("seed", 0)) + timing(summary) + goals(summary)
         if run.name in EXPECTED:
-            real[run.name] = (summary, scores, f"{str(env.get('commit'))[:7]}{', dirty' if env.get('dirty') else ''}")
+            real[run.name] = (summary | {"gate_config": config.get("eval", {}).get("gate")}, scores, f"{str(env.get('commit'))[:7]}{', dirty' if env.get('dirty') else ''}")
     missing = [n for n in EXPECTED if n not in real]
-    head = floor_goal(real) + signal_summary(real) + curve(real) + task_curve(real)
+    head = floor_goal(real) + gate_control(real) + signal_summary(real) + curve(real) + task_curve(real)
     if missing:
         head += [f"Missing (not run or unfinished by the time this README was generated): {', '.join(missing)}.", ""]
     out = out[:4] + head + out[4:]

@@ -96,3 +96,23 @@ def test_the_margin_of_a_task_whose_choices_are_contexts():
     assert sample_margin(sample, "acc") == 2.0           # gold = option 2 (index 1): -1 - (-3)
     assert sample_margin(dict(sample, doc={"answer": "1"}), "acc") == -2.0
     assert math.isnan(sample_margin(dict(sample, doc={}), "acc"))
+
+
+def test_task_signal_of_a_recorded_signal_reads_that_signal_not_the_score():
+    n = 12
+    floor = [_rec("t", i, 1.0, 0.0) for i in range(n)]
+    transfer = [_rec("t", i, 1.0 if i < 6 else 0.0, 1.0 if i < 6 else -1.0) for i in range(n)]
+    target = [_rec("t", i, 1.0, 2.0) for i in range(n)]
+    # the score ranks the items backwards, the recorded signal "first_layer" forwards; "tail_kl" is missing on two
+    gated = [_rec("t", i, 1.0, 0.0, {"action": "map", "fraction": 0.0, "score": float(-i),
+                                     "signals": {"first_layer": float(i), "tail_kl": None if i in (0, 1) else 0.0}})
+             for i in range(n)]
+    by_mode = {"gated": gated, "transfer": transfer, "no_context": floor, "target": target}
+    assert task_signal(by_mode, n_boot=20)["no_context_margin"]["auc"] == 0
+    assert task_signal(by_mode, signal="first_layer", n_boot=20)["no_context_margin"]["auc"] == 1
+    # a missing value ranks highest (as a fall-back's score does): items 0, 1 are not below the floor
+    got = task_signal(by_mode, signal="tail_kl", n_boot=20)["no_context_margin"]["auc"]
+    assert got == (6 * 4 * 0.5 + 6 * 2 * 0) / 36
+    # records without signals (runs from before them): every item is unscored for that signal
+    old = dict(by_mode, gated=[_rec("t", i, 1.0, 0.0, {"action": "map", "fraction": 0.0, "score": 0.0}) for i in range(n)])
+    assert task_signal(old, signal="first_layer", n_boot=20)["no_context_margin"]["auc"] == 0.5

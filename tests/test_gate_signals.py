@@ -198,3 +198,65 @@ def test_the_gates_key_holds_its_score_only_when_it_is_not_the_tail_score():
         assert key_inputs("gate", cfg)["eval.gate.score"] == name
     # the artifact table (a standard-library leaf) lists the non-default signals by hand: it must list all of them
     assert set(ARTIFACTS["gate"].when["eval.gate.score"][1]) == set(SIGNALS) - {DEFAULT_SCORE}
+
+
+def _prefixes(tokenizer, bench_dir):
+    import json
+
+    text = " ".join(json.loads(line)["page"] for line in (bench_dir / "wikitext2.jsonl").open())
+    ids = tokenizer.encode(text)
+    return [ids[i * 50:i * 50 + n] for i, n in enumerate((12, 30, 21, 40, 9, 33))]
+
+
+def test_events_and_item_records_carry_the_signals_and_the_artifacts_score_decides(
+        eval_model, eval_tokenizer, eval_mapper, bench_dir, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from kvtransfer.core.gate import decide, load_gate, save_gate
+    from kvtransfer.eval.adapter import KVTransferLM
+    from kvtransfer.eval.items import attach_events
+    from kvtransfer.runner import eval_stage
+
+    wide = {"recompute": 1e9, "full": 1e9, "fraction": 0.15}  # every row mapped: the cache stays the map
+    lm = KVTransferLM(source_model=eval_model, target_model=eval_model, tokenizer=eval_tokenizer, mapper=eval_mapper,
+                      mode="transfer", gate=wide, gate_tail=4, gate_signals=list(SIGNALS), batch_size=6)
+    prefixes = _prefixes(eval_tokenizer, bench_dir)
+    lm.prefix_cache(prefixes)
+    events = list(lm.events)
+    assert len(events) == len(prefixes)
+    for e in events:
+        assert list(e["signals"]) == [*SIGNALS, *ENTROPIES] and e["signals"]["tail_kv"] == e["score"]
+        assert all(isinstance(x, float) and math.isfinite(x) for x in e["signals"].values())
+        assert e["signal_costs"] == signal_costs(eval_model.config, e["tokens"], tail=4, n_start=len(lm._start_ids),
+                                                 names=list(SIGNALS))
+    # thresholds on first_layer that split the rows differently from the same thresholds on tail_kv
+    fl = sorted(e["signals"]["first_layer"] for e in events)
+    split = {"recompute": fl[2], "full": fl[2], "fraction": 0.15}
+    by_fl = [decide(e["signals"]["first_layer"], split).action for e in events]
+    assert by_fl.count("map") == 3 and by_fl != [decide(e["score"], split).action for e in events]
+    save_gate(tmp_path / "gate.json", split, {"score": "first_layer", "tail": 4})
+    artifact = load_gate(tmp_path / "gate.json")
+    monkeypatch.setattr(eval_stage.gate_stage, "gate", lambda run: artifact)
+    run = SimpleNamespace(cfg={"eval": {"gate": {"tail": 4, "signals": ["tail_kl"]}}})
+    gated, mode = eval_stage.control_lm(lm, "gated", run, 0)
+    assert mode == "transfer" and gated.gate_score == "first_layer" and gated.gate_signals == ["tail_kl"]
+    gated.prefix_cache(prefixes)
+    assert [e["action"] for e in gated.events] == by_fl
+    assert [e["score"] for e in gated.events] == [e["signals"]["first_layer"] for e in events]  # same map, kernels
+    assert all(list(e["signals"]) == ["tail_kl", *ENTROPIES] for e in gated.events)
+    # per item: the record of the item's cached prefix carries its signals and their costs
+    items = [{"task": "t", "doc_id": i, "prefixes": [e["key"]]} for i, e in enumerate(gated.events)]
+    recs = attach_events(items, gated.events)
+    assert [r["gate"]["signals"] for r in recs] == [e["signals"] for e in gated.events]
+    assert [r["gate"]["signal_costs"] for r in recs] == [e["signal_costs"] for e in gated.events]
+    # an artifact from before eval.gate.score decides by the tail score; an unknown score is refused by name
+    artifact = {k: v for k, v in artifact.items() if k != "score"}
+    assert eval_stage.control_lm(lm, "gated", run, 0)[0].gate_score == "tail_kv"
+    artifact["score"] = "kl"
+    with pytest.raises(ValueError, match="first_layer"):
+        eval_stage.control_lm(lm, "gated", run, 0)
+    # no signals asked for: the events are what they were before signals existed
+    plain = lm.with_mode("transfer", gate_signals=[], events=[])
+    plain.prefix_cache(prefixes)
+    assert all("signals" not in e and "signal_costs" not in e for e in plain.events)
+    assert [(e["score"], e["cost"]) for e in plain.events] == [(e["score"], e["cost"]) for e in events]

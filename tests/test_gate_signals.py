@@ -113,6 +113,9 @@ def test_tail_signals_are_nan_where_the_row_is_too_short_and_nll_gain_needs_two_
     got = request_signals(model, prefill(model, ids, edge), ids, edge, tail=TAIL, start_ids=START * 2, native_sink=1,
                           names=["tail_kl"])
     assert math.isfinite(got["tail_kl"][0]) and math.isnan(got["tail_kl"][1])
+    whole = request_signals(model, prefill(model, ids, mask), ids, mask, tail=24, start_ids=START, native_sink=1,
+                            names=["tail_nll_gain", "tail_kv"])  # no head at all: NaN, and no entropies without tail_kl
+    assert list(whole) == ["tail_nll_gain", "tail_kv"] and all(torch.isnan(v).all() for v in whole.values())
     one = request_signals(model, prefill(model, ids, mask), ids, mask, tail=1, start_ids=START, native_sink=1,
                           names=["tail_nll_gain", "tail_kl"])
     assert torch.isnan(one["tail_nll_gain"]).all() and torch.isfinite(one["tail_kl"]).all()

@@ -174,7 +174,7 @@ def request_signals(target_model, mapped: KVLayers, prefix_ids: torch.Tensor, pr
             batch = prefix_ids.shape[0]
             nan = torch.full((batch,), math.nan, dtype=torch.float64)
             if logits is None:
-                values = {n: nan for n in (*logit_names, *ENTROPIES)}
+                values = {n: nan for n in (*logit_names, *(ENTROPIES if "tail_kl" in logit_names else ()))}
             else:
                 ids = prefix_ids[:, -tail:]
                 free = nocontext_logits(target_model, ids, start_ids)

@@ -493,3 +493,8 @@ def test_the_consumers_own_decision_outranks_vllms_cached_count():
     assert ok.header() == "mapped 176 tokens, prefilled 25"
     assert proxy.judge(usage, "", 0.1, None).header() == "mapped 192 tokens, prefilled 9"
     assert proxy.judge(usage, "", 0.1, {"kvtransfer": "garbled"}).header() == "mapped 192 tokens, prefilled 9"
+    gated = {"kvtransfer": {"reason": "mapped", "mapped": 0, "prefilled": 201,
+                            "gate": {"action": "full", "reason": "score 0.4 > 0.3"}}}
+    assert proxy.judge(usage, "", 0.1, gated).header() == "fallback_reprefill: gate_full (score 0.4 > 0.3)"
+    kept = {"kvtransfer": {"reason": "mapped", "mapped": 128, "prefilled": 73, "gate": {"action": "recompute"}}}
+    assert proxy.judge(usage, "", 0.1, kept).header() == "mapped 128 tokens, prefilled 73"

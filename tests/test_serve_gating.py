@@ -120,6 +120,50 @@ def test_after_forward_scores_the_native_tail_and_reports_the_blocks_to_recomput
     assert records["r"]["action"] == "full" and records["r"]["score"] is None and failed == {10, 11, 12}
 
 
+def test_load_served_gate_refuses_thresholds_fitted_on_another_score(tmp_path):
+    """The worker computes tail_kv only: a gate fitted on another signal would be read on the wrong scale, so it is
+    unusable (every request prefilled normally), and the error names the fix."""
+    save_gate(tmp_path / "other.json", T, {"tail": 8, "score": "first_layer"})
+    other = gating.load_served_gate(tmp_path / "other.json")
+    assert other.thresholds is None and "tail_kv" in other.error and "first_layer" in other.error
+    save_gate(tmp_path / "kv.json", T, {"tail": 8, "score": "tail_kv"})
+    assert gating.load_served_gate(tmp_path / "kv.json").error == ""
+
+
+def _qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=100)
+
+
+def test_served_cost_counts_the_scored_step_and_the_recompute_after_it():
+    """Against core.recompute.prefill_flops's closed form (a prefill of n tokens = the sum of its tokens' FLOPs): map
+    = the positions vLLM computed (0..lo-1 and head_end..P-1); recompute / full add start..P-1 again."""
+    from kvtransfer.core.recompute import prefill_flops
+
+    cfg, n, head, lo = _qwen2_config(), 200, 192, 1
+    full = prefill_flops(cfg, n)
+    scored = prefill_flops(cfg, lo) + full - prefill_flops(cfg, head)
+    assert gating.served_cost(cfg, lo=lo, head_end=head, start=head, prompt_len=n) == pytest.approx(scored / full,
+                                                                                                     rel=1e-12)
+    for start in (0, 1, 128):
+        again = full - prefill_flops(cfg, start)
+        assert gating.served_cost(cfg, lo=lo, head_end=head, start=start, prompt_len=n) == pytest.approx(
+            (scored + again) / full, rel=1e-12)
+    assert gating.served_cost(cfg, lo=0, head_end=head, start=0, prompt_len=n) > 1.0  # a fallback: dearer than a prefill
+    spec, native = _spec(), _kv(2, m=64)
+    slots = torch.arange(40, 48)
+    layers = list(enumerate([(k.new_zeros(k.shape[0], 16 * 14, k.shape[2]), v.new_zeros(v.shape[0], 16 * 14, v.shape[2]))
+                             for k, v in native]))
+    for (pk, pv), (k, v) in zip([x for _, x in layers], native):
+        pk[:, 160 + slots], pv[:, 160 + slots] = k[:, slots], v[:, slots]
+    tail = [(k[:, slots], v[:, slots]) for k, v in native]
+    records, _ = gating.after_forward({"r": (spec, tail)}, layers, _Layout(), T, 16, config=cfg)
+    assert records["r"]["cost"] == gating.served_cost(cfg, lo=0, head_end=40, start=40, prompt_len=49)
+    assert gating.after_forward({"r": (spec, tail)}, layers, _Layout(), T, 16)[0]["r"]["cost"] is None
+
+
 def test_response_carries_the_gate_and_the_tokens_it_left_mapped():
     summary = {"reason": "mapped", "mapped": 40, "matched": 40, "prefilled": 9, "tail": 9, "prompt": 49}
     rec = gating.record(Decision("full", 1.0, 2.0, "x"), start=0, lo=0, hi=48, prompt_len=49, tail=8)

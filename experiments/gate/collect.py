@@ -282,7 +282,8 @@ def task_table(rows: list[dict]) -> list[str]:
 
 
 # the real-pair runs of experiments/gate/run.sh this README reports on (a missing one is named as missing)
-EXPECTED = ("real_ppl_a", "real_arc", "real_hellaswag", "real_mmlu", "real_curve_a", "real_curve_b", "real_curve_c")
+EXPECTED = ("real_ppl_a", "real_arc", "real_hellaswag", "real_mmlu", "real_curve_a", "real_curve_b", "real_curve_c",
+            "real_arc_curve_a", "real_arc_curve_b", "real_hellaswag_curve_a", "real_hellaswag_curve_b")
 CURVE_R = (0.05, 0.15, 0.3, 0.5)
 CURVE_SELECT = ("deviation", "random", "recent")
 
@@ -386,6 +387,74 @@ def curve(runs: dict) -> list[str]:
     return lines
 
 
+# the recompute curve on the tasks (runs named real_<task>_curve_*): accuracy along r x rule
+TASK_CURVE = {"arc_challenge": ("real_arc_curve_a", "real_arc_curve_b"),
+              "hellaswag": ("real_hellaswag_curve_a", "real_hellaswag_curve_b")}
+
+
+def _pp(d: dict) -> str:
+    """A paired difference of 0/1 scores in percentage points with its SE."""
+    return f"{100 * d['difference']:+.1f} ± {100 * d['se']:.1f}"
+
+
+def task_curve(runs: dict) -> list[str]:
+    """ARC-C / HellaSwag accuracy along the recompute curve: per rule and r, accuracy ± SE over items, minus transfer
+    and minus no_context with paired SEs (items joined on (subtask, doc_id)), and the measured cost."""
+    lines = ["## The recompute curve on the tasks (accuracy)", "",
+             "Accuracy (the task's lm-eval metric) ± SE over items; differences are paired over the same items (joined "
+             "on (subtask, doc_id)), SE = sd of the per-item difference / sqrt(n). cost = FLOPs beyond the map as a "
+             "fraction of a re-prefill of each item's context, mean over items. r = 0 is the transfer row.", ""]
+    found = False
+    for task, names in TASK_CURVE.items():
+        have = [n for n in names if n in runs]
+        if not have:
+            continue
+        found = True
+        modes, base = {}, None
+        for name in have:
+            summary, scores, commit = runs[name]
+            items = (scores.get("task_items") or {}).get(task) or {}
+            row = (summary.get("tasks") or {}).get(task) or {}
+            for m, recs in items.items():
+                if m in ("no_context", "transfer", "target") and base is None and \
+                        all(b in items for b in ("no_context", "transfer", "target")):
+                    base = (items, name, commit)
+                if m.startswith("recompute_"):
+                    modes.setdefault(m, (recs, (row.get(f"{m}_gate") or {}).get("cost"), name, commit))
+        if base is None:
+            continue
+        ref_items, ref_name, ref_commit = base
+        n = len(ref_items["transfer"])
+        lines += [f"{task}: n = {n} items; baselines from {ref_name} ({ref_commit}).", "",
+                  "| tokens chosen by | r | accuracy (%) | minus transfer (pp) | minus no_context (pp) | cost (× re-prefill) "
+                  "| run (commit) |", "|---|---|---|---|---|---|---|"]
+        _, paired = pair_items({b: ref_items[b] for b in ("no_context", "transfer", "target")})
+        acc = {b: _mean_se([r["score"] for r in paired[b]]) for b in paired}
+        for b, r_label, cost in (("no_context", "–", "0"), ("transfer", "0", "0"), ("target", "1", "1")):
+            dn = "" if b == "no_context" else _pp(paired_difference([r["score"] for r in paired[b]],
+                                                                     [r["score"] for r in paired["no_context"]]))
+            dt = "" if b == "transfer" else _pp(paired_difference([r["score"] for r in paired[b]],
+                                                                   [r["score"] for r in paired["transfer"]]))
+            lines.append(f"| {b} | {r_label} | {_f(acc[b][0], pct=True)} ± {_f(acc[b][1], pct=True)} | {dt} | {dn} | "
+                         f"{cost} | {ref_name} ({ref_commit}) |")
+        for sel in CURVE_SELECT:
+            for r in CURVE_R:
+                m = repair_mode(r, sel)
+                if m not in modes:
+                    lines.append(f"| {sel} | {r:g} | not run | | | | |")
+                    continue
+                recs, cost, name, commit = modes[m]
+                _, pp = pair_items({"m": recs, "transfer": ref_items["transfer"], "no_context": ref_items["no_context"]})
+                xs = [x["score"] for x in pp["m"]]
+                a, se = _mean_se(xs)
+                dt = paired_difference(xs, [x["score"] for x in pp["transfer"]])
+                dn = paired_difference(xs, [x["score"] for x in pp["no_context"]])
+                lines.append(f"| {sel} | {r:g} | {_f(a, pct=True)} ± {_f(se, pct=True)} | {_pp(dt)} | {_pp(dn)} | "
+                             f"{_f(cost, 3)} | {name} ({commit}) |")
+        lines.append("")
+    return lines if found else []
+
+
 def main() -> None:
     out = ["# Selective recompute and the per-request gate (issue 30)", "",
            "Generated by `python experiments/gate/collect.py` from `results/gate/runs/*` (runs: "
@@ -407,7 +476,7 @@ def main() -> None:
         if run.name in EXPECTED:
             real[run.name] = (summary, scores, f"{str(env.get('commit'))[:7]}{', dirty' if env.get('dirty') else ''}")
     missing = [n for n in EXPECTED if n not in real]
-    head = floor_goal(real) + signal_summary(real) + curve(real)
+    head = floor_goal(real) + signal_summary(real) + curve(real) + task_curve(real)
     if missing:
         head += [f"Missing (not run or unfinished by the time this README was generated): {', '.join(missing)}.", ""]
     out = out[:4] + head + out[4:]

@@ -53,3 +53,12 @@ run real_curve_b $REAL "eval.modes=[no_context,transfer,target]" "eval.recompute
   "eval.recompute_select=[random,recent,deviation]"
 run real_curve_c $REAL "eval.modes=[no_context,transfer,target]" "eval.recompute_fraction=[0.15]" \
   "eval.recompute_select=[recent]"
+# 5. the recompute curve on the tasks (issue 30 item 3): ARC-C and HellaSwag accuracy at r x {deviation, random,
+#    recent}, the items of real_arc / real_hellaswag (baselines reproduced from the same cache); r = 0.15 and 0.3
+#    first (the cost bound), then 0.05 and 0.5
+CURVE_T="+experiment=qwen25coder_cpu cache_dir=$CACHE stage=[fit,eval] eval.ppl.enabled=false eval.controls=[]
+  eval.fidelity.enabled=false eval.modes=[no_context,transfer,target] eval.recompute_select=[recent,deviation,random]"
+run real_arc_curve_a $CURVE_T "eval.tasks=[arc_challenge]" eval.limit=60 "eval.recompute_fraction=[0.15,0.3]"
+run real_hellaswag_curve_a $CURVE_T "eval.tasks=[hellaswag]" eval.limit=50 "eval.recompute_fraction=[0.15,0.3]"
+run real_arc_curve_b $CURVE_T "eval.tasks=[arc_challenge]" eval.limit=60 "eval.recompute_fraction=[0.05,0.5]"
+run real_hellaswag_curve_b $CURVE_T "eval.tasks=[hellaswag]" eval.limit=50 "eval.recompute_fraction=[0.05,0.5]"

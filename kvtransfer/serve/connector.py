@@ -459,7 +459,8 @@ class KVTransferConnector(KVConnectorBase_V1):
         if self._gate_kept:  # consumer: the gate, on the native tail the forward just wrote
             kept, self._gate_kept = self._gate_kept, {}
             records, failed = gating.after_forward(kept, [(layer_index(n), t) for n, t in self._kv_caches.items()],
-                                                   self._layout, self.gate.thresholds, self.block_size)
+                                                   self._layout, self.gate.thresholds, self.block_size,
+                                                   config=getattr(self._vllm_config.model_config, "hf_config", None))
             self._gate_out.update(records)
             self._failed_blocks.update(failed)
         if not self.producer or not self.has_connector_metadata():

@@ -24,11 +24,13 @@ A gate file that cannot be read never takes the engine down: every request is th
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 from ..core.gate import Decision, decide, load_gate
 
+log = logging.getLogger(__name__)
 DEFAULT_TAIL = 8  # conf/eval/default.yaml eval.gate.tail, where the artifact does not record one
 
 @dataclass(frozen=True)
@@ -50,6 +52,10 @@ def load_served_gate(path, tail=None) -> ServedGate | None:
     try:
         data = load_gate(path)
         t = int(data.get("tail", fallback_tail) if tail is None else tail)
+        score = data.get("score", "tail_kv")
+        if score != "tail_kv":  # the worker computes tail_kv only: other thresholds would be read on the wrong scale
+            raise ValueError(f"gate score {score!r}: the connector computes only 'tail_kv'; serve a gate fitted with "
+                             "eval.gate.score=tail_kv")
         if t < 1:
             raise ValueError(f"gate tail {t}: at least one tail token")
         return ServedGate(dict(data["thresholds"]), t, str(path))
@@ -90,15 +96,32 @@ def invalid_blocks(block_ids: list[int], start: int, head_end: int, block_size: 
     return list(block_ids[start // block_size:(head_end - 1) // block_size + 1])
 
 
-def record(decision: Decision, *, start: int, lo: int, hi: int, prompt_len: int, tail: int, block_size: int = 0) -> dict:
+def served_cost(config, *, lo: int, head_end: int, start: int, prompt_len: int) -> float:
+    """FLOPs the target spent on one gated prompt, as a fraction of one full prefill of it (core.recompute's count):
+    the scored step computes every position vLLM was not told is loaded (0..lo-1 and head_end..prompt_len-1), and a
+    recompute or full prefill (start < head_end) then computes start..prompt_len-1 again -- the first step's token is
+    discarded, so a fallback costs more than a plain prefill."""
+    from ..core.recompute import prefill_flops, token_flops
+
+    full = prefill_flops(config, prompt_len)
+    if not full:
+        return 0.0
+    first = [p for p in range(prompt_len) if p < lo or p >= head_end]
+    again = range(start, prompt_len) if start < head_end else range(0)
+    return float(sum(token_flops(config, p + 1) for p in [*first, *again]) / full)
+
+
+def record(decision: Decision, *, start: int, lo: int, hi: int, prompt_len: int, tail: int, block_size: int = 0,
+           cost: float | None = None) -> dict:
     """The JSON record of what the gate did for one request (stats and kv_transfer_params): the decision (action,
     fraction, score, reason), the tail, the first position the target computed (start), the tokens that stayed mapped
-    and those the target computed, `recomputed`: the share of the prompt the target computed itself, and vLLM's
-    cache block size (the recompute's granularity)."""
+    and those the target computed, `recomputed`: the share of the prompt the target computed itself, vLLM's cache
+    block size (the recompute's granularity) and `cost`: the target's FLOPs on the prompt over one full prefill of it
+    (`served_cost`; None where the model config was not at hand)."""
     computed = prompt_len - start
     return decision.as_dict() | {"tail": int(tail), "start": int(start), "mapped": max(0, start - lo),
                                  "prefilled": computed, "recomputed": computed / prompt_len if prompt_len else 0.0,
-                                 "lo": int(lo), "hi": int(hi), "block_size": int(block_size)}
+                                 "lo": int(lo), "hi": int(hi), "block_size": int(block_size), "cost": cost}
 
 
 def unscored(reason: str) -> Decision:
@@ -119,12 +142,14 @@ def score_and_decide(thresholds: dict, mapped, native) -> Decision:
     return decide(score if math.isfinite(score) else math.nan, thresholds)
 
 
-def after_forward(kept: dict, layers: list, layout, thresholds: dict, block_size: int) -> tuple[dict, set]:
+def after_forward(kept: dict, layers: list, layout, thresholds: dict, block_size: int,
+                  config=None) -> tuple[dict, set]:
     """Worker, after the forward: ({request: record}, blocks to report as load errors) for the loads kept this step.
 
     kept: request -> (LoadSpec, the map's (K, V) [n_kv, tail, d] per layer at positions spec.hi..spec.gate_hi-1);
     layers: (decoder layer index, paged tensor) pairs. The native K/V vLLM wrote at those slots are read back
-    (layout.gather) and scored against the map's (`score_and_decide`); a fault gives a full prefill."""
+    (layout.gather) and scored against the map's (`score_and_decide`); a fault gives a full prefill. config: the
+    target's model config, for each record's `cost` (`served_cost`)."""
     from . import paged
 
     records, failed = {}, set()
@@ -141,8 +166,14 @@ def after_forward(kept: dict, layers: list, layout, thresholds: dict, block_size
         start = recompute_start(decision, lo=spec.lo, head_end=spec.hi, hi=spec.gate_hi,
                                 native_sink=spec.native_sink, block_size=block_size)
         failed.update(invalid_blocks(spec.block_ids, start, spec.hi, block_size))
+        cost = None
+        if config is not None:
+            try:
+                cost = served_cost(config, lo=spec.lo, head_end=spec.hi, start=start, prompt_len=spec.prompt_len)
+            except Exception as err:  # noqa: BLE001 -- a config it cannot read costs the record its cost, not the request
+                log.warning("kvtransfer gate: no FLOPs count (%s)", err)
         records[req_id] = record(decision, start=start, lo=spec.lo, hi=spec.gate_hi, prompt_len=spec.prompt_len,
-                                 tail=spec.gate_hi - spec.hi, block_size=block_size)
+                                 tail=spec.gate_hi - spec.hi, block_size=block_size, cost=cost)
     return records, failed
 
 

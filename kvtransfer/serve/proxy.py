@@ -23,16 +23,14 @@ What happened is in the response header `X-KVTransfer` and in the body field `kv
 header says `handoff: ...` and the field rides on the stream's last event, since vLLM reports cached tokens
 only in its final usage chunk): `mapped N tokens, prefilled M` (N = the consumer's
 `usage.prompt_tokens_details.cached_tokens`: start the consumer with `--enable-prompt-tokens-details`,
-prefix caching off), `fallback_reprefill: <reason>` (the consumer prefilled everything; the reason is the
-proxy's, e.g. `save_failed`, or `consumer_fallback` when the consumer's connector declined -- its own stats
-file names why), `fallback_source: <reason>` (the target is unreachable: the source answered), or `source`.
+prefix caching off), `fallback_reprefill: <reason>` (the consumer prefilled everything; the proxy's reason:
+`save_failed`, `consumer_fallback` -- the consumer's connector declined, its stats file says why -- or `gate_full`:
+its per-request gate chose a full prefill), `fallback_source: <reason>` (the target is down), or `source`.
 
 Never down: a malformed request is a 400 in OpenAI's error format; a dead or failing engine is a fallback
 (target -> source) or, with both down, a 502; every outcome is counted (`/kvtransfer/stats`). The proxy
 depends on the engines only through HTTP and the fields above, so it works with any consumer that reports
-mapped tokens as cached tokens. The reverse direction (large -> small) is the same proxy with the engines'
-roles swapped: the large model's engine as producer, the small one's as consumer with a mapper fitted
-large -> small.
+mapped tokens as cached tokens. Large -> small is the same proxy with the engines' roles swapped.
 """
 from __future__ import annotations
 
@@ -251,12 +249,13 @@ class HandoffProxy:
             mapped, prefilled = decision.get("mapped"), (lambda n: n if isinstance(n, int) else None)(decision.get("prefilled"))
             if decision["reason"] == "mapped" and isinstance(mapped, int) and mapped > 0:
                 return Outcome("mapped", "target", mapped, prefilled, "", save_s)
-            return Outcome("fallback_reprefill", "target", 0, prefilled, save_error or f"consumer_fallback ({decision['reason']})", save_s)
+            gate = decision.get("gate") if isinstance(decision.get("gate"), dict) else {}  # gate_full: its own prefill
+            why = f"gate_full ({gate.get('reason')})" if gate.get("action") == "full" else f"consumer_fallback ({decision['reason']})"
+            return Outcome("fallback_reprefill", "target", 0, prefilled, save_error or why, save_s)
         mapped, prefilled = self.counted(usage, save_error)
         if mapped is None:
-            return Outcome("fallback_reprefill" if save_error else "handoff", "target", None, prefilled,
-                           save_error or "mapped tokens unknown: start the consumer with --enable-prompt-tokens-details",
-                           save_s)
+            return Outcome("fallback_reprefill" if save_error else "handoff", "target", None, prefilled, save_error or
+                           "mapped tokens unknown: start the consumer with --enable-prompt-tokens-details", save_s)
         if mapped > 0:
             return Outcome("mapped", "target", mapped, prefilled, "", save_s)
         return Outcome("fallback_reprefill", "target", 0, prefilled, save_error or "consumer_fallback", save_s)

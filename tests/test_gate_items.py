@@ -96,3 +96,65 @@ def test_the_margin_of_a_task_whose_choices_are_contexts():
     assert sample_margin(sample, "acc") == 2.0           # gold = option 2 (index 1): -1 - (-3)
     assert sample_margin(dict(sample, doc={"answer": "1"}), "acc") == -2.0
     assert math.isnan(sample_margin(dict(sample, doc={}), "acc"))
+
+
+def test_task_signal_of_a_recorded_signal_reads_that_signal_not_the_score():
+    n = 12
+    floor = [_rec("t", i, 1.0, 0.0) for i in range(n)]
+    transfer = [_rec("t", i, 1.0 if i < 6 else 0.0, 1.0 if i < 6 else -1.0) for i in range(n)]
+    target = [_rec("t", i, 1.0, 2.0) for i in range(n)]
+    # the score ranks the items backwards, the recorded signal "first_layer" forwards; "tail_kl" is missing on two
+    gated = [_rec("t", i, 1.0, 0.0, {"action": "map", "fraction": 0.0, "score": float(-i),
+                                     "signals": {"first_layer": float(i), "tail_kl": None if i in (0, 1) else 0.0}})
+             for i in range(n)]
+    by_mode = {"gated": gated, "transfer": transfer, "no_context": floor, "target": target}
+    assert task_signal(by_mode, n_boot=20)["no_context_margin"]["auc"] == 0
+    assert task_signal(by_mode, signal="first_layer", n_boot=20)["no_context_margin"]["auc"] == 1
+    # a missing value ranks highest (as a fall-back's score does): items 0, 1 are not below the floor
+    got = task_signal(by_mode, signal="tail_kl", n_boot=20)["no_context_margin"]["auc"]
+    assert got == (6 * 4 * 0.5 + 6 * 2 * 0) / 36
+    # records without signals (runs from before them): every item is unscored for that signal
+    old = dict(by_mode, gated=[_rec("t", i, 1.0, 0.0, {"action": "map", "fraction": 0.0, "score": 0.0}) for i in range(n)])
+    assert task_signal(old, signal="first_layer", n_boot=20)["no_context_margin"]["auc"] == 0.5
+
+
+def _collect():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "gate" / "collect.py"
+    spec = importlib.util.spec_from_file_location("gate_collect", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_collect_tabulates_each_recorded_signal_with_its_auc_cost_and_a_verdict():
+    collect = _collect()
+    n = 40
+    floor = [_rec("t", i, 1.0, 0.0) for i in range(n)]
+    transfer = [_rec("t", i, 1.0, -1.0 if i % 2 else 1.0) for i in range(n)]  # odd items below the floor
+    target = [_rec("t", i, 1.0, 2.0 if i < 20 else -2.0) for i in range(n)]
+    costs = {"first_layer": 0.25, "tail_kl": 0.5, "tail_kv": 0.1}
+    gated = [_rec("t", i, 1.0, 0.0, {"action": "map", "fraction": 0.0, "score": 0.0, "signal_costs": costs,
+                                     "signals": {"first_layer": float(i % 2), "tail_kl": float(-(i % 2)),
+                                                 "tail_entropy_mapped": 1.0, "tail_kv": float(i % 7)}})
+             for i in range(n)]
+    items = {"gated": gated, "transfer": transfer, "no_context": floor, "target": target}
+    lines = collect.signal_task_table("t", items)
+    rows = {ln.split(" |")[0][2:]: ln for ln in lines if ln.startswith("| ") and not ln.startswith("| signal")}
+    assert list(rows) == ["first_layer", "tail_kl (two-sided)", "tail_entropy_mapped (two-sided)", "tail_kv"]
+    assert "| 1.00 ± 0.00 (20/40) |" in rows["first_layer"] and rows["first_layer"].endswith("| 0.2500 |")
+    assert "| 0.00 ± 0.00 (20/40) |" in rows["tail_kl (two-sided)"]  # predicts the other way: reported as is
+    assert rows["tail_entropy_mapped (two-sided)"].endswith("| 0.5000 |")  # an entropy costs what tail_kl costs
+    verdict = next(ln for ln in lines if ln.startswith("Verdict"))
+    assert "beyond 2 SE of 0.5: first_layer (1 of 2), tail_kl (1 of 2)" in verdict and "tail_entropy_mapped" in verdict
+    assert "AUC far below 0.5 is a signal" in " ".join(lines)
+    # perplexity windows: the same from the events and the per-window NLLs
+    events = [g["gate"] for g in gated]
+    nll = {"transfer": [2.0 + (i % 2) for i in range(n)], "no_context": [2.5] * n, "target": [1.0] * n}
+    ppl = collect.signal_ppl_table("wikitext2", "256", events, nll)
+    assert any(ln.startswith("| first_layer | 1.00 ± 0.00 (20/40)") for ln in ppl)
+    # records without signals (the committed runs): no table at all
+    old = dict(items, gated=[_rec("t", i, 1.0, 0.0, {"action": "map", "fraction": 0.0, "score": 0.0}) for i in range(n)])
+    assert collect.signal_task_table("t", old) == [] and collect.signal_ppl_table("w", "1", [None] * n, nll) == []

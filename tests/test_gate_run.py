@@ -8,6 +8,10 @@ import pytest
 
 from kvtransfer.core.gate import decide, load_gate
 from kvtransfer.eval.repair import parse_repair_mode, repair_mode, repair_modes
+from kvtransfer.core.gate import fit_thresholds
+from kvtransfer.core.signals import ENTROPIES, SIGNALS, first_layer_error
+from kvtransfer.core.transfer import transfer
+from kvtransfer.runner.eval_stage import gated_label
 from kvtransfer.runner.pipeline import Run, execute
 from test_runner import _tiny_cfg, tiny_pair_dirs  # noqa: F401 (the module fixture)
 from tolerance import assert_close
@@ -105,3 +109,46 @@ def test_gated_rows_record_the_gates_actions(tiny_pair_dirs, shared, tmp_path): 
     assert all(r["gate"] is None for r in items["transfer"])
     acts = [g["action"] for g in gates]
     assert sum(acts.count(a) for a in ("map", "recompute", "full")) == row["gated_gate"]["requests"]
+    # the per-request signals (eval.gate.signals, all by default) beside the score, per item and per window
+    assert artifact["score"] == "tail_kv" and summary["gate_artifact"]["score"] == "tail_kv"
+    assert all(list(g["signals"]) == [*SIGNALS, *ENTROPIES] and g["signals"]["tail_kv"] == g["score"] for g in gates)
+    assert all(set(g["signal_costs"]) == set(SIGNALS) for g in gates)
+    windows = scores["ppl_sets"]["wikitext2"]["events"]["gated"]["16"]
+    assert len(windows) == 5 and all(e["signals"]["tail_kv"] == e["score"] and "first_layer" in e["signal_costs"]
+                                     for e in windows)
+    # the gated files' names carry the signals list: files cached without signals are not read as ones with them
+    none = Run(_tiny_cfg(tiny_pair_dirs, shared, *COMMON, "eval.gate.enabled=true", "eval.gate.tail=4",
+                         "eval.gate.recompute_rate=0.4", "eval.gate.full_rate=0.2", "eval.gate.signals=[]"), "z")
+    assert gated_label(none) == f"gated-{none.key('gate')[:16]}" and gated_label(run).startswith(gated_label(none) + "-")
+
+
+def test_a_gate_fitted_on_another_signal_decides_by_it(tiny_pair_dirs, shared, tmp_path):  # noqa: F811
+    cfg = _tiny_cfg(tiny_pair_dirs, shared, *COMMON, "eval.gate.enabled=true", "eval.gate.tail=4",
+                    "eval.gate.recompute_rate=0.4", "eval.gate.full_rate=0.2", "eval.gate.score=first_layer",
+                    "eval.gate.signals=[tail_kv]")
+    summary = execute(cfg, tmp_path / "eval")
+    run = Run(cfg, tmp_path / "x")
+    default = Run(_tiny_cfg(tiny_pair_dirs, shared, *COMMON, "eval.gate.enabled=true", "eval.gate.tail=4",
+                            "eval.gate.recompute_rate=0.4", "eval.gate.full_rate=0.2"), tmp_path / "y")
+    assert run.key("gate") != default.key("gate")  # another score: another artifact
+    artifact = load_gate(run.mapper_dir() / f"gate_{run.key('gate')}.json")
+    assert artifact["score"] == "first_layer" and summary["gate_artifact"]["score"] == "first_layer"
+    t = artifact["thresholds"]
+    items = json.loads((tmp_path / "eval" / "scores.json").read_text())["task_items"]["tiny_cloze"]["gated"]
+    gates = [r["gate"] for r in items]
+    assert all(decide(g["score"], t).action == g["action"] for g in gates)
+    # the score is the first-layer signal, not the tail score recorded beside it
+    assert all(list(g["signals"]) == ["tail_kv"] for g in gates)
+    assert any(g["score"] != g["signals"]["tail_kv"] for g in gates)
+    # the thresholds are quantiles of the first-layer signal on the held-out calibration sequences
+    assert {k: t[k] for k in ("recompute", "full")} == {k: fit_thresholds(
+        artifact["scores"], recompute_rate=0.4, full_rate=0.2, fraction=t["fraction"])[k] for k in ("recompute", "full")}
+    mapper = run.mapper()
+    rows = run.token_ids()[artifact["sequences"][:1]]
+    source, target = run.model("source")[0], run.model("target")[0]
+    src, hidden = run.source_prefill(rows, mapper)
+    mapped = transfer(src, mapper, source, target, input_ids=rows, native_sink=run.native_sink(mapper),
+                      rope_at_inference=run.rope_at_inference, as_layers=True, source_hidden=hidden)
+    assert artifact["scores"][0] == float(first_layer_error(target, mapped[0], rows, None, run.native_sink(mapper))[0])
+    with pytest.raises(ValueError, match="tail_nll_gain"):
+        repair_modes({"gate": {"enabled": True, "score": "first"}})

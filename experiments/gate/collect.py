@@ -16,6 +16,9 @@ context made the gold answer less likely against its rivals than the floor does;
 positives at small n) or transfer wrong where the floor mode is right ("flip": the accuracy-level event, rarer);
 AUC of the gated mode's tail score for each, bootstrap SE over items (a gated item without a score ranks highest).
 """
+# (Not in the README's header, which repeats the docstring above for every run, old ones included:) runs that
+# recorded per-request signals beside the gate's score (eval.gate.signals, kvtransfer.core.signals) get a table per
+# task and per perplexity prefix, each signal's AUC for the same events and its cost, explained by SIGNALS_NOTE.
 from __future__ import annotations
 
 import json
@@ -39,6 +42,95 @@ def _f(x, d=1, pct=False):
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "–"
     return f"{100 * x:.{d}f}" if pct else f"{x:.{d}f}"
+
+
+# signals whose larger values do not obviously mean "worse": an AUC far below 0.5 predicts the other way
+TWO_SIDED = ("tail_kl", "tail_entropy_mapped", "tail_entropy_nocontext")
+SIGNALS_NOTE = ("Signals (kvtransfer.core.signals; docs/evaluation.md): tail_kv is the gate's tail score; first_layer "
+                "the layer-0 K/V error against the target's own one layer of prefill; tail_kl the KL of the target's "
+                "next-token distribution at the tail, mapped context vs no context, with the two entropies at the last "
+                "tail position; tail_nll_gain the tail's NLL under the mapped context minus under no context. Cost: "
+                "FLOPs of computing the signal alone (LM head included where it reads logits) as a fraction of a "
+                "re-prefill of the context. A larger value is read as 'more likely hurt'; for the signals marked "
+                "two-sided (tail_kl, the entropies) larger is not obviously worse, so an AUC far below 0.5 is a signal "
+                "too: it predicts the other way. The verdict judges |AUC - 0.5| against 2 bootstrap SE either way.")
+
+
+def _recorded(gates: list) -> list[str]:
+    """The signal names recorded in gate records (kvtransfer.eval.items), in first-seen order."""
+    return list(dict.fromkeys(k for g in gates if g and g.get("signals") for k in g["signals"]))
+
+
+def _cost(gates: list, name: str):
+    """Mean cost (× re-prefill) of a signal over gate records; an entropy comes with tail_kl's forwards."""
+    key = "tail_kl" if name.startswith("tail_entropy") else name
+    costs = [g["signal_costs"][key] for g in gates if g and key in (g.get("signal_costs") or {})]
+    return sum(costs) / len(costs) if costs else None
+
+
+def _verdict(aucs: dict) -> str:
+    """One line from {signal: [bootstrap_auc records]}: which signals differ from 0.5 by more than 2 bootstrap SE
+    (AUCs with at least 10 items in each class only)."""
+    apart, chance, few = [], [], []
+    for name, recs in aucs.items():
+        ok = [a for a in recs if a["se"] is not None and math.isfinite(a["se"])
+              and min(a["positives"], a["n"] - a["positives"]) >= 10]
+        if not ok:
+            few.append(name)
+            continue
+        far = [a for a in ok if abs(a["auc"] - 0.5) > 2 * a["se"]]
+        (apart if far else chance).append(f"{name} ({len(far)} of {len(ok)})" if far else name)
+    parts = [f"beyond 2 SE of 0.5: {', '.join(apart)}" if apart else "no signal beyond 2 SE of 0.5",
+             f"within 2 SE of 0.5 on every AUC: {', '.join(chance)}" if chance else "",
+             f"fewer than 10 items in a class (not judged): {', '.join(few)}" if few else ""]
+    return "Verdict: " + "; ".join(x for x in parts if x) + "."
+
+
+def signal_task_table(task: str, items: dict) -> list[str]:
+    """Per recorded signal of the gated items: AUC ± bootstrap SE for transfer below no_context and below target
+    (gold margin, kvtransfer.eval.items.task_signal) and its cost; [] when no signal was recorded."""
+    gates = [r.get("gate") for r in items["gated"]]
+    names = _recorded(gates)
+    if not names:
+        return []
+    lines = [f"Per-request signals on {task} (ROC AUC ± bootstrap SE for 'transfer below', by gold margin; positives/n;"
+             " an item without a value ranks highest). " + SIGNALS_NOTE, "",
+             "| signal | below no_context | below target | cost (× re-prefill) |", "|---|---|---|---|"]
+    aucs = {}
+    for name in names:
+        sig = task_signal(items, signal=name, seed=0)
+        a, b = sig["no_context_margin"], sig["target_margin"]
+        aucs[name] = [a, b]
+        lines.append(f"| {name}{' (two-sided)' if name in TWO_SIDED else ''} | {_f(a['auc'], 2)} ± {_f(a['se'], 2)} "
+                     f"({a['positives']}/{a['n']}) | {_f(b['auc'], 2)} ± {_f(b['se'], 2)} ({b['positives']}/{b['n']}) | "
+                     f"{_f(_cost(gates, name), 4)} |")
+    return lines + ["", _verdict(aucs), ""]
+
+
+def signal_ppl_table(set_name: str, p: str, events: list, nll: dict, seed: int = 0) -> list[str]:
+    """As `signal_task_table` for perplexity windows: 'transfer's NLL above no_context's' and 'transfer's loss over
+    the target above the median' (the definitions of `signal`)."""
+    names = _recorded(events)
+    if not names:
+        return []
+    below_floor = [t > f for t, f in zip(nll["transfer"], nll["no_context"])]
+    gap = [t - g for t, g in zip(nll["transfer"], nll["target"])]
+    med = sorted(gap)[len(gap) // 2]
+    worse = [g > med for g in gap]
+    lines = [f"Per-request signals, {set_name} P = {p} (ROC AUC ± bootstrap SE over windows; positives/n; a window "
+             "without a value ranks highest). " + SIGNALS_NOTE, "",
+             "| signal | transfer above no_context | transfer's loss over target above the median | cost (× re-prefill) |",
+             "|---|---|---|---|"]
+    aucs = {}
+    for name in names:
+        s = [math.inf if not e or (e.get("signals") or {}).get(name) is None else e["signals"][name] for e in events]
+        a = bootstrap_auc(s, below_floor, n_boot=1000, seed=seed)
+        b = bootstrap_auc(s, worse, n_boot=1000, seed=seed)
+        aucs[name] = [a, b]
+        lines.append(f"| {name}{' (two-sided)' if name in TWO_SIDED else ''} | {_f(a['auc'], 2)} ± {_f(a['se'], 2)} "
+                     f"({a['positives']}/{a['n']}) | {_f(b['auc'], 2)} ± {_f(b['se'], 2)} ({b['positives']}/{b['n']}) | "
+                     f"{_f(_cost(events, name), 4)} |")
+    return lines + ["", _verdict(aucs), ""]
 
 
 def _modes(row: dict) -> list[str]:
@@ -93,6 +185,7 @@ def signal(scores: dict, seed: int = 0) -> list[str]:
                       f"Gated minus no-context NLL: {d['difference']:+.4f} ± {d['se']:.4f} nats/token "
                       f"({'above the floor by more than one SE' if d['difference'] > d['se'] else 'not worse than the floor by more than one SE'}).",
                       ""]
+            lines += signal_ppl_table(set_name, p, events, nll, seed)
     return lines
 
 
@@ -148,7 +241,7 @@ def task_rows(summary: dict, scores: dict) -> list[dict]:
             finite = sorted(g["gate"]["score"] for g in items["gated"] if g.get("gate") and g["gate"]["score"] is not None)
             sig["score_quartiles"] = [finite[int(f * (len(finite) - 1))] for f in (0.25, 0.5, 0.75)] if finite else None
         out.append({"task": task, "n": len(per.get("transfer", [])), "modes": modes, "minus_floor": minus,
-                    "gate": row.get("gated_gate"), "signal": sig,
+                    "gate": row.get("gated_gate"), "signal": sig, "items": items if sig else None,
                     "thresholds": (summary.get("gate_artifact") or {}).get("thresholds")})
     return out
 
@@ -184,6 +277,7 @@ def task_table(rows: list[dict]) -> list[str]:
                         if min(a["positives"], a["n"] - a["positives"]) < 10 else ""
                     lines.append(f"| {floor} | {how} | {_f(a['auc'], 2)} | {_f(a['se'], 2)} | {a['positives']} of {a['n']}{few} |")
             lines.append("")
+            lines += signal_task_table(r["task"], r["items"])
     return lines
 
 

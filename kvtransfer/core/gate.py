@@ -67,24 +67,27 @@ def tail_score_kv(mapped: KVLayers, native: KVLayers) -> torch.Tensor:
 
 @torch.no_grad()
 def tail_score(target_model, mapped: KVLayers, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor | None,
-               tail: int) -> tuple[torch.Tensor, torch.Tensor]:
+               tail: int, *, return_logits: bool = False) -> tuple[torch.Tensor, ...]:
     """(score [batch], per-layer errors [batch, L]) float64 of a mapped prefix cache.
 
     mapped: per-layer (K, V) [batch, n_kv, P, d] of the left-padded prefix `prefix_ids` [batch, P]
     (`prefix_mask` 0/1). The target runs the last `tail` prefix tokens on the mapped cache of the first
     P - tail and its K/V there are compared with the mapped ones (`layer_errors`); score = mean over layers.
-    A row with fewer than tail + 1 real tokens gets NaN (the gate then falls back: `decide`)."""
+    A row with fewer than tail + 1 real tokens gets NaN (the gate then falls back: `decide`).
+    With `return_logits`, also the target's logits [batch, tail, vocab] (model dtype) of that same forward
+    (position j predicts the token after tail token j; kvtransfer.core.signals reads them), None when P <= tail."""
     batch, seq = prefix_ids.shape
     tail = int(tail)
     if tail < 1:
         raise ValueError(f"gate tail={tail}: the score needs at least one tail token (eval.gate.tail >= 1)")
     nan = torch.full((batch,), math.nan, dtype=torch.float64)
     if seq <= tail:
-        return nan, torch.full((batch, len(mapped)), math.nan, dtype=torch.float64)
+        out = nan, torch.full((batch, len(mapped)), math.nan, dtype=torch.float64)
+        return (*out, None) if return_logits else out
     mask = torch.ones_like(prefix_ids) if prefix_mask is None else prefix_mask
     head = [(k[:, :, :-tail], v[:, :, :-tail]) for k, v in mapped]
     dev = target_model.device
-    _, cache = forward_on_cache(target_model, head, mask[:, :-tail].to(dev), prefix_ids[:, -tail:].to(dev),
+    logits, cache = forward_on_cache(target_model, head, mask[:, :-tail].to(dev), prefix_ids[:, -tail:].to(dev),
                                 mask[:, -tail:].to(dev), return_cache=True)
     native = [(layer.keys[:, :, -tail:], layer.values[:, :, -tail:]) for layer in cache.layers]
     tail_mapped = [(k[:, :, -tail:], v[:, :, -tail:]) for k, v in mapped]
@@ -93,7 +96,7 @@ def tail_score(target_model, mapped: KVLayers, prefix_ids: torch.Tensor, prefix_
     short = mask.long().sum(-1).cpu() <= tail
     score[short] = math.nan
     errors[short] = math.nan
-    return score, errors
+    return (score, errors, logits) if return_logits else (score, errors)
 
 
 def check_thresholds(thresholds) -> dict:

@@ -24,14 +24,13 @@ or always BOS, else EOS ("prefix_token"); a mapper calibrated under another is r
 `recompute_fraction=r` (transfer mode; kvtransfer.core.recompute): after mapping, the target recomputes the KV of a
 fraction r of each cached prefix's tokens (chosen by `recompute_select`: deviation / random / recent), attending
 to the mapped KV of the rest. `gate=thresholds` (transfer mode; kvtransfer.core.gate): per cached prefix a score
-from the last `gate_tail` prefix tokens decides map / recompute(thresholds' fraction) / the target's own
-prefill. Both append one record per cached prefix to `events` (action, fraction, score, tokens recomputed,
-FLOPs as a fraction of a re-prefill, seconds), so an eval row can say what was done.
+(signal `gate_score` of kvtransfer.core.signals, default the tail score over the last `gate_tail` prefix tokens)
+decides map / recompute(thresholds' fraction) / the target's own prefill; `gate_signals` are recorded beside it. Both
+record per cached prefix in `events` (action, fraction, score, tokens recomputed, FLOPs / re-prefill, seconds).
 
-`share_prefix=True`: target/source modes also prefill each context[:-1] once for all its continuations (equal to
-one pass up to float rounding; off by default, so `target` equals stock lm-eval `hf` bit for bit). Tokenization
-and left-truncation are lm-eval's / HFLM's; requests are grouped by cached prefix (one source prefill + mapping per
-unique context). The prefix caches themselves are built in kvtransfer.eval.prefix.
+`share_prefix=True`: target/source modes also prefill each context[:-1] once for all its continuations (equal to one
+pass up to float rounding; off by default: `target` equals stock lm-eval `hf` bit for bit). Tokenization and left-
+truncation are lm-eval's / HFLM's; requests grouped by cached prefix (one source prefill + map each: eval.prefix).
 """
 from __future__ import annotations
 
@@ -52,6 +51,7 @@ from ..core.cache import continuation_logprobs, forward_on_cache
 from ..core.mapper import MapperBase, load_mapper
 from ..core.models import check_same_tokenizer, kv_shape, load_model
 from ..core.gate import check_thresholds
+from ..core.signals import check_score, check_signals
 from ..core.recompute import choose_tokens
 from .decode import chunks as _chunks, greedy_decode, hit_stop as _hit_stop, pad as _pad
 from .prefix import build_prefix_cache
@@ -81,7 +81,7 @@ class KVTransferLM(TemplateLM):
                  allow_context_start_mismatch: bool = False, share_prefix: bool = False,
                  wrong_context: bool = False, wrong_context_seed: int = 0, progress: bool = False,
                  recompute_fraction: float = 0.0, recompute_select: str = "deviation", recompute_seed: int = 0,
-                 gate: dict | None = None, gate_tail: int = 8,
+                 gate: dict | None = None, gate_tail: int = 8, gate_score: str = "tail_kv", gate_signals=None,
                  batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  device: str | None = None, dtype="auto", add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, trust_remote_code: bool = False, **unused) -> None:
@@ -149,8 +149,8 @@ class KVTransferLM(TemplateLM):
         self.recompute_fraction = float(recompute_fraction)
         choose_tokens(1, self.recompute_fraction, recompute_select)  # ValueError naming the fix for a bad r / rule
         self.recompute_select, self.recompute_seed = recompute_select, int(recompute_seed)
-        self.gate = None if gate is None else check_thresholds(gate)
-        self.gate_tail = int(gate_tail)
+        self.gate, self.gate_tail = None if gate is None else check_thresholds(gate), int(gate_tail)
+        self.gate_score, self.gate_signals = check_score(gate_score), check_signals(gate_signals)
         self.repair = self.gate is not None or self.recompute_fraction > 0  # True: records events even at r = 0
         self.events: list[dict] = []
         self.batch_size_per_gpu = int(batch_size)

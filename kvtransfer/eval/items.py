@@ -3,7 +3,8 @@ can be paired with each mode's outcome on the same item, by (subtask, doc_id), n
 
 A record: {"task": subtask, "doc_id", "score": the task metric's 0/1, "margin": gold-answer margin, "prefixes":
 [hash of each choice's cached prefix, as the adapter keys its repair events]} plus, in a repaired mode, "gate":
-{"action", "fraction", "score"} of the event of that item's cached prefix.
+{"action", "fraction", "score"} of the event of that item's cached prefix (and its "signals" / "signal_costs" where
+the gated mode recorded per-request signals: kvtransfer.core.signals, eval.gate.signals).
 
 margin = the task metric's log-likelihood of the gold choice minus the best other choice's (acc: summed log-prob;
 acc_norm: log-prob / len(choice), lm-eval's normalisation): > 0 exactly when the item is right (up to ties), and
@@ -90,7 +91,8 @@ def attach_events(items: list[dict], events: list[dict]) -> list[dict]:
         hits = [by_key[k] for k in rec.get("prefixes", []) if k in by_key]
         best = max(hits, key=lambda e: (-math.inf if e["score"] is None else e["score"], e["fraction"]), default=None)
         out.append({**rec, "gate": None if best is None else
-                    {"action": best["action"], "fraction": best["fraction"], "score": best["score"]}})
+                    {"action": best["action"], "fraction": best["fraction"], "score": best["score"],
+                     **{k: best[k] for k in ("signals", "signal_costs") if k in best}}})
     return out
 
 
@@ -118,16 +120,24 @@ def below(mode_items: list[dict], floor_items: list[dict]) -> dict[str, list[boo
             "flip": [a["score"] < b["score"] for a, b in zip(mode_items, floor_items)]}
 
 
-def task_signal(by_mode: dict[str, list[dict]], *, n_boot: int = 1000, seed: int = 0) -> dict:
+def gate_value(gate: dict | None, signal: str | None = None) -> float | None:
+    """The gate record's score (signal None) or its recorded signal `signal`; None where there is none."""
+    if gate is None:
+        return None
+    return gate["score"] if signal is None else (gate.get("signals") or {}).get(signal)
+
+
+def task_signal(by_mode: dict[str, list[dict]], *, signal: str | None = None, n_boot: int = 1000, seed: int = 0) -> dict:
     """ROC AUC (bootstrap SE over items, kvtransfer.core.gate.bootstrap_auc) of the gated mode's per-item score
-    for transfer below the no-context floor and below the target, each by margin and by flip (module doc), on
-    items joined by (task, doc_id). A gated item without a score (a fall-back) ranks highest. Needs modes gated,
-    transfer, no_context, target; {"n", "unscored": items without a gate record, "<floor>_<definition>": {...}}."""
+    (or, with `signal`, that recorded signal: `gate_value`) for transfer below the no-context floor and below the
+    target, each by margin and by flip (module doc), on items joined by (task, doc_id). A gated item without a value
+    (a fall-back, a row too short) ranks highest. Needs modes gated, transfer, no_context, target; {"n", "unscored":
+    items without a gate record, "<floor>_<definition>": {...}}."""
     from ..core.gate import bootstrap_auc
 
     _, paired = pair_items({m: by_mode[m] for m in ("gated", "transfer", "no_context", "target")})
     gates = [r.get("gate") for r in paired["gated"]]
-    score = [math.inf if g is None or g["score"] is None else float(g["score"]) for g in gates]
+    score = [math.inf if gate_value(g, signal) is None else float(gate_value(g, signal)) for g in gates]
     out = {"n": len(score), "unscored": sum(g is None for g in gates)}
     for floor in ("no_context", "target"):
         for definition, flags in below(paired["transfer"], paired[floor]).items():

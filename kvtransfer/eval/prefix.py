@@ -11,9 +11,10 @@ from collections import defaultdict
 import torch
 
 from ..core.cache import cache_to_layers, layers_to_cache, prefill
-from ..core.gate import Decision, decide, tail_score
+from ..core.gate import Decision, decide
 from ..core.hidden import prefill_with_hidden, used_layers
-from ..core.recompute import recompute_cost, selective_recompute, token_flops
+from ..core.recompute import recompute_cost, selective_recompute
+from ..core.signals import ENTROPIES, request_signals, signal_costs, signal_flops
 from ..core.transfer import transfer
 from .decode import pad
 
@@ -63,12 +64,20 @@ def repair_prefix(lm, layers, ids: torch.Tensor, mask: torch.Tensor):
         decisions = [Decision("recompute", lm.recompute_fraction, None, "eval.recompute_fraction")] * len(n_real)
         scores = [None] * len(n_real)
         gate_flops = [0.0] * len(n_real)
-    else:
-        score, _ = tail_score(target, layers, ids, mask, lm.gate_tail)
+    else:  # the gate decides by its score (a signal of kvtransfer.core.signals; tail_kv unless the artifact says)
+        names, clock = [lm.gate_score, *lm.gate_signals], time.perf_counter()
+        values = request_signals(target, layers, ids, mask, tail=lm.gate_tail, start_ids=lm._start_ids,
+                                 native_sink=lm.native_sink, names=names)
+        score, signal_seconds = values[lm.gate_score], (time.perf_counter() - clock) / max(1, len(n_real))
         scores = [None if math.isnan(x) else float(x) for x in score.tolist()]
         decisions = [decide(x, lm.gate) for x in score.tolist()]
-        gate_flops = [sum(token_flops(target.config, p + 1) for p in range(max(0, n - lm.gate_tail), n))
-                      for n in n_real]
+        spec = {"tail": lm.gate_tail, "n_start": len(lm._start_ids)}
+        gate_flops = [signal_flops(target.config, n, names=[lm.gate_score], **spec)[lm.gate_score] for n in n_real]
+        costs = [signal_costs(target.config, n, names=lm.gate_signals, **spec) for n in n_real]
+        recorded = {k: v.tolist() for k, v in values.items()
+                    if k in lm.gate_signals or (k in ENTROPIES and "tail_kl" in lm.gate_signals)}
+        signals = [{k: None if math.isnan(v[b]) else float(v[b]) for k, v in recorded.items()}
+                   for b in range(len(n_real))]
     out = [(k.clone(), v.clone()) for k, v in layers]
     rows_by_fraction: dict[float, list[int]] = defaultdict(list)
     for b, d in enumerate(decisions):
@@ -97,8 +106,11 @@ def repair_prefix(lm, layers, ids: torch.Tensor, mask: torch.Tensor):
         select = "full" if d.action == "full" else lm.recompute_select
         cost = recompute_cost(target.config, n_real[b], pos, select, lm.native_sink)
         full = cost["prefill_flops"]
-        lm.events.append({**d.as_dict(), "key": hash(tuple(ids[b, len(ids[b]) - n_real[b]:].tolist())),
-                            "tokens": n_real[b], "recomputed": len(pos), "score": scores[b],
-                            "cost": (cost["flops"] + gate_flops[b]) / full if full else 0.0,
-                            "seconds": seconds})
+        event = {**d.as_dict(), "key": hash(tuple(ids[b, len(ids[b]) - n_real[b]:].tolist())),
+                 "tokens": n_real[b], "recomputed": len(pos), "score": scores[b],
+                 "cost": (cost["flops"] + gate_flops[b]) / full if full else 0.0, "seconds": seconds}
+        if lm.gate is not None and lm.gate_signals:  # measurements beside the decision (eval.gate.signals)
+            event["signals"] = signals[b]
+            event["signal_costs"], event["signal_seconds"] = costs[b], signal_seconds  # seconds: all signals
+        lm.events.append(event)
     return out

@@ -8,7 +8,8 @@ REPAIR_PREFIX = "recompute_"  # recompute_<r> (deviation-chosen tokens) and reco
 
 def repair_modes(ecfg: dict) -> list[str]:
     """The selective-recompute modes of eval.recompute_fraction x eval.recompute_select, then `gated` when
-    eval.gate.enabled (kvtransfer.core.recompute, kvtransfer.core.gate). ValueError naming the fix for a bad r or rule."""
+    eval.gate.enabled (kvtransfer.core.recompute, kvtransfer.core.gate). ValueError naming the fix for a bad r or rule,
+    and the valid names for a bad eval.gate.score or eval.gate.signals (kvtransfer.core.signals)."""
     from ..core.recompute import SELECTIONS
 
     fractions = list(ecfg.get("recompute_fraction") or [])
@@ -21,6 +22,10 @@ def repair_modes(ecfg: dict) -> list[str]:
         raise ValueError(f"eval.recompute_select={selects}: unknown {unknown}; use a list of {list(SELECTIONS)}")
     modes = [repair_mode(float(f), s) for s in selects for f in fractions]
     if (ecfg.get("gate") or {}).get("enabled"):
+        from ..core.signals import DEFAULT_SCORE, check_score, check_signals
+
+        check_score(ecfg["gate"].get("score", DEFAULT_SCORE))  # ValueError naming the valid signals
+        check_signals(ecfg["gate"].get("signals"))
         modes.append("gated")
     return list(dict.fromkeys(modes))
 

@@ -119,7 +119,11 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
     Artifact("gate", code=("runner/gate_stage",),
              doc="the per-request gate's thresholds on held-out calibration text (kvtransfer.core.gate)",
              inputs=("eval.gate.tail", "eval.gate.recompute_rate", "eval.gate.full_rate", "eval.gate.fraction",
-                     "eval.gate.sequences", "eval.gate.select", "ablation.rope_at_inference"), upstream=("mapper",)),
+                     "eval.gate.sequences", "eval.gate.select", "eval.gate.score", "ablation.rope_at_inference"),
+             upstream=("mapper",),
+             # the score a gate is fitted on enters its key only when it is not the tail score (kvtransfer.core.signals),
+             # so the gates fitted before eval.gate.score existed keep their keys
+             when={"eval.gate.score": ("eval.gate.score", ("first_layer", "tail_kl", "tail_nll_gain"))}),
     Artifact("eval_tasks", code=_EVAL_CODE,
              doc="lm-eval task scores of the baseline modes (target, source, native_injected, floor)",
              inputs=(*_TASKS, *_EVAL_COMMON), identities=("source", "target", "eval_data")),
@@ -177,6 +181,8 @@ NOT_INPUTS: dict[str, str] = {
     "eval.recompute_fraction": "selects which recompute mode files are computed (the mode name carries r)",
     "eval.recompute_select": "selects which recompute mode files are computed (the mode name carries the rule)",
     "eval.gate.enabled": "selects whether the gated mode runs (its files carry the gate artifact's key)",
+    "eval.gate.signals": "which per-request signals the gated mode records beside its decision (records only, no number "
+                         "moves; its file names carry a digest of the list: eval_stage.gated_label)",
     "eval.native_sink": "a check against the mapper's own native_sink (keyed through the mapper)",
     "eval.fidelity.enabled": "selects whether fidelity runs", "eval.ppl.enabled": "selects whether perplexity runs",
     "eval.coqa.enabled": "selects whether CoQA runs",

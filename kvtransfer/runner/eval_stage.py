@@ -29,6 +29,7 @@ from ..eval.repair import REPAIR_PREFIX, parse_repair_mode, repair_modes
 from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl, prefix_pairs
 from ..core.gate import action_counts
+from ..core.signals import DEFAULT_SCORE, check_score, check_signals
 from ..maps.controls import CONTROLS, calibration_means, control_applies, mean_map, random_map, with_controls
 from ..eval.metrics import (CONTROL_MODES, control_statistics, log_ppl_gap_closed, paired_difference,
                             ppl_gap_closed)
@@ -172,8 +173,11 @@ def control_lm(lm: KVTransferLM, mode: str, run, seed: int) -> tuple[KVTransferL
         return lm.with_mode("transfer", recompute_fraction=fraction, recompute_select=select, recompute_seed=seed,
                             gate=None, repair=True, events=[]), "transfer"
     if mode == "gated":
-        gcfg = run.cfg["eval"]["gate"]
-        return lm.with_mode("transfer", gate=gate_stage.gate(run)["thresholds"], gate_tail=int(gcfg["tail"]),
+        gcfg, artifact = run.cfg["eval"]["gate"], gate_stage.gate(run)
+        # the gate decides by the artifact's score (kvtransfer.core.signals; an artifact without one: tail_kv)
+        return lm.with_mode("transfer", gate=artifact["thresholds"], gate_tail=int(gcfg["tail"]),
+                            gate_score=check_score(artifact.get("score", DEFAULT_SCORE)),
+                            gate_signals=check_signals(gcfg.get("signals")),
                             recompute_fraction=0.0, recompute_select=gcfg.get("select", "deviation"),
                             recompute_seed=seed, repair=True, events=[]), "transfer"
     if mode not in CONTROLS:
@@ -262,7 +266,7 @@ def evaluate(run, on_compute=None) -> dict:
             directory, artifact = dirs[part][kind], _ARTIFACT_OF_KIND[kind].format(part=part)
             directory.mkdir(parents=True, exist_ok=True)
             # the gated mode's numbers follow its thresholds: its files carry the gate artifact's key
-            label = f"gated-{run.key('gate')[:16]}" if mode == "gated" else mode
+            label = gated_label(run) if mode == "gated" else mode
             path = directory / f"{label}.{name}.json"
             if not path.exists():
                 if on_compute is not None and not announced:
@@ -317,6 +321,16 @@ def evaluate(run, on_compute=None) -> dict:
 SCORES_FILE = "scores.json"
 
 
+def gated_label(run) -> str:
+    """The gated mode's file label: the gate artifact's key (its numbers follow the thresholds) and, when
+    eval.gate.signals records per-request signals beside the decision, a digest of that list (the records differ;
+    no number does), so a file cached without them is not read as one with them."""
+    from .keys import artifact_key
+
+    signals = check_signals((run.cfg["eval"].get("gate") or {}).get("signals"))
+    return f"gated-{run.key('gate')[:16]}" + (f"-signals-{artifact_key(signals)[:8]}" if signals else "")
+
+
 def gate_summary(events: list[dict]) -> dict:
     """What the gate (or a fixed recompute) did over a part's cached prefixes: kvtransfer.core.gate.action_counts
     plus the mean cost (FLOPs as a fraction of a re-prefill, the gate's score included) and seconds per prefix."""
@@ -349,7 +363,8 @@ def write_scores(path: Path, per_mode: dict) -> None:
                 entry["window_nll"].setdefault(prefix, {})[mode] = nll
             if part.get("events"):  # what the gate / a fixed recompute did per window (score, action, cost)
                 entry.setdefault("events", {})[mode] = {p: [None if e is None else {k: e[k] for k in (
-                    "action", "fraction", "score", "recomputed", "tokens", "cost")} for e in ev]
+                    "action", "fraction", "score", "recomputed", "tokens", "cost", "signals", "signal_costs") if k in e}
+                    for e in ev]
                     for p, ev in part["events"].items()}
         for protocol, convs in (result.get("coqa") or {}).items():
             scores["coqa"].setdefault(protocol, {})[mode] = [[turn["f1"] for turn in conv] for conv in convs]

@@ -129,7 +129,8 @@ def execute(cfg: dict, out_dir: str | Path, *, plan: dict | None = None) -> dict
         summary.update(evaluate(run))
         if (cfg["eval"].get("gate") or {}).get("enabled"):  # the thresholds the gated rows were decided with
             gate = gate_stage.gate(run)
-            summary["gate_artifact"] = {"thresholds": gate["thresholds"], "tail": gate["tail"],
+            summary["gate_artifact"] = {"score": gate.get("score", "tail_kv"), "thresholds": gate["thresholds"],
+                                        "tail": gate["tail"],
                                         "calibration_sequences": len(gate["sequences"]),
                                         "on_train_sequences": gate["on_train_sequences"]}
     if "bench" in stages:

@@ -283,7 +283,8 @@ def task_table(rows: list[dict]) -> list[str]:
 
 # the real-pair runs of experiments/gate/run.sh this README reports on (a missing one is named as missing)
 EXPECTED = ("real_ppl_a", "real_arc", "real_hellaswag", "real_mmlu", "real_curve_a", "real_curve_b", "real_curve_c",
-            "real_arc_curve_a", "real_arc_curve_b", "real_hellaswag_curve_a", "real_hellaswag_curve_b")
+            "real_arc_curve_a", "real_arc_curve_b", "real_hellaswag_curve_a", "real_hellaswag_curve_b",
+            "real_arc_signals", "real_hellaswag_signals", "real_ppl_signals")
 CURVE_R = (0.05, 0.15, 0.3, 0.5)
 CURVE_SELECT = ("deviation", "random", "recent")
 

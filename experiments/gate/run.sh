@@ -62,3 +62,11 @@ run real_arc_curve_a $CURVE_T "eval.tasks=[arc_challenge]" eval.limit=60 "eval.r
 run real_hellaswag_curve_a $CURVE_T "eval.tasks=[hellaswag]" eval.limit=50 "eval.recompute_fraction=[0.15,0.3]"
 run real_arc_curve_b $CURVE_T "eval.tasks=[arc_challenge]" eval.limit=60 "eval.recompute_fraction=[0.05,0.5]"
 run real_hellaswag_curve_b $CURVE_T "eval.tasks=[hellaswag]" eval.limit=50 "eval.recompute_fraction=[0.05,0.5]"
+# 6. the per-request signals beside the gate's score (issue 30 §1, kvtransfer.core.signals: tail_kv, first_layer,
+#    tail_kl, tail_nll_gain), one measurement each: the gated mode with eval.gate.signals (default: all four) on
+#    the items of real_arc / real_hellaswag and the windows of real_ppl_a (baselines from the cache); the gate is
+#    the same artifact (score tail_kv), so actions reproduce real_arc / real_hellaswag / real_ppl_a
+run real_arc_signals $TASKS "eval.tasks=[arc_challenge]" eval.limit=60
+run real_hellaswag_signals $TASKS "eval.tasks=[hellaswag]" eval.limit=50
+run real_ppl_signals $REAL "eval.modes=[no_context,transfer,recompute_0.15,gated,target]" \
+  "eval.recompute_fraction=[0.15]" eval.gate.enabled=true

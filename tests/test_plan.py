@@ -571,12 +571,19 @@ def test_the_eval_plan_counts_selective_recompute_and_the_gate(cfg_14_32):
         want_target = 2 * one["target"] + items * (r * ctx + layer * ctx / layers)
         assert got["source"] == 2 * one["source"] and got["map"] == 2 * one["map"], (select, r)
         assert_rounded(got["target"], want_target, decimals=6, reason="token counts: sums of a few products")
-    g = dict(cfg_14_32["eval"]["gate"], enabled=True)
+    g = dict(cfg_14_32["eval"]["gate"], enabled=True, signals=[])
     got, _ = tokens(recompute_fraction=[], gate=g)
     expected = g["full_rate"] + g["recompute_rate"] * g["fraction"]
     want_target = 2 * one["target"] + items * (expected * ctx + g["tail"]) + g["recompute_rate"] * items * ctx / layers
     assert_rounded(got["target"], want_target, decimals=6, reason="token counts: sums of a few products")
     assert got["target"] > base["target"] * 2   # the gate's work is counted, not free
+    # the recorded signals (kvtransfer.core.signals): first_layer reads one layer over every context, tail_kl /
+    # tail_nll_gain a no-context forward of start + tail tokens (~ tail + 1)
+    for signals, extra in ((["first_layer"], ctx / layers), (["tail_kl"], g["tail"] + 1),
+                           (["tail_kv", "first_layer", "tail_kl", "tail_nll_gain"], ctx / layers + g["tail"] + 1)):
+        got_s, _ = tokens(recompute_fraction=[], gate=dict(g, signals=signals))
+        assert_rounded(got_s["target"], want_target + items * extra, decimals=6,
+                       reason="token counts: sums of a few products")
 
 
 def test_share_prefix_keeps_the_context_logits_out_of_the_eval_plan(cfg_14_32):

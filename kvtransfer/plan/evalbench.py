@@ -123,16 +123,31 @@ def repair_costs(e: dict) -> list[tuple[float, bool, float, int]]:
     return out
 
 
+def signal_work(e: dict) -> tuple[bool, int]:
+    """What the gated mode's recorded signals (eval.gate.signals, kvtransfer.core.signals) add per context: (one layer
+    of target prefill over the context: first_layer, the no-context forward's tokens: start + tail for tail_kl /
+    tail_nll_gain, ~tail + 1). tail_kv is the gate's own tail forward, counted already."""
+    g = e.get("gate") or {}
+    if not g.get("enabled"):
+        return False, 0
+    names = set(g.get("signals") or []) | {g.get("score") or "tail_kv"}
+    return "first_layer" in names, (int(g.get("tail", 8)) + 1) if names & {"tail_kl", "tail_nll_gain"} else 0
+
+
 def _count_repair(out: dict, e: dict, t: dict, b: int, shared: bool, target_layers: int) -> None:
     """Add the repair modes of one task: each costs a transfer plus the target's recomputed context tokens (each
     reads the mapped rest, counted as a token of prefill), the deviation rule's one layer of prefill (1/L of a
-    context's tokens) and the gate's tail."""
+    context's tokens) and the gate's tail; the gated mode adds its recorded signals' work (`signal_work`)."""
     contexts = t["items"] * t["contexts"]
     for fraction, one_layer, layer_share, tail in repair_costs(e):
         _count_mode(out, "transfer", t, b, shared)
         out["target"] += contexts * (fraction * t["ctx"] + tail) + (layer_share * contexts * t["ctx"] / target_layers
                                                                      if one_layer else 0.0)
         out["passes_target"] += math.ceil(contexts / b) * (1 + (tail > 0))
+        if tail > 0:  # the gated mode
+            first_layer, nocontext = signal_work(e)
+            out["target"] += contexts * (t["ctx"] / target_layers * first_layer + nocontext)
+            out["passes_target"] += math.ceil(contexts / b) * (int(first_layer) + (nocontext > 0))
 
 
 def _count_coqa(out: dict, coqa: dict, modes: list) -> None:

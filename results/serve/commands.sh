@@ -42,3 +42,18 @@ cp $OUT/eq_tiny/equivalence.md results/serve/gate/equivalence_tiny.md
 cp $OUT/eq_tiny/gate.json results/serve/gate/gate_tiny.json
 cp $OUT/ttft_tiny/ttft_gate.json results/serve/gate/ttft_tiny.json
 python experiments/serve/collect.py
+# 6. the per-request gate served on the real pair (issue 30): the main configuration's mapper and the harness's own
+#    gate artifact (thresholds fitted on held-out calibration text by a run with eval.gate.enabled=true, e.g.
+#    bash experiments/gate/run.sh); 16 WikiText-2 windows at P = 256, 32 greedy tokens; then TTFT at 256 / 1,024
+#    WikiText-2 tokens. Each script needs the 24 GiB machine to itself (float32 1.5B on both sides).
+CACHE=${KVT_GATE_CACHE:-/work/artifacts/qwen25coder}; M=$CACHE/mappers/ba83e5cc6498ebab; GATE=$M/gate_a104ac9dbc237237.json
+KVT_HARNESS_PYTHON=python3 /work/venv-serve/bin/python experiments/serve/equivalence.py --real ~/.cache/kvtransfer-real \
+  --mapper $M --out $OUT/eq_real --gate $GATE --windows 16
+/work/venv-serve/bin/python experiments/serve/ttft_gate.py --source ~/.cache/kvtransfer-real/hf/qwen25coder-0.5b \
+  --target ~/.cache/kvtransfer-real/hf/qwen25coder-1.5b --mapper $M --gate $GATE --out $OUT/ttft_real \
+  --tokens 256 1024 --repeats 3 --label "real pair, float32, WikiText-2 prompts"
+cp $OUT/eq_real/equivalence.json results/serve/gate/equivalence_real.json
+cp $OUT/eq_real/equivalence.md results/serve/gate/equivalence_real.md
+cp $GATE results/serve/gate/gate_real.json
+cp $OUT/ttft_real/ttft_gate.json results/serve/gate/ttft_real.json
+python experiments/serve/collect.py

@@ -2,22 +2,16 @@
 choice of the same action counts, checked against brute force."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import random
-from pathlib import Path
 
 import pytest
+from scripts import load_script
 from tolerance import assert_within
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _collect():
-    spec = importlib.util.spec_from_file_location("gate_collect", ROOT / "experiments/gate/collect.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/gate/collect.py")
 
 
 def _brute(values, actions, lower):

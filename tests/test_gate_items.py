@@ -119,14 +119,9 @@ def test_task_signal_of_a_recorded_signal_reads_that_signal_not_the_score():
 
 
 def _collect():
-    import importlib.util
-    from pathlib import Path
+    from scripts import load_script
 
-    path = Path(__file__).resolve().parents[1] / "experiments" / "gate" / "collect.py"
-    spec = importlib.util.spec_from_file_location("gate_collect", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/gate/collect.py")
 
 
 def test_collect_tabulates_each_recorded_signal_with_its_auc_cost_and_a_verdict():

@@ -1,18 +1,15 @@
 """results/handoff/README.md's generated blocks are what experiments/handoff/collect.py makes of the committed JSON."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+from scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _collect():
-    spec = importlib.util.spec_from_file_location("handoff_collect", ROOT / "experiments/handoff/collect.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/handoff/collect.py")
 
 
 def test_readme_blocks_match_the_committed_reports():

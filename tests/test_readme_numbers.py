@@ -5,22 +5,19 @@ regenerated here from results/*/ and compared with the README text; a typed edit
 changed without re-collecting, or a block no script writes fails. Reads JSON only (no model, no timing)."""
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
 from kvtransfer.report import readme
+from scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module(rel: str):
-    spec = importlib.util.spec_from_file_location(rel.replace("/", "_").removesuffix(".py"), ROOT / rel)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(rel)
 
 
 def _qwen25coder() -> dict[Path, dict[str, str]]:

@@ -47,3 +47,11 @@ def test_a_gate_that_picks_the_right_requests_beats_random():
     assert_within(got["random"], 3 / 4, atol=1e-12, reason="a float64 mean of 6 exact quarters: error <= ~6 eps64")
     worst = _collect().allocation(values, ["map"] * 3 + ["full"] * 3, lower_is_better=False)
     assert worst["gated"] == 0.5 and worst["oracle"] == 1.0
+
+
+def test_a_run_that_read_a_dirty_artifact_says_so():
+    summary = {"producers": {"dirty": ["mappers/m"], "artifacts": {"mappers/m": {
+        "commit": "819a392d73", "dirty": True, "dirty_paths": ["kvtransfer/serve/gating.py"]}}}}
+    line = _collect().dirty_producers(summary)[0]
+    assert "mappers/m" in line and "819a392" in line and "kvtransfer/serve/gating.py" in line
+    assert _collect().dirty_producers({"producers": {"dirty": []}}) == []

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import pytest
+import torch
 
 import httpx  # the [dev] extra installs httpx and fastapi
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the (string) annotations here
@@ -28,6 +31,8 @@ class Engine:
     def __init__(self, name: str, store: set, *, consumer: bool, report_cached: bool = True):
         self.name, self.store, self.consumer, self.report_cached = name, store, consumer, report_cached
         self.calls: list[tuple[str, dict]] = []
+        self.cache: dict[str, set] = {}  # the consumer's prefix cache: salt -> prompts it holds
+        self.report_decision = True  # return the connector's decision as kv_transfer_params (the real consumer does)
         self.maps = True
         self.fail_status = 0  # answer every generation request with this HTTP status
         self.app = self._app()
@@ -44,13 +49,39 @@ class Engine:
     def reply_text(self, ids: list[int]) -> str:
         return f"{self.name}:{len(ids)}:{sum(ids) % 97}"
 
-    def cached(self, ids: list[int], params: dict) -> int:
-        if not self.consumer or not self.maps:
-            return 0
+    B = 1  # the fake store's block size (Rig(block=...) sets it for both engines and the proxy)
+
+    def stored(self, ids: list[int], params: dict) -> int:
+        """Tokens of `ids` the fake store holds: the longest common prefix with a prompt the producer read, in
+        whole blocks, capped by kvtransfer_source_len."""
         n = params.get("kvtransfer_source_len", len(ids))
-        if tuple(ids[:n]) not in self.store:
-            return 0
-        return min(n, len(ids) - 1)
+        best = 0
+        for prompt in self.store:
+            k = 0
+            while k < min(len(prompt), len(ids), n) and prompt[k] == ids[k]:
+                k += 1
+            best = max(best, k // self.B * self.B)
+        return best
+
+    def decision(self, ids: list[int], body: dict) -> dict | None:
+        """The fake connector's decision: vLLM's prefix-cache hits under the request's cache_salt (the prompts this
+        salt served before), then the store beyond them; every prompt keeps its last token native."""
+        if not self.consumer:
+            return None
+        params = body.get("kv_transfer_params") or {}
+        salt = body.get("cache_salt")
+        hits = 0
+        for prompt in self.cache.get(salt, ()) if salt else ():
+            k = 0
+            while k < min(len(prompt), len(ids) - 1) and prompt[k] == ids[k]:
+                k += 1
+            hits = max(hits, k // self.B * self.B)
+        if salt:
+            self.cache.setdefault(salt, set()).add(tuple(ids))
+        stored = min(self.stored(ids, params), len(ids) - 1) if self.maps and params.get("kvtransfer") != "off" else 0
+        if stored > hits:
+            return {"reason": "mapped", "mapped": stored - hits, "cached": hits, "prefilled": len(ids) - stored}
+        return {"reason": "cached" if hits else "no_entry", "mapped": 0, "cached": hits, "prefilled": len(ids) - hits}
 
     def _app(self):
         app = FastAPI()
@@ -80,9 +111,10 @@ class Engine:
                 ids = self.encode(self.template(body["messages"]))
             else:
                 ids = list(body["prompt"]) if isinstance(body["prompt"], list) else self.encode(body["prompt"])
-            if not self.consumer:
-                self.store.add(tuple(ids))  # the producer's connector saves every prompt it prefills
-            cached = self.cached(ids, body.get("kv_transfer_params") or {})
+            if not self.consumer and kind == "completion":
+                self.store.add(tuple(ids))  # the producer's connector saves every prompt on ids it prefills
+            decision = self.decision(ids, body)
+            cached = decision["mapped"] + decision["cached"] if decision else 0
             usage = {"prompt_tokens": len(ids), "completion_tokens": 3, "total_tokens": len(ids) + 3}
             if self.report_cached:
                 usage["prompt_tokens_details"] = {"cached_tokens": cached}
@@ -96,9 +128,12 @@ class Engine:
                     choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                     return {"id": "chatcmpl-x", "object": "chat.completion", "model": self.name,
                             "choices": [choice], "usage": usage}
-                return {"id": "cmpl-x", "object": "text_completion", "model": self.name,
-                        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": "length"}],
-                        "usage": usage}
+                out = {"id": "cmpl-x", "object": "text_completion", "model": self.name,
+                       "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": "length"}],
+                       "usage": usage}
+                if decision and self.report_decision:
+                    out["kv_transfer_params"] = {"kvtransfer": decision}
+                return out
             options = body.get("stream_options") or {}
 
             async def events():
@@ -146,13 +181,15 @@ class Router(httpx.AsyncBaseTransport):
 class Rig:
     """A proxy in front of a fake producer ("src", host source) and consumer ("tgt", host target)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, block: int = 1, **kwargs):
         self.store: set = set()
         self.source = Engine("src", self.store, consumer=False)
         self.target = Engine("tgt", self.store, consumer=True, **kwargs)
+        self.source.B = self.target.B = block
         self.router = Router({"source": self.source, "target": self.target})
         upstream = httpx.AsyncClient(transport=self.router)
-        self.proxy = P.HandoffProxy("http://source", "http://target", start_ids=START, client=upstream)
+        self.proxy = P.HandoffProxy("http://source", "http://target", start_ids=START, client=upstream,
+                                    block_size=block)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=P.build_app(self.proxy)),
                                         base_url="http://proxy")
 
@@ -182,57 +219,74 @@ def test_source_serves_a_session_until_it_asks_for_the_target():
         rig = Rig()
         r = await rig.chat(MSGS, session="s")
         assert r.status_code == 200 and r.headers[P.STATUS_HEADER] == "source"
-        assert r.json()["choices"][0]["message"]["content"].startswith("src:")
+        assert r.json()["object"] == "chat.completion"
+        assert r.json()["choices"][0]["message"]["content"] == rig.source.reply_text(_ids(MSGS))
         assert r.json()["kvtransfer"]["status"] == "source"
+        # written through: the source read the session's token ids (start ids + the target's template)
+        assert [b["prompt"] for b in rig.gen_calls(rig.source)] == [_ids(MSGS)] and not rig.gen_calls(rig.source, "chat")
         assert rig.gen_calls(rig.target, "chat") == [] and rig.gen_calls(rig.target) == []
     run(go())
 
 
-def test_handoff_saves_on_the_producer_then_maps_on_the_consumer():
+def test_the_switch_of_a_warm_session_sends_nothing_to_the_producer():
     async def go():
-        rig = Rig()
+        rig = Rig(block=16)
         await rig.chat(MSGS, session="s")
-        r = await rig.chat(MSGS, model="tgt", session="s", max_tokens=5)
-        ids = _ids(MSGS)
-        save = rig.gen_calls(rig.source)[-1]
-        assert save["prompt"] == ids and save["max_tokens"] == 1 and save["model"] == "src"
+        turn2 = MSGS + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "and now?"}]
+        r = await rig.chat(turn2, model="tgt", session="s", max_tokens=5)
+        ids, stored = _ids(turn2), len(_ids(MSGS)) // 16 * 16
+        assert len(rig.gen_calls(rig.source)) == 1  # only the source's own turn: no save, no re-prefill
         served = rig.gen_calls(rig.target)[-1]
         assert served["prompt"] == ids and served["model"] == "tgt" and served["max_tokens"] == 5
-        assert "kv_transfer_params" not in served  # the whole prompt is the stored one
-        assert r.status_code == 200
-        assert r.headers[P.STATUS_HEADER] == f"mapped {len(ids) - 1} tokens, prefilled 1"
+        assert served["kv_transfer_params"] == {"kvtransfer_source_len": stored}
+        assert served["cache_salt"].startswith(P.MAPPED_SALT + ":")
+        assert r.status_code == 200 and r.headers[P.STATUS_HEADER] == f"mapped {stored} tokens, prefilled {len(ids) - stored}"
         body = r.json()
         assert body["object"] == "chat.completion" and body["model"] == "tgt"
         assert body["choices"][0]["message"] == {"role": "assistant", "content": rig.target.reply_text(ids)}
-        assert body["kvtransfer"]["mapped"] == len(ids) - 1 and body["kvtransfer"]["prefilled"] == 1
-        assert body["kvtransfer"]["save_s"] >= 0
+        assert body["kvtransfer"]["save_s"] is None
         stats = (await rig.client.get("/kvtransfer/stats")).json()
         assert stats["counts"]["mapped"] == 1 and stats["counts"]["source"] == 1 and stats["counts"]["requests"] == 2
+        assert stats["handoff"] == {"written_through": 1, "switches": 1}
     run(go())
 
 
-def test_later_turns_map_the_handed_over_prefix_and_prefill_the_rest():
+def test_a_cold_session_is_read_once_by_the_producer_then_mapped():
     async def go():
-        rig = Rig()
-        await rig.chat(MSGS, model="tgt", session="s")
-        handed = _ids(MSGS)
-        turn2 = MSGS + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
-        n_saves = len(rig.gen_calls(rig.source))
-        r = await rig.chat(turn2, model="tgt", session="s")
-        assert len(rig.gen_calls(rig.source)) == n_saves  # no second save
+        rig = Rig(block=16)
+        r = await rig.chat(MSGS, model="tgt", session="s")
+        ids = _ids(MSGS)
+        save = rig.gen_calls(rig.source)[-1]
+        assert save["prompt"] == ids and save["max_tokens"] == 1 and save["model"] == "src"
+        assert r.headers[P.STATUS_HEADER] == f"mapped {len(ids) // 16 * 16} tokens, prefilled {len(ids) % 16}"
+        assert r.json()["kvtransfer"]["save_s"] >= 0
+    run(go())
+
+
+def test_later_turns_hit_the_targets_own_cache_and_prefill_only_the_new_turn():
+    async def go():
+        rig = Rig(block=16)
+        await rig.chat(MSGS, session="s")
+        turn2 = MSGS + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "more " * 8}]
+        await rig.chat(turn2, model="tgt", session="s")
+        salt = rig.gen_calls(rig.target)[-1]["cache_salt"]
+        turn3 = turn2 + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "last"}]
+        r = await rig.chat(turn3, model="tgt", session="s")
+        assert len(rig.gen_calls(rig.source)) == 1
         served = rig.gen_calls(rig.target)[-1]
-        assert served["kv_transfer_params"] == {"kvtransfer_source_len": len(handed)}
-        total = len(_ids(turn2))
-        assert r.headers[P.STATUS_HEADER] == f"mapped {len(handed)} tokens, prefilled {total - len(handed)}"
-        # an edited history no longer starts with the handed-over ids: the proxy hands the new prompt over again
-        edited = [{"role": "user", "content": "other"}]
-        r = await rig.chat(edited, model="tgt", session="s")
-        assert len(rig.gen_calls(rig.source)) == n_saves + 1
-        assert rig.gen_calls(rig.source)[-1]["prompt"] == _ids(edited)
+        assert served["cache_salt"] == salt  # the same session, the same salt: its own blocks are exact hits
+        hits = len(_ids(turn2)) // 16 * 16
+        assert r.headers[P.STATUS_HEADER] == f"cached {hits} tokens, prefilled {len(_ids(turn3)) - hits}"
+        assert r.json()["kvtransfer"]["status"] == "cached" and r.json()["kvtransfer"]["mapped"] == 0
+        # another session with the same conversation never shares those blocks: its own salt, mapped from the store
+        await rig.chat(MSGS, session="other")
+        r = await rig.chat(turn2, model="tgt", session="other")
+        assert rig.gen_calls(rig.target)[-1]["cache_salt"] != salt
         assert r.headers[P.STATUS_HEADER].startswith("mapped ")
-        # another session is independent: its first target request is a handoff of its own
-        await rig.chat(turn2, model="tgt", session="other")
-        assert rig.gen_calls(rig.source)[-1]["prompt"] == _ids(turn2)
+        # an edited history no longer extends the session: counted, and the consumer maps what the store holds
+        r = await rig.chat([{"role": "user", "content": "other"}], model="tgt", session="s")
+        assert r.status_code == 200 and len(rig.gen_calls(rig.source)) == 2
+        assert (await rig.client.get("/kvtransfer/stats")).json()["handoff"]["history_rewritten"] == 1
     run(go())
 
 
@@ -270,9 +324,13 @@ def test_dead_producer_falls_back_to_a_target_prefill():
         assert r.json()["kvtransfer"]["prefilled"] == len(_ids(MSGS)) and r.json()["kvtransfer"]["mapped"] == 0
         stats = (await rig.client.get("/kvtransfer/stats")).json()
         assert stats["fallbacks"] == {"fallback_reprefill:save_failed": 1}
-        # the next turn, with the producer back, is a fresh handoff (nothing was handed over)
+        # the next turn, with the producer back, is a fresh handoff (nothing was handed over): the producer reads it,
+        # but the consumer already holds this session's prompt in its own cache (its fallback prefilled it)
         rig.router.dead.clear()
         r = await rig.chat(MSGS, model="tgt", session="s")
+        assert rig.gen_calls(rig.source)[-1]["max_tokens"] == 1
+        assert r.headers[P.STATUS_HEADER] == f"cached {len(_ids(MSGS)) - 1} tokens, prefilled 1"
+        r = await rig.chat(MSGS, model="tgt", session="fresh")  # a new session: mapped from the store
         assert r.headers[P.STATUS_HEADER].startswith("mapped ")
     run(go())
 
@@ -291,9 +349,12 @@ def test_consumer_declining_is_counted_as_its_fallback():
         rig = Rig()
         rig.target.maps = False
         r = await rig.chat(MSGS, model="tgt")
-        assert r.headers[P.STATUS_HEADER] == "fallback_reprefill: consumer_fallback"
+        assert r.headers[P.STATUS_HEADER] == "fallback_reprefill: consumer_fallback (no_entry)"
         stats = (await rig.client.get("/kvtransfer/stats")).json()
         assert stats["fallbacks"] == {"fallback_reprefill:consumer_fallback": 1}
+        rig.target.report_decision = False  # a consumer that reports only vLLM's usage: read from its cached tokens
+        r = await rig.chat(MSGS, model="tgt")
+        assert r.headers[P.STATUS_HEADER] == "fallback_reprefill: consumer_fallback"
     run(go())
 
 
@@ -405,9 +466,15 @@ def test_streaming_from_the_source_is_relayed():
         rig = Rig()
         r = await rig.client.post("/v1/completions", json={"model": "src", "prompt": "abc", "stream": True})
         assert r.headers[P.STATUS_HEADER] == "source"
-        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        assert text == rig.source.reply_text(START + Engine.encode("abc"))  # written through: on the session's ids
+        assert events[-1]["kvtransfer"]["status"] == "source"
+        r = await rig.chat(MSGS, model="src", stream=True, headers={P.WRITE_THROUGH_HEADER: "off"})
+        assert r.headers[P.STATUS_HEADER] == "source" and rig.gen_calls(rig.source, "chat")  # relayed as it came
+        text = "".join(json.loads(line[6:])["choices"][0]["delta"]["content"] for line in r.text.splitlines()
                        if line.startswith("data: {"))
-        assert text == rig.source.reply_text(Engine.encode("abc"))
+        assert text == rig.source.reply_text(Engine.encode(Engine.template(MSGS)))
     run(go())
 
 
@@ -423,6 +490,7 @@ def test_chat_only_fields_go_to_the_target_as_chat_unmapped():
 def test_unknown_mapped_count_says_how_to_get_it():
     async def go():
         rig = Rig(report_cached=False)
+        rig.target.report_decision = False
         r = await rig.chat(MSGS, model="tgt")
         assert r.status_code == 200 and "--enable-prompt-tokens-details" in r.headers[P.STATUS_HEADER]
     run(go())
@@ -458,9 +526,9 @@ def test_concurrent_sessions_stay_apart():
         results = await asyncio.gather(*(session(i) for i in range(8)))
         for statuses in results:
             assert statuses[:2] == ["source", "source"]
-            assert all(s.startswith("mapped ") for s in statuses[2:])
-        assert len(rig.gen_calls(rig.source, "chat")) == 8 * 2  # 2 source turns per session
-        assert len(rig.gen_calls(rig.source)) == 8  # and 1 save
+            assert statuses[2].startswith("mapped ") and statuses[3].startswith("cached ")
+        assert len(rig.gen_calls(rig.source)) == 8 * 2  # 2 source turns per session, no save
+        assert len({body["cache_salt"] for body in rig.gen_calls(rig.target)}) == 8  # one salt per session
     run(go())
 
 
@@ -498,3 +566,102 @@ def test_the_consumers_own_decision_outranks_vllms_cached_count():
     assert proxy.judge(usage, "", 0.1, gated).header() == "fallback_reprefill: gate_full (score 0.4 > 0.3)"
     kept = {"kvtransfer": {"reason": "mapped", "mapped": 128, "prefilled": 73, "gate": {"action": "recompute"}}}
     assert proxy.judge(usage, "", 0.1, kept).header() == "mapped 128 tokens, prefilled 73"
+
+
+def test_a_session_belongs_to_the_key_that_opened_it():
+    async def go():
+        rig = Rig()
+        owner, thief = {"authorization": "Bearer alice"}, {"authorization": "Bearer mallory"}
+        assert (await rig.chat(MSGS, session="s", headers=owner)).status_code == 200
+        r = await rig.chat(MSGS, model="tgt", session="s", headers=thief)
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        assert (await rig.chat(MSGS, model="tgt", session="s")).status_code == 403  # no key is not the owner either
+        assert rig.gen_calls(rig.target) == [] and rig.proxy.sessions.table["s"].engine == "source"
+        r = await rig.client.delete("/kvtransfer/sessions/s", headers=thief)
+        assert r.status_code == 403 and "s" in rig.proxy.sessions
+        assert (await rig.chat(MSGS, model="tgt", session="s", headers=owner)).status_code == 200
+        r = await rig.client.delete("/kvtransfer/sessions/s", headers=owner)
+        assert r.json() == {"deleted": True, "blocks": None} and "s" not in rig.proxy.sessions  # no --store: no blocks
+        assert (await rig.client.get("/kvtransfer/stats")).json()["errors"] == {"forbidden": 2}
+    run(go())
+
+
+def test_rejected_requests_leave_no_session_and_no_lock():
+    async def go():
+        rig = Rig()
+        for i in range(2500):
+            r = await rig.client.post("/v1/chat/completions", json={"model": "tgt", "messages": "not a list"},
+                                      headers={P.SESSION_HEADER: f"{i:04d}" + "x" * 200})
+            assert r.status_code == 400
+        r = await rig.chat(MSGS, session="y" * 300)  # over the id limit
+        assert r.status_code == 400
+        assert len(rig.proxy.sessions) == 0 and rig.proxy.sessions._locks == {}
+        await rig.chat(MSGS, session="ok")
+        assert list(rig.proxy.sessions) == ["ok"] and rig.proxy.sessions._locks == {}
+        assert not hasattr(rig.proxy.sessions.table["ok"], "handed_ids")  # a length and a hash, not the ids
+    run(go())
+
+
+def test_bodies_over_the_limit_are_413s():
+    async def go():
+        rig = Rig()
+        rig.proxy.max_body_bytes = 1000
+        r = await rig.chat([{"role": "user", "content": "x" * 2000}])
+        assert r.status_code == 413
+        assert (await rig.chat(MSGS)).status_code == 200
+    run(go())
+
+
+def test_only_allowed_kv_transfer_params_reach_the_consumer_and_client_salts_never_do():
+    async def go():
+        rig = Rig()
+        await rig.chat(MSGS, session="s")
+        params = {"kvtransfer_tag": "mine", "kvtransfer_source_len": 1, "do_remote_prefill": True}
+        r = await rig.chat(MSGS, model="tgt", session="s", kv_transfer_params=params, cache_salt="kvtransfer-mapped:x")
+        assert r.status_code == 200
+        served = rig.gen_calls(rig.target)[-1]
+        assert served["kv_transfer_params"] == {"kvtransfer_tag": "mine", "kvtransfer_source_len": len(_ids(MSGS))}
+        assert served["cache_salt"] != "kvtransfer-mapped:x"
+        assert (await rig.client.get("/kvtransfer/stats")).json()["handoff"]["params_dropped"] == 1
+        r = await rig.chat(MSGS, model="tgt", kv_transfer_params={"kvtransfer": "maybe"})
+        assert r.status_code == 400
+    run(go())
+
+
+def test_a_switch_waits_for_the_write_in_flight_then_maps_what_is_there(tmp_path):
+    from kvtransfer.serve.store import KVStore
+
+    async def go():
+        rig = Rig(block=4)
+        rig.proxy.store, rig.proxy.switch_wait_s = KVStore(tmp_path, block_size=4), 5.0
+        ident = {"key": "0123456789abcdef", "n_layers": 1, "n_kv": 1, "head_dim": 2}
+        ids = _ids(MSGS)
+        n = len(ids) // 4 * 4
+        await rig.chat(MSGS, session="s")
+        layers = [(torch.zeros(1, len(ids), 2), torch.zeros(1, len(ids), 2))]
+        writer = threading.Timer(0.3, lambda: rig.proxy.store.write(ids, layers, ident))
+        writer.start()
+        t0 = time.perf_counter()
+        assert await rig.proxy._stored_until(ids, n) == n  # waited for the producer's write
+        assert 0.2 < time.perf_counter() - t0 < 4
+        rig.proxy.switch_wait_s = 0.05
+        assert await rig.proxy._stored_until(ids + [1] * 8, n + 8) == n  # never written: what is complete
+        stats = rig.proxy.stats.as_dict()["handoff"]
+        assert stats["switch_waited"] == 2
+    run(go())
+
+
+def test_metrics_and_mapper_start_ids(tmp_path):
+    async def go():
+        rig = Rig()
+        await rig.chat(MSGS, session="s")
+        text = (await rig.client.get("/metrics")).text
+        assert 'kvtransfer_proxy_counts_total{kind="source"} 1' in text and "kvtransfer_proxy_sessions 1" in text
+    run(go())
+    (tmp_path / "mapper.json").write_text(json.dumps({"calibration": {"start_ids": [151643]}}))
+    assert P.mapper_start_ids(tmp_path) == [151643]
+    (tmp_path / "mapper.json").write_text(json.dumps({"calibration": {}}))
+    with pytest.raises(ValueError, match="context_start=prefix_token"):
+        P.mapper_start_ids(tmp_path)
+    with pytest.raises(ValueError, match="give --mapper"):
+        P.mapper_start_ids(tmp_path / "missing")

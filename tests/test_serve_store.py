@@ -219,7 +219,12 @@ def test_decide_maps_the_longest_stored_prefix_and_leaves_the_rest(tmp_path, mod
     longer = prompt + [9] * 50
     assert decide(longer, 0, store, spec).hi == 32
     assert decide(longer, 0, store, spec, source_len=20).hi == 16
-    assert decide(prompt, 32, store, spec).reason == "too_short"
+    d = decide(prompt, 32, store, spec)  # vLLM's own cache holds all the store has: nothing mapped, counted as cached
+    assert (d.reason, d.lo, d.summary(40)["mapped"], d.summary(40)["cached"], d.summary(40)["prefilled"]) == \
+        ("cached", 32, 0, 32, 8)
+    assert decide(prompt[:20], 0, store, spec, source_len=0).reason == "no_entry"
+    d = decide(_prompt(60)[:1] + [5] * 59, 48, store, spec)  # a later turn whose prefix the store never held
+    assert (d.reason, d.summary(60)["cached"], d.summary(60)["prefilled"]) == ("cached", 48, 12)
     assert decide([6] + prompt[1:], 0, store, spec).reason == "context_start"
     assert decide(prompt, 0, store, spec, prefix_caching=True).reason == "unsalted"  # lossy blocks stay salted
     assert decide(prompt, 0, store, spec, prefix_caching=True, salted=True).reason == MAPPED

@@ -203,6 +203,17 @@ def prefill_flops(config, n_tokens: int, layers: int | None = None) -> float:
     return float((d["layers"] if layers is None else layers) * total)
 
 
+def range_flops(config, start: int, end: int) -> float:
+    """FLOPs of the tokens at positions start..end-1 through every layer, each attending to the tokens up to it: the
+    closed form of sum(token_flops(config, p + 1) for p in range(start, end)); 0 for an empty range."""
+    a, b = int(start), int(end)
+    if b <= a:
+        return 0.0
+    d = _dims(config)
+    attn_per_key = 2 * 2 * d["heads"] * d["head_dim"]
+    return float(d["layers"] * (token_flops(config, 0, 1) * (b - a) + attn_per_key * (b * (b + 1) - a * (a + 1)) / 2))
+
+
 def recompute_cost(config, n_tokens: int, positions: list[int], select: str, native_sink: int = 0) -> dict:
     """{"flops", "prefill_flops", "fraction"}: FLOPs of recomputing the tokens at `positions` of an
     `n_tokens` context (each reads the tokens up to it), plus the deviation rule's one layer of prefill over

@@ -60,6 +60,7 @@ from . import gating, paged
 from .policy import MAPPED, Counters, Decider, MapSpec, Timings
 from .specs import LoadSpec, SaveSpec, layer_index
 from .store import KVStore, Prefix
+from .writer import StoreWriter
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -88,6 +89,13 @@ DEFAULT_SALT = "kvtransfer-mapped"
 class ServeMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+
+
+def _flag(value) -> bool:
+    """A boolean extra-config value (JSON true/false, or the strings a shell-quoted config carries)."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(value)
 
 
 def _cpu_attention_isa(vllm_config, dtype: torch.dtype, head_dim: int) -> str:
@@ -151,9 +159,10 @@ class KVTransferConnector(KVConnectorBase_V1):
         extra = cfg.kv_connector_extra_config or {}
         if "store" not in extra:
             raise ValueError("kv_connector_extra_config needs 'store': the KV store directory")
-        cap = extra.get("store_max_bytes")
+        cap, keep = extra.get("store_max_bytes"), extra.get("store_retention_s")
         self.store = KVStore(extra["store"], block_size=extra.get("block_size"),
-                             max_bytes=int(cap) if cap is not None else None)
+                             max_bytes=int(cap) if cap is not None else None,
+                             retention_s=float(keep) if keep is not None else None)
         self.block_size = vllm_config.cache_config.block_size
         self.model_path = vllm_config.model_config.model
         self.producer = cfg.is_kv_producer and not cfg.is_kv_consumer
@@ -186,7 +195,15 @@ class KVTransferConnector(KVConnectorBase_V1):
         self._layout: paged.PagedLayout | None = None
         self._layer_parts: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._failed_blocks: set[int] = set()
+        self._alloc: dict[str, list[int]] = {}  # scheduler: request -> its block ids when external tokens were promised
+        self.writer = StoreWriter(self.store, max_pending_bytes=int(extra.get("save_queue_bytes", 1 << 30)),
+                                  background=_flag(extra.get("async_save", True))) if self.producer else None
         self.spec = None if self.producer else self._scheduler_spec(role)
+        if self.producer and (not HAVE_VLLM or role == KVConnectorRole.SCHEDULER):
+            try:  # the store key of this model (its weights read once), before the first request needs it
+                self._identity()
+            except Exception as err:  # noqa: BLE001 -- the producer then stores nothing; requests are unaffected
+                log.error("kvtransfer: producer cannot identify its weights (%s); no prompt will be stored", err)
         self.decider = (Decider(self.store, self.spec, self.counters, prefix_caching=self.prefix_caching,
                                 salt=self.salt) if self.spec is not None else None)
 
@@ -274,6 +291,8 @@ class KVTransferConnector(KVConnectorBase_V1):
         try:
             if num_external_tokens == 0:
                 self._pending.pop(request.request_id, None)
+            else:  # kept so that a failing lookup later still knows which promised blocks to report
+                self._alloc[request.request_id] = list(blocks.get_block_ids()[0])
         except Exception as err:  # noqa: BLE001
             self._fault("update_state_after_alloc", err, request)
 
@@ -284,10 +303,15 @@ class KVTransferConnector(KVConnectorBase_V1):
                 if req_id not in scheduler_output.num_scheduled_tokens:
                     continue
                 del self._pending[req_id]
-                blocks = list(self._kv_cache_manager.get_block_ids(req_id)[0])
-            except Exception as err:  # noqa: BLE001 -- nothing to load, nothing promised can be kept: skip it
+            except Exception as err:  # noqa: BLE001 -- the table itself failed: nothing is known of the request
                 self._fault("build_connector_meta", err)
-                self._pending.pop(req_id, None)
+                continue
+            try:
+                blocks = list(self._kv_cache_manager.get_block_ids(req_id)[0])
+            except Exception as err:  # noqa: BLE001 -- the promised blocks (as allocated) are reported as load errors
+                self._fault("build_connector_meta", err)
+                meta.loads.append(LoadSpec(req_id, "", [], decision.lo, decision.hi, self._alloc.pop(req_id, []),
+                                           error=f"block ids unreadable: {type(err).__name__}: {err}"))
                 continue
             try:
                 prefix = decision.prefix
@@ -301,6 +325,7 @@ class KVTransferConnector(KVConnectorBase_V1):
                                            native_sink=self.spec.native_sink, prompt_len=len(prompt_all)))
                 first, last = decision.lo // self.block_size, (decision.hi - 1) // self.block_size
                 self._loading[req_id] = set(blocks[first:last + 1])
+                self._alloc.pop(req_id, None)
             except Exception as err:  # noqa: BLE001 -- the worker reports the promised blocks as load errors
                 self._fault("build_connector_meta", err)
                 meta.loads.append(LoadSpec(req_id, "", [], decision.lo, decision.hi, blocks,
@@ -313,7 +338,8 @@ class KVTransferConnector(KVConnectorBase_V1):
         return meta
 
     def _plan_saves(self, scheduler_output, meta: ServeMetadata) -> None:
-        """A SaveSpec for every request whose prompt prefill completes in this step."""
+        """A SaveSpec for every request whose prompt prefill completes in this step and whose full blocks the store
+        does not all hold yet (from its first missing block on)."""
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -324,7 +350,12 @@ class KVTransferConnector(KVConnectorBase_V1):
             prompt = list(request.prompt_token_ids or [])
             if before + scheduler_output.num_scheduled_tokens.get(req_id, 0) >= len(prompt) > 0:
                 self._saved.add(req_id)
-                meta.saves.append(SaveSpec(req_id, prompt, list(self._kv_cache_manager.get_block_ids(req_id)[0])))
+                B = self.store.block_size
+                end = len(prompt) // B * B  # only full blocks are stored
+                first = self.store.stored_blocks(prompt[:end], self._identity()["key"]) * B
+                if first < end:  # an earlier turn of this conversation stored the blocks before `first`
+                    meta.saves.append(SaveSpec(req_id, prompt, list(self._kv_cache_manager.get_block_ids(req_id)[0]),
+                                               first=first, end=end))
 
     def update_connector_output(self, connector_output) -> None:
         """Scheduler side: a mapped request whose blocks the worker reported as load errors is re-classified
@@ -350,7 +381,7 @@ class KVTransferConnector(KVConnectorBase_V1):
         """Frees the request's state; a consumer returns {"kvtransfer": Decision.summary} as its kv_transfer_params."""
         try:
             gate = self._gates.pop(request.request_id, None)
-            for table in (self._requests, self._pending, self._loading, self._gate_hi):
+            for table in (self._requests, self._pending, self._loading, self._gate_hi, self._alloc):
                 table.pop(request.request_id, None)
             self._saved.discard(request.request_id)
             if self.decider is None:
@@ -364,6 +395,8 @@ class KVTransferConnector(KVConnectorBase_V1):
             return False, None
 
     def shutdown(self):
+        if self.writer is not None:
+            self.writer.close()
         self.counters.flush()
         self.timings.flush()
         try:
@@ -451,9 +484,17 @@ class KVTransferConnector(KVConnectorBase_V1):
         if not self.producer or self._layout is None:
             return
         for spec in self._get_connector_metadata().saves:
-            slots = paged.slot_mapping(spec.block_ids, self.block_size, 0, len(spec.token_ids))
             parts = self._layer_parts.setdefault(spec.req_id, {})
-            parts[layer_index(layer_name)] = self._layout.gather(kv_layer, slots)
+            if parts is None:
+                continue  # an earlier layer of this save failed: it is dropped
+            try:
+                end = len(spec.token_ids) if spec.end is None else spec.end
+                slots = paged.slot_mapping(spec.block_ids, self.block_size, spec.first, end)
+                parts[layer_index(layer_name)] = self._layout.gather(kv_layer, slots)
+            except Exception as err:  # noqa: BLE001 -- a missed save is a future miss, never a failed forward
+                log.error("kvtransfer: cannot gather request %s for the store (%s: %s)", spec.req_id,
+                          type(err).__name__, err)
+                self._layer_parts[spec.req_id] = None
 
     def wait_for_save(self):
         if self._gate_kept:  # consumer: the gate, on the native tail the forward just wrote
@@ -466,11 +507,13 @@ class KVTransferConnector(KVConnectorBase_V1):
         if not self.producer or not self.has_connector_metadata():
             return
         for spec in self._get_connector_metadata().saves:
-            parts = self._layer_parts.pop(spec.req_id, {})
+            parts = self._layer_parts.pop(spec.req_id, None)
             if not parts:
                 continue
             try:
-                self.store.write(spec.token_ids, [parts[i] for i in sorted(parts)], self._identity())
+                end = len(spec.token_ids) if spec.end is None else spec.end
+                self.writer.submit(spec.req_id, spec.token_ids[:end], [parts[i] for i in sorted(parts)],
+                                   self._identity(), spec.first)
             except Exception as err:  # noqa: BLE001 -- a failed save (disk full, ...) is a future miss, not a failure
                 log.error("kvtransfer: could not store request %s: %s", spec.req_id, err)
 

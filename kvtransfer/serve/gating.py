@@ -101,14 +101,14 @@ def served_cost(config, *, lo: int, head_end: int, start: int, prompt_len: int) 
     the scored step computes every position vLLM was not told is loaded (0..lo-1 and head_end..prompt_len-1), and a
     recompute or full prefill (start < head_end) then computes start..prompt_len-1 again -- the first step's token is
     discarded, so a fallback costs more than a plain prefill."""
-    from ..core.recompute import prefill_flops, token_flops
+    from ..core.recompute import prefill_flops, range_flops
 
     full = prefill_flops(config, prompt_len)
     if not full:
         return 0.0
-    first = [p for p in range(prompt_len) if p < lo or p >= head_end]
-    again = range(start, prompt_len) if start < head_end else range(0)
-    return float(sum(token_flops(config, p + 1) for p in [*first, *again]) / full)
+    first = range_flops(config, 0, min(lo, prompt_len)) + range_flops(config, max(head_end, 0), prompt_len)
+    again = range_flops(config, start, prompt_len) if start < head_end else 0.0
+    return float((first + again) / full)
 
 
 def record(decision: Decision, *, start: int, lo: int, hi: int, prompt_len: int, tail: int, block_size: int = 0,

@@ -13,6 +13,7 @@ wraps it so that nothing -- a malformed field, a block header of any shape, a bu
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import threading
@@ -27,6 +28,7 @@ from .store import BadEntry, KVStore, Prefix
 log = logging.getLogger("kvtransfer.serve")
 
 MAPPED = "mapped"
+CACHED = "cached"  # nothing to map: vLLM's own prefix cache (this session's earlier turns) holds the stored prefix
 LOAD_FAILED = "load_failed"
 FINAL = (LOAD_FAILED, "gate_unusable", "gate_no_score")  # reasons a request keeps once given (never mapped again)
 
@@ -53,8 +55,8 @@ class Decision:
         mapped = tokens taken from the map, cached = tokens vLLM already held (its prefix cache), prefilled = tokens
         the target computed; matched / lo / tail are the earlier records' names of the same three numbers."""
         mapped = self.matched if self.reason == MAPPED else 0
-        cached = self.lo if self.reason == MAPPED else 0
-        prefilled = prompt_len - mapped - cached if self.reason == MAPPED else prompt_len
+        cached = self.lo  # vLLM's prefix cache (Decider.get records it on every decision)
+        prefilled = prompt_len - mapped - cached
         return {"reason": self.reason, "mapped": mapped, "cached": cached, "prefilled": prefilled,
                 "prompt": prompt_len, "detail": self.detail[:500], "matched": mapped, "lo": cached, "tail": prefilled}
 
@@ -69,6 +71,12 @@ class MapSpec:
     native_sink: int = 0
     native_tail: int = 1
     unusable: str = ""
+
+
+def salted_by(cache_salt, salt: str) -> bool:
+    """Whether a request's vLLM cache_salt marks it for mapping: the connector's salt itself, or a per-session salt
+    "<salt>:<session part>" (the handoff proxy's; vLLM caps a salt at 128 characters)."""
+    return isinstance(cache_salt, str) and (cache_salt == salt or cache_salt.startswith(salt + ":"))
 
 
 def parse_params(params) -> tuple[bool, int | None]:
@@ -96,8 +104,10 @@ def decide(prompt: list[int], num_computed: int, store: KVStore, spec: MapSpec, 
     """The decision for one request whose first `num_computed` prompt tokens are already in the cache.
 
     prefix_caching / salted: with vLLM's prefix cache on, only requests carrying the connector's cache
-    salt are mapped, so mapped (lossy) blocks are hashed apart from every unsalted request's and never serve an
-    exact prefix-cache hit. source_len: map at most the first source_len prompt tokens. off: the request asked
+    salt (or a per-session salt under it, `salted_by`) are mapped, so mapped (lossy) blocks are hashed apart from
+    every other request's and session's and never serve another's exact prefix-cache hit. A request whose
+    first num_computed tokens vLLM's prefix cache already holds (this session's earlier turns) and that the store
+    cannot extend is reason "cached": its summary counts those tokens as cached, not mapped. source_len: map at most the first source_len prompt tokens. off: the request asked
     for a normal prefill. The mapped range is tokens lo..hi-1 with lo = num_computed and hi = the longest stored
     prefix, capped to leave the last `native_tail` prompt tokens to the target.
     """
@@ -113,6 +123,11 @@ def decide(prompt: list[int], num_computed: int, store: KVStore, spec: MapSpec, 
                                                 f"{list(spec.start_ids)}")
     key_ids = prompt if source_len is None else prompt[:source_len]
     prefix = store.lookup(key_ids, spec.source_hash)
+    lo = num_computed
+    if lo > 0 and min(prefix.n_tokens, len(prompt) - spec.native_tail) <= lo:
+        return Decision(CACHED, lo=lo, hi=lo, tail=len(prompt) - lo,
+                        detail=f"vLLM's prefix cache holds {lo} tokens; the store holds {prefix.n_tokens} "
+                               f"{prefix.detail}".strip())
     if prefix.n_blocks == 0:
         if prefix.detail:
             reason, _, detail = prefix.detail.partition(": ")
@@ -123,7 +138,6 @@ def decide(prompt: list[int], num_computed: int, store: KVStore, spec: MapSpec, 
                                                  f"mapper's source {spec.source_hash} (other weights or architecture)")
         return Decision("no_entry", detail=f"no stored block of the first {store.block_size} tokens")
     hi = min(prefix.n_tokens, len(prompt) - spec.native_tail)
-    lo = num_computed
     if hi <= max(lo, spec.native_sink):
         return Decision("too_short", detail=f"nothing to map beyond {lo} cached tokens: {prefix.n_tokens} stored, "
                                             f"tail {spec.native_tail}, prompt {len(prompt)}")
@@ -321,7 +335,9 @@ class Decider:
         if known is not None and (known[:2] == (n, num_computed) or known[2].reason in FINAL):
             return known[2]  # a failed load (or the gate's fall-back) stays: the request is prefilled, never mapped
         decision = safe_decide(prompt, num_computed, self.store, self.spec, params=params,
-                               prefix_caching=self.prefix_caching, salted=cache_salt == self.salt)
+                               prefix_caching=self.prefix_caching, salted=salted_by(cache_salt, self.salt))
+        if decision.reason != MAPPED and isinstance(num_computed, int) and decision.lo != num_computed:
+            decision = dataclasses.replace(decision, lo=num_computed)  # a fallback still reports vLLM's own hits
         tag = params.get("kvtransfer_tag") if isinstance(params, dict) else None
         tag = tag if isinstance(tag, str) else None
         if known is None:

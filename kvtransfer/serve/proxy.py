@@ -1,36 +1,49 @@
 """The handoff proxy: one OpenAI-compatible endpoint in front of a producer (source) and a consumer (target) engine.
     python -m kvtransfer.serve.proxy --source http://127.0.0.1:8001 --target http://127.0.0.1:8002 \
-        --start-ids 151643 --port 8000
+        --mapper runs/.../mapper --store /var/lib/kvtransfer/store --port 8000
 
 Routes: `/v1/chat/completions`, `/v1/completions` (both streaming or not), `/v1/models`, `/health`,
-`/kvtransfer/stats` (the proxy's counters, JSON).
+`/kvtransfer/stats` (the proxy's counters, JSON), `/metrics` (the same, Prometheus text), and
+`DELETE /kvtransfer/sessions/<id>` (forget a session and remove its stored blocks).
 
 A session (header `X-KVTransfer-Session`; without one every request is its own session) is served by the
-source. A request that asks for the target -- its `model` is the target's served name (or "target"), or the
-header `X-KVTransfer-Model: target` -- hands the session over:
-  1. the prompt's token ids are computed by the target's `/tokenize` (chat: its chat template with the
-     generation prompt), with the mapper's position-0 ids (`--start-ids`, e.g. `<|endoftext|>` for
-     `context_start=prefix_token`) put in front;
-  2. the producer reads them once (`/v1/completions`, those ids, `max_tokens=1`): its connector saves the KV;
-  3. the consumer gets the same ids (`/v1/completions`): its connector maps the stored prefix and prefills
-     the rest. Later turns of a handed-over session go to the consumer with
-     `kv_transfer_params.kvtransfer_source_len` = the handed-over length, while their prompt still starts
-     with the handed-over ids (it maps that prefix; the target prefills the new turns).
-A chat request is answered in chat format (the consumer's completion converted: text, finish reason,
-logprobs, usage).
+source, written through: the proxy gives the session one token sequence from its first turn -- the mapper's
+position-0 ids (read from the mapper) + the chat template's tokens as the target's `/tokenize` makes them (the
+family shares its tokenizer) -- and sends each source turn as a `/v1/completions` request on those ids, so the
+producer's connector stores the session's blocks as it serves them (with prefix caching on, each turn computes
+and stores only its new blocks).
 
-What happened is in the response header `X-KVTransfer` and in the body field `kvtransfer` (streaming: the
-header says `handoff: ...` and the field rides on the stream's last event, since vLLM reports cached tokens
-only in its final usage chunk): `mapped N tokens, prefilled M` (N = the consumer's
-`usage.prompt_tokens_details.cached_tokens`: start the consumer with `--enable-prompt-tokens-details`,
-prefix caching off), `fallback_reprefill: <reason>` (the consumer prefilled everything; the proxy's reason:
-`save_failed`, `consumer_fallback` -- the consumer's connector declined, its stats file says why -- or `gate_full`:
-its per-request gate chose a full prefill), `fallback_source: <reason>` (the target is down), or `source`.
+A request that asks for the target -- its `model` is the target's served name (or "target"), or the header
+`X-KVTransfer-Model: target` -- hands the session over. Nothing is sent to the producer: the consumer gets the
+same token sequence, maps the longest stored prefix and prefills the rest (the latest turns) natively. A store
+write still in flight at the switch (the producer writes in the background) is waited for up to
+`--switch-wait` seconds when the proxy can see the store (`--store`); after that the consumer maps what is
+complete, and the switch is counted `switch_partial`. A session the source never served (its first request asks
+for the target) is first read once by the producer (`max_tokens=1`: the save step) and then mapped.
+
+After the switch the target keeps the session: its requests carry a per-session `cache_salt`
+("kvtransfer-mapped:<keyed digest of the session>"), so the consumer's prefix cache (on) serves each later turn's
+earlier tokens as exact hits of this session's own blocks and prefills only the new turn; the mapped blocks are
+never a hit for any other session or request. If the consumer's cache evicted the session, it re-maps from the
+store and prefills the rest. A chat template that rewrites history (the new prompt does not extend the last one)
+is counted `history_rewritten`; the consumer then maps the longest stored prefix of the new prompt.
+
+A chat request is answered in chat format (the engine's completion converted: text, finish reason, logprobs,
+usage). What happened is in the response header `X-KVTransfer` and the body field `kvtransfer` (streaming: the
+header says `handoff: ...` and the field rides on the stream's last event, since vLLM reports cached tokens only
+in its final usage chunk): `mapped N tokens, prefilled M` (the consumer's connector decision), `cached N tokens,
+prefilled M` (a later turn: the consumer's own prefix cache), `fallback_reprefill: <reason>` (the consumer
+prefilled everything: `save_failed`, `consumer_fallback (<its reason>)`, or `gate_full`), `fallback_source:
+<reason>` (the target is down), or `source`.
+
+Bounded and isolated: a session is a few numbers (a length and a hash of its ids, not the ids), bound to the API key
+(`Authorization` header) that opened it -- another key gets a 403; locks exist only while a request holds them;
+bodies are capped (`--max-body-bytes`); of a client's `kv_transfer_params` only `kvtransfer` ("on"/"off") and
+`kvtransfer_tag` reach the consumer, and a client's `cache_salt` is replaced by the session's.
 
 Never down: a malformed request is a 400 in OpenAI's error format; a dead or failing engine is a fallback
-(target -> source) or, with both down, a 502; every outcome is counted (`/kvtransfer/stats`). The proxy
-depends on the engines only through HTTP and the fields above, so it works with any consumer that reports
-mapped tokens as cached tokens. Large -> small is the same proxy with the engines' roles swapped.
+(target -> source) or, with both down, a 502; every outcome is counted. Large -> small is the same proxy with the
+engines' roles swapped (and a mapper fitted in that direction).
 """
 from __future__ import annotations
 
@@ -38,9 +51,10 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
-from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 try:
@@ -51,7 +65,7 @@ try:
 except ImportError:  # pragma: no cover - the [serve] / [dev] extra installs them
     HAVE_SERVE_STACK = False
 
-from .proxy_state import BadRequest, Outcome, Session, Stats, Unreachable  # noqa: F401 (re-exported)
+from .proxy_state import BadRequest, Forbidden, Outcome, Session, Sessions, Stats, Unreachable  # noqa: F401
 from .proxy_wire import _relay, _sse_events, completion_chunk_to_chat, completion_to_chat  # noqa: F401
 
 log = logging.getLogger("kvtransfer.proxy")
@@ -59,6 +73,10 @@ log = logging.getLogger("kvtransfer.proxy")
 SESSION_HEADER = "x-kvtransfer-session"
 MODEL_HEADER = "x-kvtransfer-model"
 STATUS_HEADER = "x-kvtransfer"
+WRITE_THROUGH_HEADER = "x-kvtransfer-write-through"
+MAPPED_SALT = "kvtransfer-mapped"  # the consumer connector's mapped_cache_salt; a session's salt is "<this>:<digest>"
+CLIENT_PARAMS = ("kvtransfer", "kvtransfer_tag")  # the client kv_transfer_params that reach the consumer
+MAX_KEY = 256  # characters of a session id
 # chat fields a completion request cannot carry: such a request is forwarded to the target as chat, unmapped
 CHAT_ONLY = ("tools", "tool_choice", "functions", "function_call", "response_format", "documents",
              "continue_final_message", "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
@@ -72,6 +90,29 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> "J
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+class TooLarge(ValueError):
+    """A request body over the proxy's limit (HTTP 413)."""
+
+
+def _valid_key(key: str) -> bool:
+    return 0 < len(key) <= MAX_KEY and key.isascii() and key.isprintable()
+
+
+def mapper_start_ids(mapper_dir: str | os.PathLike) -> list[int]:
+    """The position-0 token ids a saved mapper was fitted with (its manifest's calibration.start_ids): what every
+    prompt handed over must start with. ValueError naming the fix when the directory is not a saved mapper."""
+    path = Path(mapper_dir) / "mapper.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable mapper manifest ({err}): give --mapper the directory a fitted "
+                         "mapper was saved to") from err
+    ids = (manifest.get("calibration") or {}).get("start_ids") if isinstance(manifest, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"{path} records no start_ids: refit the mapper with context_start=prefix_token")
+    return ids
+
+
 def _int_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(x, int) and not isinstance(x, bool)
                                                              for x in value)
@@ -80,26 +121,46 @@ def _int_list(value: Any) -> bool:
 class HandoffProxy:
     """The proxy's state and logic: engine URLs and model names, sessions (LRU-bounded), counters.
 
-    source / target: base URLs of the producer and the consumer engine. start_ids: the mapper's position-0
-    token ids, put in front of every prompt the proxy hands over. client: an httpx.AsyncClient (tests pass
-    one whose transport reaches in-process fakes). max_sessions: sessions kept (least recently used dropped).
+    source / target: base URLs of the producer and the consumer engine. start_ids: the mapper's position-0 token ids
+    (`mapper_start_ids`), put in front of every session's token sequence. store: the producer's store directory, if
+    the proxy can see it (waits for writes in flight at a switch; deleting a session removes its blocks).
+    write_through: serve source turns on the session's token ids (default); off, they go to the source as they
+    come and a switch re-runs the source's prefill. secret: the key of session owners' digests and cache salts
+    (default: random per start, so a restart re-maps instead of reusing the consumer's cache). client: an
+    httpx.AsyncClient (tests pass one whose transport reaches in-process fakes).
     """
 
     def __init__(self, source: str, target: str, *, source_model: str | None = None,
                  target_model: str | None = None, start_ids: list[int] | tuple[int, ...] = (),
                  client: "httpx.AsyncClient | None" = None, timeout_s: float = 600.0, max_sessions: int = 10000,
-                 remap_turns: bool = True):
+                 remap_turns: bool = True, store: str | None = None, write_through: bool = True,
+                 switch_wait_s: float = 5.0, secret: bytes | None = None, max_body_bytes: int = 16 << 20,
+                 block_size: int = 16):
         if not HAVE_SERVE_STACK:
             raise ImportError("kvtransfer.serve.proxy needs fastapi, uvicorn and httpx: pip install -e '.[serve]'")
         self.urls = {"source": source.rstrip("/"), "target": target.rstrip("/")}
         self.models = {"source": source_model, "target": target_model}
         self.start_ids = [int(i) for i in start_ids]
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
-        self.sessions: OrderedDict[str, Session] = OrderedDict()
-        self.max_sessions = max_sessions
-        self.remap_turns = remap_turns
+        self.sessions = Sessions(secret or os.urandom(32), max_sessions)
+        self.remap_turns, self.write_through = remap_turns, write_through
+        self.switch_wait_s, self.max_body_bytes = switch_wait_s, max_body_bytes
+        self.store = None
+        if store is not None:
+            from .store import KVStore
+
+            self.store = KVStore(store)
+        self.block_size = self.store.block_size if self.store is not None else block_size
+        self._producer_key: str | None = None  # the producer's model key in the store, once seen
         self.stats = Stats()
-        self._locks: dict[str, asyncio.Lock] = {}
+
+    @property
+    def max_sessions(self) -> int:
+        return self.sessions.max_sessions
+
+    @max_sessions.setter
+    def max_sessions(self, n: int) -> None:
+        self.sessions.max_sessions = n
 
     # ------------------------------------------------------------------ upstream calls
     async def _post(self, engine: str, path: str, body: dict) -> dict:
@@ -130,16 +191,6 @@ class HandoffProxy:
         return self.models[engine]
 
     # ------------------------------------------------------------------ routing
-    def _session(self, key: str | None) -> Session:
-        if key is None:
-            return Session()
-        session = self.sessions.pop(key, None) or Session()
-        self.sessions[key] = session
-        while len(self.sessions) > self.max_sessions:
-            dropped, _ = self.sessions.popitem(last=False)
-            self._locks.pop(dropped, None)
-        return session
-
     async def wanted(self, body: dict, headers) -> str:
         """'source' or 'target': the engine the request asks for (header, else its `model` field)."""
         asked = headers.get(MODEL_HEADER)
@@ -166,7 +217,7 @@ class HandoffProxy:
         raise BadRequest(f"model {model!r} is served by neither engine: use {names['source']!r} (source), "
                          f"{names['target']!r} (target), 'source' or 'target'")
 
-    # ------------------------------------------------------------------ the handoff
+    # ------------------------------------------------------------------ the token sequence
     async def prompt_ids(self, kind: str, body: dict) -> list[int]:
         """The prompt's token ids as the target tokenizes it, with start_ids in front (BadRequest if unusable)."""
         target = await self.model_name("target")
@@ -197,16 +248,36 @@ class HandoffProxy:
         return ids
 
     async def save(self, ids: list[int]) -> float:
-        """The producer reads `ids` once (max_tokens=1): its connector stores their KV. Seconds taken."""
+        """The producer reads `ids` once (max_tokens=1): its connector stores their KV. Seconds taken. Only for a
+        session the source never served (a warm session's blocks are already stored)."""
         t0 = time.perf_counter()
         await self._post("source", "/v1/completions", {"model": await self.model_name("source"), "prompt": ids,
                                                          "max_tokens": 1, "temperature": 0.0})
         return time.perf_counter() - t0
 
-    def completion_body(self, kind: str, body: dict, ids: list[int], source_len: int | None, model: str) -> dict:
-        """The consumer's /v1/completions body for a (chat or completion) request, on the token ids `ids`."""
+    def client_params(self, body: dict) -> dict:
+        """The client's kv_transfer_params that may reach the consumer (the allowlist); others are dropped, counted."""
+        params = body.get("kv_transfer_params")
+        if params is None:
+            return {}
+        if not isinstance(params, dict):
+            raise BadRequest("kv_transfer_params must be an object")
+        kept = {k: v for k, v in params.items() if k in CLIENT_PARAMS}
+        if kept.get("kvtransfer", "on") not in ("on", "off"):
+            raise BadRequest(f"kv_transfer_params.kvtransfer={kept['kvtransfer']!r}: use \"on\" or \"off\"")
+        if not isinstance(kept.get("kvtransfer_tag", ""), str) or len(kept.get("kvtransfer_tag", "")) > 128:
+            raise BadRequest("kv_transfer_params.kvtransfer_tag must be a string of at most 128 characters")
+        if len(kept) < len(params):
+            self.stats.handoff["params_dropped"] += 1
+        return kept
+
+    def completion_body(self, kind: str, body: dict, ids: list[int], model: str, *, params: dict | None = None,
+                        salt: str | None = None) -> dict:
+        """An engine's /v1/completions body for a (chat or completion) request, on the token ids `ids`; `params`
+        becomes its kv_transfer_params and `salt` its cache_salt (the client's own are never passed on)."""
         drop = CHAT_CONVERTED if kind == "chat" else ()
-        out = {k: v for k, v in body.items() if k not in drop and k not in ("prompt", "model")}
+        out = {k: v for k, v in body.items()
+               if k not in drop and k not in ("prompt", "model", "kv_transfer_params", "cache_salt")}
         out["model"], out["prompt"] = model, ids
         if kind == "chat":
             if body.get("logprobs"):
@@ -216,13 +287,10 @@ class HandoffProxy:
                 out["logprobs"] = top
             if "max_completion_tokens" in body and "max_tokens" not in body:
                 out["max_tokens"] = body["max_completion_tokens"]
-        params = dict(body.get("kv_transfer_params") or {}) if isinstance(body.get("kv_transfer_params"), dict) else {}
-        if source_len is not None:
-            params["kvtransfer_source_len"] = source_len
         if params:
             out["kv_transfer_params"] = params
-        else:
-            out.pop("kv_transfer_params", None)
+        if salt:
+            out["cache_salt"] = salt
         if out.get("stream"):
             options = dict(out.get("stream_options") or {}) if isinstance(out.get("stream_options"), dict) else {}
             options["include_usage"] = True  # vLLM puts cached tokens in the final usage chunk only
@@ -242,16 +310,20 @@ class HandoffProxy:
         return int(cached), int(prompt) - int(cached)
 
     def judge(self, usage: dict | None, save_error: str, save_s: float | None, connector: Any = None) -> Outcome:
-        """The outcome of a consumer request: its connector's own decision (`kv_transfer_params.kvtransfer`; vLLM
-        counts rejected loads as cached), else its usage's cached tokens; plus the save step's error."""
+        """The outcome of a consumer request: its connector's own decision (`kv_transfer_params.kvtransfer`: mapped,
+        cached by its own prefix cache, or why neither; vLLM counts rejected loads as cached), else its usage's
+        cached tokens; plus the save step's error."""
         decision = connector.get("kvtransfer") if isinstance(connector, dict) else None
         if isinstance(decision, dict) and isinstance(decision.get("reason"), str):
-            mapped, prefilled = decision.get("mapped"), (lambda n: n if isinstance(n, int) else None)(decision.get("prefilled"))
-            if decision["reason"] == "mapped" and isinstance(mapped, int) and mapped > 0:
-                return Outcome("mapped", "target", mapped, prefilled, "", save_s)
+            num = lambda n: n if isinstance(n, int) else None  # noqa: E731
+            mapped, cached, prefilled = num(decision.get("mapped")), num(decision.get("cached")), num(decision.get("prefilled"))
+            if decision["reason"] == "mapped" and mapped:
+                return Outcome("mapped", "target", mapped, prefilled, "", save_s, cached)
+            if cached and not save_error:  # a later turn: the session's own blocks in the consumer's prefix cache
+                return Outcome("cached", "target", 0, prefilled, "", save_s, cached)
             gate = decision.get("gate") if isinstance(decision.get("gate"), dict) else {}  # gate_full: its own prefill
             why = f"gate_full ({gate.get('reason')})" if gate.get("action") == "full" else f"consumer_fallback ({decision['reason']})"
-            return Outcome("fallback_reprefill", "target", 0, prefilled, save_error or why, save_s)
+            return Outcome("fallback_reprefill", "target", 0, prefilled, save_error or why, save_s, cached)
         mapped, prefilled = self.counted(usage, save_error)
         if mapped is None:
             return Outcome("fallback_reprefill" if save_error else "handoff", "target", None, prefilled, save_error or
@@ -265,23 +337,27 @@ class HandoffProxy:
         """Serve one /v1/chat/completions (kind 'chat') or /v1/completions (kind 'completion') request."""
         self.stats.counts["requests"] += 1
         try:
-            body = await request.json()
-        except ValueError:
-            self.stats.errors["bad_request"] += 1
-            return _error(400, "the request body is not JSON")
-        if not isinstance(body, dict):
-            self.stats.errors["bad_request"] += 1
-            return _error(400, "the request body must be a JSON object")
-        key = request.headers.get(SESSION_HEADER)
-        lock = self._locks.setdefault(key, asyncio.Lock()) if key is not None else None
-        try:
-            if lock is None:
-                return await self._route(kind, body, request.headers, None)
-            async with lock:  # one turn of a session at a time: its state changes with each
-                return await self._route(kind, body, request.headers, key)
+            body = await self._body(request)
+            key = request.headers.get(SESSION_HEADER)
+            if key is not None and not _valid_key(key):
+                raise BadRequest(f"{SESSION_HEADER} must be 1..{MAX_KEY} printable ASCII characters")
+            wanted = await self.wanted(body, request.headers)
+            self._validate(kind, body)
+            owner = self.sessions.owner_of(request.headers.get("authorization"))
+            if key is None:
+                return await self._route(kind, body, request.headers, wanted, Session(salt=self.sessions.salt(None)))
+            async with self.sessions.locked(key):
+                session = self.sessions.open(key, owner)
+                return await self._route(kind, body, request.headers, wanted, session)
         except BadRequest as err:
             self.stats.errors["bad_request"] += 1
             return _error(400, str(err))
+        except TooLarge as err:
+            self.stats.errors["body_too_large"] += 1
+            return _error(413, str(err))
+        except Forbidden as err:
+            self.stats.errors["forbidden"] += 1
+            return _error(403, str(err), "permission_error")
         except Unreachable as err:
             self.stats.errors["engines_down"] += 1
             return _error(502, f"no engine could serve the request: {err}", "upstream_error")
@@ -290,56 +366,149 @@ class HandoffProxy:
             self.stats.errors[f"proxy_error:{type(err).__name__}"] += 1
             return _error(500, f"proxy error {type(err).__name__}: {err}", "internal_error")
 
-    async def _route(self, kind: str, body: dict, headers, key: str | None) -> "Response":
-        wanted = await self.wanted(body, headers)
+    async def _body(self, request: "Request") -> dict:
+        """The request's JSON object (TooLarge beyond max_body_bytes, BadRequest if not a JSON object)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise TooLarge(f"the request body is {declared} bytes; this proxy takes at most {self.max_body_bytes}")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.max_body_bytes:
+                raise TooLarge(f"the request body exceeds {self.max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise BadRequest("the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
+
+    @staticmethod
+    def _validate(kind: str, body: dict) -> None:
         if kind == "chat" and not isinstance(body.get("messages"), list):
             raise BadRequest("messages must be a list")
         if kind == "completion" and "prompt" not in body:
             raise BadRequest("prompt is required")
         if "stream" in body and not isinstance(body["stream"], bool):
             raise BadRequest(f"stream must be a boolean, got {body['stream']!r}")
-        session = self._session(key)
+
+    async def _route(self, kind: str, body: dict, headers, wanted: str, session: Session) -> "Response":
         if wanted == "source" and session.engine == "source":
-            return await self._forward("source", kind, body, Outcome("source", "source"))
+            asked = headers.get(WRITE_THROUGH_HEADER)
+            if asked is not None and asked not in ("on", "off"):
+                raise BadRequest(f"{WRITE_THROUGH_HEADER}: {asked!r}: use 'on' or 'off'")
+            if not session.n_ids:  # the first turn fixes the session's mode
+                session.write_through = self.write_through if asked is None else asked == "on"
+            return await self._source_turn(kind, body, session)
         if wanted == "source":  # a handed-over session asking for the source: served there, re-prefilled
             return await self._forward("source", kind, body,
                                        Outcome("fallback_reprefill", "source", reason="no reverse map in this proxy"))
         return await self._to_target(kind, body, session)
 
+    async def _source_turn(self, kind: str, body: dict, session: Session) -> "Response":
+        """A source turn: on the session's token ids (write-through: the producer stores the blocks as it serves),
+        else forwarded as it came."""
+        if not session.write_through or (kind == "chat" and any(k in body for k in CHAT_ONLY)):
+            return await self._forward("source", kind, body, Outcome("source", "source"))
+        try:
+            ids = await self.prompt_ids(kind, body)
+        except Unreachable as err:  # the target's tokenizer is down: serve the turn unstored
+            self.stats.handoff["write_through_skipped"] += 1
+            return await self._forward("source", kind, body, Outcome("source", "source", reason=f"not stored ({err})"))
+        if session.n_ids and not session.extends(ids):
+            self.stats.handoff["history_rewritten"] += 1
+        upstream = self.completion_body(kind, body, ids, await self.model_name("source"))
+        out = Outcome("source", "source")
+        if upstream.get("stream"):
+            response = await self._stream("source", kind, body, upstream, out.header(), lambda usage, ended: out)
+        else:
+            data = await self._post("source", "/v1/completions", upstream)
+            self.stats.outcome(out)
+            if kind == "chat":
+                data = completion_to_chat(data, await self.model_name("source"))
+            data["kvtransfer"] = out.field()
+            response = JSONResponse(data, headers={STATUS_HEADER: out.header()})
+        session.remember(ids)
+        session.stored = len(ids) // self.block_size * self.block_size
+        self.stats.handoff["written_through"] += 1
+        if self.store is not None and session.stored:  # the chain's last block: what deleting the session removes
+            if self._producer_key is None:
+                tip = self.store.tip(ids[:session.stored])
+                self._producer_key = tip[0] if tip else None
+            if self._producer_key is not None:
+                session.tip = self.store.hashes(ids[:session.stored], self._producer_key)[-1]
+        return response
+
+    async def _stored_until(self, ids: list[int], want: int) -> int:
+        """Tokens of `ids` the store holds, waiting up to switch_wait_s for `want` of them (writes in flight)."""
+        if self.store is None or want <= 0:
+            return want
+        deadline, waited = time.monotonic() + self.switch_wait_s, False
+        while True:
+            tip = self.store.tip(ids[:want])
+            have = tip[2] if tip else 0
+            if have >= want or time.monotonic() >= deadline:
+                if waited:
+                    self.stats.handoff["switch_waited"] += 1
+                return have
+            waited = True
+            await asyncio.sleep(0.02)
+
     async def _to_target(self, kind: str, body: dict, session: Session) -> "Response":
         if kind == "chat" and any(k in body for k in CHAT_ONLY):
             reason = "chat fields " + ",".join(k for k in CHAT_ONLY if k in body)
             return await self._forward_or_source(kind, body, Outcome("fallback_reprefill", "target", reason=reason))
+        params = self.client_params(body)
         try:
             ids = await self.prompt_ids(kind, body)
         except Unreachable as err:
             return await self._forward_or_source(kind, body, Outcome("fallback_reprefill", "target",
                                                                      reason=f"tokenize_failed ({err})"))
-        source_len, save_error, save_s = None, "", None
-        handed = session.handed_ids
-        if session.engine == "target" and self.remap_turns and handed and ids[:len(handed)] == handed:
-            source_len = len(handed)  # a later turn: map what the source read, prefill the new turns
-        else:
+        if session.n_ids and not session.extends(ids):
+            self.stats.handoff["history_rewritten"] += 1
+        save_error, save_s, expect = "", None, 0
+        if session.engine == "source" and session.stored:  # the switch of a warm session: its blocks are stored
+            self.stats.handoff["switches"] += 1
+            expect = min(await self._stored_until(ids, session.stored), len(ids) - 1)
+            session.handed = session.stored
+        elif session.engine == "source" or not session.handed:  # nothing stored for it: the producer reads it once
             try:
                 save_s = await self.save(ids)
+                session.handed, expect = len(ids) // self.block_size * self.block_size, 0
             except (Unreachable, BadRequest) as err:
                 save_error = f"save_failed ({err})"
-            session.engine, session.handed_ids = "target", (ids if not save_error else [])
-        upstream = self.completion_body(kind, body, ids, source_len, await self.model_name("target"))
+        if session.handed and self.remap_turns and params.get("kvtransfer") != "off":
+            params["kvtransfer_source_len"] = session.handed  # map at most what the source stored of this session
+        elif not self.remap_turns and session.engine == "target":
+            params["kvtransfer"] = "off"
+        upstream = self.completion_body(kind, body, ids, await self.model_name("target"), params=params,
+                                        salt=f"{MAPPED_SALT}:{session.salt}")
         try:
             if upstream.get("stream"):
-                return await self._stream_target(kind, body, upstream, save_error, save_s)
-            data = await self._post("target", "/v1/completions", upstream)
+                response = await self._stream("target", kind, body, upstream,
+                                              f"fallback_reprefill: {save_error}" if save_error else
+                                              "handoff: mapped tokens in the stream's last event (kvtransfer field)",
+                                              lambda usage, ended: self.judge(
+                                                  usage, save_error or ("" if ended else
+                                                                        "the consumer's stream ended early"), save_s))
+            else:
+                data = await self._post("target", "/v1/completions", upstream)
+                out = self.judge(data.get("usage"), save_error, save_s, data.get("kv_transfer_params"))
+                self.stats.outcome(out)
+                if expect and out.mapped is not None and (out.mapped or 0) + (out.cached or 0) < expect:
+                    self.stats.handoff["switch_partial"] += 1
+                if kind == "chat":
+                    data = completion_to_chat(data, await self.model_name("target"))
+                data["kvtransfer"] = out.field()
+                response = JSONResponse(data, headers={STATUS_HEADER: out.header()})
         except Unreachable as err:
             session.engine = "source"
             return await self._forward("source", kind, body,
                                        Outcome("fallback_source", "source", reason=f"target_unreachable ({err})"))
-        out = self.judge(data.get("usage"), save_error, save_s, data.get("kv_transfer_params"))
-        self.stats.outcome(out)
-        if kind == "chat":
-            data = completion_to_chat(data, await self.model_name("target"))
-        data["kvtransfer"] = out.field()
-        return JSONResponse(data, headers={STATUS_HEADER: out.header()})
+        session.engine = "target"
+        session.remember(ids)
+        return response
 
     async def _forward_or_source(self, kind: str, body: dict, outcome: Outcome) -> "Response":
         try:
@@ -349,9 +518,11 @@ class HandoffProxy:
                                        Outcome("fallback_source", "source", reason=f"target_unreachable ({err})"))
 
     async def _forward(self, engine: str, kind: str, body: dict, outcome: Outcome) -> "Response":
-        """Pass the request to one engine as it is (model renamed), adding the outcome header and field."""
+        """Pass the request to one engine as it is (model renamed, kvtransfer's fields removed), adding the outcome
+        header and field."""
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        upstream = {**body, "model": await self.model_name(engine)}
+        upstream = {**{k: v for k, v in body.items() if k not in ("kv_transfer_params", "cache_salt")},
+                    "model": await self.model_name(engine)}
         if body.get("stream"):
             try:
                 req = self.client.build_request("POST", self.urls[engine] + path, json=upstream)
@@ -370,31 +541,28 @@ class HandoffProxy:
         data["kvtransfer"] = outcome.field()
         return JSONResponse(data, headers={STATUS_HEADER: outcome.header()})
 
-    async def _stream_target(self, kind: str, body: dict, upstream: dict, save_error: str,
-                             save_s: float | None) -> "Response":
-        """Stream the consumer's completion (as chat chunks for a chat request).
+    async def _stream(self, engine: str, kind: str, body: dict, upstream: dict, header: str, finish) -> "Response":
+        """Stream an engine's completion on token ids (as chat chunks for a chat request).
 
-        vLLM reports cached (mapped) tokens only in the stream's final usage chunk, so the header carries
-        what is known when the stream starts (`handoff: ...` or the save's fallback) and the `kvtransfer`
-        field rides on the last event (the usage chunk, or a `choices: []` chunk when the client did not
-        ask for usage); the counters are updated when the stream ends.
+        vLLM reports cached (mapped) tokens only in the stream's final usage chunk, so the header carries what is
+        known when the stream starts and the `kvtransfer` field rides on the last event (the usage chunk, or a
+        `choices: []` chunk when the client did not ask for usage): `finish(usage, ended)` gives its Outcome, counted
+        when the stream ends.
         """
         try:
-            req = self.client.build_request("POST", self.urls["target"] + "/v1/completions", json=upstream)
+            req = self.client.build_request("POST", self.urls[engine] + "/v1/completions", json=upstream)
             reply = await self.client.send(req, stream=True)
         except httpx.HTTPError as err:
-            raise Unreachable(f"target {type(err).__name__}") from err
+            raise Unreachable(f"{engine} {type(err).__name__}") from err
         if reply.status_code >= 400:
             text = (await reply.aread()).decode(errors="replace")
             await reply.aclose()
             if reply.status_code >= 500:
-                raise Unreachable(f"target HTTP {reply.status_code}")
-            raise BadRequest(f"target refused the request: {text[:500]}")
+                raise Unreachable(f"{engine} HTTP {reply.status_code}")
+            raise BadRequest(f"{engine} refused the request: {text[:500]}")
         keep_usage = isinstance(body.get("stream_options"), dict) and bool(body["stream_options"].get("include_usage"))
-        model = await self.model_name("target")
+        model = await self.model_name(engine)
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-        header = (f"fallback_reprefill: {save_error}" if save_error
-                  else "handoff: mapped tokens in the stream's last event (kvtransfer field)")
 
         async def produce():
             role_sent, usage, ended = False, None, False
@@ -412,12 +580,12 @@ class HandoffProxy:
                         event = completion_chunk_to_chat(event, model, chat_id, with_role=not role_sent)
                         role_sent = True
                     yield f"data: {json.dumps(event)}\n\n".encode()
-            except httpx.HTTPError as err:  # the consumer died mid-stream: end the stream with an error event
-                self.stats.errors["target_died_mid_stream"] += 1
-                yield f"data: {json.dumps({'error': {'message': f'target stream ended: {err}'}})}\n\n".encode()
+            except httpx.HTTPError as err:  # the engine died mid-stream: end the stream with an error event
+                self.stats.errors[f"{engine}_died_mid_stream"] += 1
+                yield f"data: {json.dumps({'error': {'message': f'{engine} stream ended: {err}'}})}\n\n".encode()
             finally:
                 await reply.aclose()
-            out = self.judge(usage, save_error or ("" if ended else "the consumer's stream ended early"), save_s)
+            out = finish(usage, ended)
             self.stats.outcome(out)
             last = {"id": chat_id if kind == "chat" else "cmpl-kvtransfer",
                     "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -428,6 +596,26 @@ class HandoffProxy:
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(produce(), media_type="text/event-stream", headers={STATUS_HEADER: header})
+
+    # ------------------------------------------------------------------ sessions
+    async def delete_session(self, key: str, authorization: str | None) -> dict:
+        """Forget session `key` and remove its stored blocks (when the proxy sees the store): {"deleted", "blocks"}.
+        Forbidden for another client's session."""
+        if not _valid_key(key):
+            raise BadRequest(f"a session id is 1..{MAX_KEY} printable ASCII characters")
+        owner = self.sessions.owner_of(authorization)
+        async with self.sessions.locked(key):
+            session = self.sessions.table.get(key)
+            if session is None:
+                return {"deleted": False, "blocks": 0}
+            if session.owner and session.owner != owner:
+                raise Forbidden("this session was opened with another API key")
+            self.sessions.drop(key)
+        blocks = None
+        if self.store is not None and session.tip:
+            blocks = await asyncio.to_thread(self.store.delete_chain, session.tip)
+        self.stats.handoff["sessions_deleted"] += 1
+        return {"deleted": True, "blocks": blocks}
 
 
 def build_app(proxy: HandoffProxy) -> "FastAPI":
@@ -461,7 +649,36 @@ def build_app(proxy: HandoffProxy) -> "FastAPI":
     async def stats():
         return {**proxy.stats.as_dict(), "sessions": len(proxy.sessions)}
 
+    @app.get("/metrics")
+    async def metrics():
+        return Response(prometheus_text({**proxy.stats.as_dict(), "sessions": len(proxy.sessions)}),
+                        media_type="text/plain; version=0.0.4")
+
+    @app.delete("/kvtransfer/sessions/{key}")
+    async def delete_session(key: str, request: Request):
+        try:
+            return await proxy.delete_session(key, request.headers.get("authorization"))
+        except BadRequest as err:
+            return _error(400, str(err))
+        except Forbidden as err:
+            return _error(403, str(err), "permission_error")
+
     return app
+
+
+def prometheus_text(stats: dict) -> str:
+    """The proxy's counters in Prometheus' text format (every name prefixed kvtransfer_proxy_)."""
+    lines = []
+    for group in ("counts", "fallbacks", "errors", "handoff"):
+        name = f"kvtransfer_proxy_{group}_total"
+        lines.append(f"# TYPE {name} counter")
+        for label, value in sorted(stats.get(group, {}).items()):
+            escaped = str(label).replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'{name}{{kind="{escaped}"}} {value}')
+    for key in ("mapped_tokens", "cached_tokens", "prefilled_tokens"):
+        lines += [f"# TYPE kvtransfer_proxy_{key}_total counter", f"kvtransfer_proxy_{key}_total {stats.get(key, 0)}"]
+    lines += ["# TYPE kvtransfer_proxy_sessions gauge", f"kvtransfer_proxy_sessions {stats.get('sessions', 0)}"]
+    return "\n".join(lines) + "\n"
 
 
 def _ids(text: str) -> list[int]:
@@ -478,20 +695,45 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", required=True, help="the consumer engine's base URL")
     parser.add_argument("--source-model", help="the producer's served model name (default: its /v1/models)")
     parser.add_argument("--target-model", help="the consumer's served model name (default: its /v1/models)")
-    parser.add_argument("--start-ids", type=_ids, default=[],
-                        help="the mapper's position-0 token ids, comma-separated (151643 for Qwen2.5 prefix_token)")
+    parser.add_argument("--mapper", help="the mapper directory the consumer serves: its start ids are read from it")
+    parser.add_argument("--start-ids", type=_ids, default=None,
+                        help="the mapper's position-0 token ids, comma-separated (default: read from --mapper)")
+    parser.add_argument("--store", help="the KV store directory, if this host sees it: a switch waits for writes "
+                                        "in flight, and deleting a session removes its blocks")
+    parser.add_argument("--write-through", choices=("on", "off"), default="on",
+                        help="serve source turns on the session's token ids so the producer stores them as it "
+                             "serves (default on; a client's X-KVTransfer-Write-Through header overrides per session)")
+    parser.add_argument("--switch-wait", type=float, default=5.0,
+                        help="seconds a switch waits for the source's store write in flight (needs --store)")
+    parser.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    parser.add_argument("--max-sessions", type=int, default=10000)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take per request")
     parser.add_argument("--no-remap-turns", action="store_true",
                         help="later turns of a handed-over session are prefilled by the target, not mapped")
     args = parser.parse_args(argv)
+    start_ids = args.start_ids
+    if args.mapper:
+        try:
+            recorded = mapper_start_ids(args.mapper)
+        except ValueError as err:
+            parser.error(str(err))
+        if start_ids is not None and start_ids != recorded:
+            parser.error(f"--start-ids {start_ids} differ from the mapper's {recorded}: drop --start-ids")
+        start_ids = recorded
+    if start_ids is None:
+        parser.error("give --mapper (the consumer's mapper directory; its start ids are read from it)")
+    secret = os.environ.get("KVTRANSFER_PROXY_SECRET")
     import uvicorn
 
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per upstream request
     proxy = HandoffProxy(args.source, args.target, source_model=args.source_model, target_model=args.target_model,
-                         start_ids=args.start_ids, timeout_s=args.timeout, remap_turns=not args.no_remap_turns)
+                         start_ids=start_ids, timeout_s=args.timeout, remap_turns=not args.no_remap_turns,
+                         store=args.store, write_through=args.write_through == "on", switch_wait_s=args.switch_wait,
+                         secret=secret.encode() if secret else None, max_body_bytes=args.max_body_bytes,
+                         max_sessions=args.max_sessions)
     uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="warning")
 
 

@@ -28,11 +28,14 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Worker instruction: store the request's prompt K/V (its prefill completes this step)."""
+    """Worker instruction: store the request's prompt K/V (its prefill completes this step) from token `first` on
+    (the store already holds the blocks before it) to the end of its last full store block, `end`."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
+    first: int = 0
+    end: int | None = None
 
 
 def layer_index(layer_name: str) -> int:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ..core.io import atomic_save_tensors, atomic_write_json
+from ..core.io import atomic_save_tensors
 from .ident import identity_from_config  # noqa: F401 -- re-exported (older imports)
 
 FORMAT, VERSION, STORE_FORMAT = "kvtransfer.kv_block", 2, "kvtransfer.kv_store"
@@ -97,13 +99,20 @@ class Prefix:
 class KVStore:
     """A directory of blocks: `write` (producer side), `lookup` / `read` (consumer side), `evict`.
 
-    block_size: tokens per block; fixed by the first process that opens the directory (store.json) --
-    a different value asked later is ignored in favour of the directory's. max_bytes: size cap of all blocks
-    (None: no cap), enforced after every write by LRU eviction.
+    block_size: tokens per block; fixed by the first process that opens the directory (store.json, created
+    exclusively) -- a different value asked later is ignored in favour of the directory's. max_bytes: size cap of
+    all blocks (None: no cap), enforced after a write that takes the tracked usage over it, by LRU eviction.
+    retention_s: blocks not written or read for this long are removed (checked at most once a minute by writes).
     """
 
-    def __init__(self, root: str | Path, *, block_size: int | None = None, max_bytes: int | None = None):
+    def __init__(self, root: str | Path, *, block_size: int | None = None, max_bytes: int | None = None,
+                 retention_s: float | None = None):
         self.root = Path(root)
+        if retention_s is not None and (not isinstance(retention_s, (int, float)) or retention_s <= 0):
+            raise ValueError(f"retention_s={retention_s!r}: a positive number of seconds")
+        self.retention_s = retention_s
+        self._expired_at = 0.0
+        self._usage: int | None = None  # bytes of all blocks, tracked after the first eviction scan
         if block_size is not None and (not _is_int(block_size) or block_size < 1):
             raise ValueError(f"block_size={block_size!r}: a positive integer number of tokens")
         if max_bytes is not None and (not _is_int(max_bytes) or max_bytes < 0):
@@ -114,7 +123,7 @@ class KVStore:
     def _fix_block_size(self, asked: int | None) -> int:
         meta = self.root / "store.json"
         if not meta.is_file():
-            atomic_write_json(meta, {"format": STORE_FORMAT, "block_size": asked or DEFAULT_BLOCK_SIZE})
+            _create_exclusive(meta, {"format": STORE_FORMAT, "block_size": asked or DEFAULT_BLOCK_SIZE})
         try:
             got = json.loads(meta.read_text()).get("block_size")
         except (OSError, ValueError, AttributeError) as err:
@@ -127,12 +136,16 @@ class KVStore:
     def hashes(self, token_ids, model_key: str) -> list[str]:
         """Chained hashes h_1 .. h_m of the m = len(token_ids) // block_size full blocks of a prompt."""
         ids = list(token_ids)
-        h = hashlib.sha256(f"{STORE_FORMAT}/{model_key}/{self.block_size}".encode()).hexdigest()
+        h = self.seed(model_key)
         out = []
         for j in range(len(ids) // self.block_size):
             h = hashlib.sha256(h.encode() + _ids_bytes(ids[j * self.block_size:(j + 1) * self.block_size])).hexdigest()
             out.append(h)
         return out
+
+    def seed(self, model_key: str) -> str:
+        """h_0: the chain's root hash for a model key and this store's block size."""
+        return hashlib.sha256(f"{STORE_FORMAT}/{model_key}/{self.block_size}".encode()).hexdigest()
 
     def block_path(self, model_key: str, h: str) -> Path:
         return self.root / model_key / h[:2] / f"{h}.safetensors"
@@ -155,42 +168,65 @@ class KVStore:
         return out
 
     # ---------------------------------------------------------------- producer
-    def write(self, token_ids, layers: list[tuple[torch.Tensor, torch.Tensor]], model: dict) -> int:
-        """Store the full blocks of per-layer (keys, values) [n_kv, n, head_dim] of prompt `token_ids` (n ids).
+    def stored_blocks(self, token_ids, model_key: str) -> int:
+        """How many leading full blocks of `token_ids` the store holds for `model_key` (file existence only: what a
+        producer need not gather again; `lookup` checks headers)."""
+        n = 0
+        for h in self.hashes(token_ids, model_key):
+            if not self.block_path(model_key, h).is_file():
+                break
+            n += 1
+        return n
 
-        model: a serving identity (kvtransfer.serve.ident, with "key"). Blocks already stored are skipped (their
-        mtime refreshed). Returns the number of blocks written. ValueError on shapes that are not the model's.
+    def write(self, token_ids, layers: list[tuple[torch.Tensor, torch.Tensor]], model: dict, *, first: int = 0) -> int:
+        """Store the full blocks of prompt `token_ids` (n ids) from token `first` on (a multiple of the block size:
+        the blocks before it are already stored); `layers`: per-layer (keys, values) [n_kv, n - first, head_dim] of
+        tokens first..n-1.
+
+        model: a serving identity (kvtransfer.serve.ident, with "key"). Blocks already stored are skipped. Every
+        block of the prompt's chain gets a fresh mtime, block 0 the newest, so least-recently-used eviction takes
+        a chain's tail first and never strands a block behind a missing one. Returns the number of blocks written.
+        ValueError on shapes that are not the model's or a `first` that is not on a block boundary.
         """
         if not isinstance(model, dict) or not isinstance(model.get("key"), str):
             raise ValueError("model must be a serving identity with a 'key' (kvtransfer.serve.ident.serving_identity)")
+        B = self.block_size
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
         n = ids.numel()
+        if not _is_int(first) or first < 0 or first % B or first > n:
+            raise ValueError(f"first={first!r}: a multiple of the block size {B} within the prompt's {n} tokens")
         k0 = layers[0][0]
         dtype = next((name for name, dt in _DTYPES.items() if dt == k0.dtype), None)
         if dtype is None:
             raise ValueError(f"cache dtype {k0.dtype} is not storable; use one of {sorted(_DTYPES)}")
-        want = (model["n_kv"], n, model["head_dim"])
+        want = (model["n_kv"], n - first, model["head_dim"])
         if len(layers) != model["n_layers"] or any(tuple(t.shape) != want for kv in layers for t in kv):
             raise ValueError(f"{len(layers)} layers of {tuple(k0.shape)} do not match the model's "
                              f"{model['n_layers']} layers of {want}")
-        keys = torch.stack([k for k, _ in layers])  # [L, n_kv, n, d]
+        keys = torch.stack([k for k, _ in layers])  # [L, n_kv, n - first, d]
         values = torch.stack([v for _, v in layers])
-        written, parent = 0, hashlib.sha256(f"{STORE_FORMAT}/{model['key']}/{self.block_size}".encode()).hexdigest()
-        B = self.block_size
-        for j, h in enumerate(self.hashes(ids.tolist(), model["key"])):
+        hashes = self.hashes(ids.tolist(), model["key"])
+        written, paths = 0, []
+        for j, h in enumerate(hashes):
             path = self.block_path(model["key"], h)
-            if path.exists():
-                _touch(path)
-            else:
-                bid, k, v = ids[j * B:(j + 1) * B], keys[:, :, j * B:(j + 1) * B], values[:, :, j * B:(j + 1) * B]
-                k, v = k.contiguous(), v.contiguous()
-                header = {"format": FORMAT, "version": VERSION, "model": model, "block": j, "parent": parent,
-                          "hash": h, "block_size": B, "dtype": dtype, "checksum": checksum(bid, k, v)}
-                atomic_save_tensors(path, {"token_ids": bid, "k": k, "v": v}, header)
-                written += 1
-            parent = h
+            paths.append(path)
+            if j * B < first or path.exists():
+                continue
+            a = j * B - first
+            bid, k, v = ids[j * B:(j + 1) * B], keys[:, :, a:a + B].contiguous(), values[:, :, a:a + B].contiguous()
+            header = {"format": FORMAT, "version": VERSION, "model": model, "block": j,
+                      "parent": hashes[j - 1] if j else self.seed(model["key"]), "hash": h, "block_size": B,
+                      "dtype": dtype, "checksum": checksum(bid, k, v)}
+            atomic_save_tensors(path, {"token_ids": bid, "k": k, "v": v}, header)
+            written += 1
+            if self._usage is not None:
+                self._usage += _size(path)
+        _touch_chain(paths)
         if written and self.max_bytes is not None:
-            self.evict()
+            if self._usage is None or self._usage > self.max_bytes:
+                self.evict()
+        if written and self.retention_s is not None:
+            self.expire()
         return written
 
     # ---------------------------------------------------------------- consumer
@@ -236,7 +272,7 @@ class KVStore:
         The chain stops at the first missing block, or at a block whose header is bad (then `detail` says why,
         prefixed with its BadEntry reason: "<reason>: <message>").
         """
-        parent = hashlib.sha256(f"{STORE_FORMAT}/{model_key}/{self.block_size}".encode()).hexdigest()
+        parent = self.seed(model_key)
         found, model, detail = [], {}, ""
         for j, h in enumerate(self.hashes(token_ids, model_key)):
             path = self.block_path(model_key, h)
@@ -289,7 +325,7 @@ class KVStore:
             a, b = max(lo, j * B) - j * B, min(hi, (j + 1) * B) - j * B
             ks.append(k[:, :, a:b])
             vs.append(v[:, :, a:b])
-            _touch(path)
+        _touch_chain([self.block_path(prefix.model_key, h) for h in prefix.hashes[:(hi - 1) // B + 1]])
         keys, values = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
         return [(keys[i], values[i]) for i in range(keys.shape[0])]
 
@@ -311,8 +347,10 @@ class KVStore:
 
     def evict(self, max_bytes: int | None = None) -> int:
         """Remove least-recently-used blocks (oldest mtime first) until the blocks take at most `max_bytes`
-        (default the store's cap); returns the number removed. Safe beside readers and other evictors: a block
-        another process removed first is skipped, and a reader of a removed block falls back."""
+        (default the store's cap); returns the number removed. Within a chain the tail is always older than its
+        head (`write` / `read` stamp them so), so eviction shortens chains from the end instead of breaking them.
+        Safe beside readers and other evictors: a block another process removed first is skipped, and a reader of
+        a removed block falls back."""
         cap = self.max_bytes if max_bytes is None else max_bytes
         if cap is None:
             return 0
@@ -329,7 +367,84 @@ class KVStore:
             except OSError:
                 continue
             total -= size
+        self._usage = total
         return removed
+
+    def expire(self, retention_s: float | None = None, now: float | None = None) -> int:
+        """Remove every block not written or read for `retention_s` seconds (default the store's retention; the
+        store holds users' conversations); returns the number removed. Runs at most once a minute from `write`."""
+        keep = self.retention_s if retention_s is None else retention_s
+        now = time.time() if now is None else now
+        if keep is None or (retention_s is None and now - self._expired_at < 60):
+            return 0
+        self._expired_at = now
+        removed = 0
+        for mtime, _, path in self.blocks():
+            if now - mtime > keep:
+                try:
+                    path.unlink()
+                    removed += 1
+                except OSError:
+                    pass
+        if removed:
+            self._usage = None
+        return removed
+
+    def delete_chain(self, tip: str) -> int:
+        """Remove the block named `tip` and every block before it in its chain (following each header's parent):
+        what a deleted session leaves in the store. Blocks another session shares are removed too (that session
+        falls back to a prefill, or re-stores them). Returns the number removed; an unknown tip removes nothing."""
+        if not isinstance(tip, str) or len(tip) != 64 or any(c not in "0123456789abcdef" for c in tip):
+            raise ValueError(f"tip {tip!r} is not a block hash (64 lowercase hex characters)")
+        removed = 0
+        for key in self.model_keys():
+            h = tip
+            while True:
+                path = self.block_path(key, h)
+                try:
+                    with safe_open(str(path), framework="pt") as f:
+                        header = json.loads((f.metadata() or {}).get("kvtransfer", "{}"))
+                    path.unlink()
+                    removed += 1
+                except Exception:  # noqa: BLE001 -- missing or unreadable: the chain ends here
+                    break
+                parent = header.get("parent") if isinstance(header, dict) else None
+                if not isinstance(parent, str) or parent == self.seed(key):
+                    break
+                h = parent
+        self._usage = None
+        return removed
+
+    def tip(self, token_ids, model_key: str | None = None) -> tuple[str, str, int] | None:
+        """(model key, hash, tokens) of the last stored block of `token_ids`'s chain under `model_key` (default:
+        whichever model in the store holds the first block); None when nothing is stored."""
+        for key in ([model_key] if model_key else self.model_keys()):
+            n = self.stored_blocks(token_ids, key)
+            if n:
+                return key, self.hashes(list(token_ids)[:n * self.block_size], key)[-1], n * self.block_size
+        return None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _create_exclusive(path: Path, data: dict) -> None:
+    """Write JSON to `path` only if no file is there (atomic: a temporary file hard-linked into place), so two
+    processes opening a fresh store agree on the first one's content."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _unreadable(path: Path, err: Exception) -> BadEntry:
@@ -339,12 +454,15 @@ def _unreadable(path: Path, err: Exception) -> BadEntry:
     return BadEntry("corrupt", f"{path}: unreadable ({type(err).__name__}: {err})")
 
 
-def _touch(path: Path) -> None:
-    """Refresh a block's mtime (its LRU age); a block evicted meanwhile is not an error."""
-    try:
-        os.utime(path)
-    except OSError:
-        pass
+def _touch_chain(paths: list[Path]) -> None:
+    """Refresh the mtimes (LRU ages) of a chain's blocks, block j stamped j microseconds before block 0, so the
+    chain's tail is evicted before its head; a block evicted meanwhile is not an error."""
+    now = time.time_ns()
+    for j, path in enumerate(paths):
+        try:
+            os.utime(path, ns=(now - 1000 * j, now - 1000 * j))
+        except OSError:
+            pass
 
 
 def save_prefill(store: KVStore, model, token_ids: list[int], ref: str | None = None) -> int:

@@ -1,0 +1,150 @@
+"""The store under a handed-over session's life, without vLLM: incremental write-through (only new blocks), the
+background writer, a store created by two processes at once, eviction that shortens chains instead of breaking
+them, retention, and deleting a session's chain."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtransfer.serve.store import KVStore
+from kvtransfer.serve.writer import StoreWriter
+
+IDENT = {"key": "0123456789abcdef", "n_layers": 2, "n_kv": 1, "head_dim": 4, "model_id": "m", "config_hash": "c"}
+
+
+def _layers(n: int, seed: int = 0, lo: int = 0):
+    """Per-layer (K, V) [1, n - lo, 4] of tokens lo..n-1: a value that names its position, so slices can be checked."""
+    out = []
+    for layer in range(IDENT["n_layers"]):
+        pos = torch.arange(lo, n, dtype=torch.float32)
+        k = (pos + 1000 * layer + 10 ** 5 * seed)[None, :, None].expand(1, n - lo, 4).clone()
+        out.append((k, -k))
+    return out
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    return [seed * 10000 + i for i in range(n)]
+
+
+def test_write_from_first_adds_only_the_new_blocks_and_reads_back_the_whole_prompt(tmp_path):
+    store = KVStore(tmp_path, block_size=4)
+    turn1, turn2 = _ids(10), _ids(21)
+    assert store.write(turn1, _layers(10), IDENT) == 2  # 2 full blocks; the last 2 tokens are not stored
+    first = store.stored_blocks(turn2, IDENT["key"]) * 4
+    assert first == 8
+    assert store.write(turn2, _layers(21, lo=first), IDENT, first=first) == 3  # blocks 2, 3, 4 only
+    prefix = store.lookup(turn2, IDENT["key"])
+    assert prefix.n_tokens == 20
+    k, v = store.read(prefix, turn2, 0, 20)[1]
+    assert torch.equal(k[0, :, 0], torch.arange(20, dtype=torch.float32) + 1000) and torch.equal(v, -k)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        store.write(turn2, _layers(21, lo=3), IDENT, first=3)
+
+
+def test_background_writer_returns_at_once_and_flushes(tmp_path):
+    store = KVStore(tmp_path, block_size=4)
+    slow = threading.Event()
+    real_write = store.write
+
+    def write(*args, **kwargs):
+        slow.wait(5)
+        return real_write(*args, **kwargs)
+
+    store.write = write
+    writer = StoreWriter(store)
+    t0 = time.perf_counter()
+    writer.submit("r", _ids(16), _layers(16), IDENT)
+    assert time.perf_counter() - t0 < 1.0 and store.stored_blocks(_ids(16), IDENT["key"]) == 0
+    assert not writer.flush(timeout_s=0.05)  # still in flight
+    slow.set()
+    assert writer.flush(timeout_s=10)
+    assert store.stored_blocks(_ids(16), IDENT["key"]) == 4 and writer.stats["written_blocks"] == 4
+    writer.submit("bad", _ids(16), _layers(15), IDENT)  # mis-shaped: logged and counted, never raised
+    assert writer.flush(timeout_s=10) and writer.stats["failed"] == 1
+    writer.close()
+
+
+def test_background_writer_holds_at_most_its_byte_cap(tmp_path):
+    store = KVStore(tmp_path, block_size=4)
+    gate = threading.Event()
+    real_write = store.write
+    store.write = lambda *a, **k: (gate.wait(5), real_write(*a, **k))[1]
+    size = sum(t.numel() * 4 for kv in _layers(16) for t in kv)
+    writer = StoreWriter(store, max_pending_bytes=size)
+    writer.submit("a", _ids(16, 1), _layers(16, 1), IDENT)
+    done = threading.Event()
+    threading.Thread(target=lambda: (writer.submit("b", _ids(16, 2), _layers(16, 2), IDENT), done.set())).start()
+    assert not done.wait(0.3)  # the second submit waits for the first write (backpressure)
+    gate.set()
+    assert done.wait(10) and writer.flush(10) and writer.stats["waited_s"] > 0.2
+    writer.close()
+
+
+def test_two_processes_opening_a_fresh_store_agree_on_its_block_size(tmp_path):
+    for trial in range(40):
+        root, sizes, barrier = tmp_path / str(trial), {}, threading.Barrier(2)
+
+        def open_store(asked):
+            barrier.wait()
+            sizes[asked] = KVStore(root, block_size=asked).block_size
+
+        threads = [threading.Thread(target=open_store, args=(b,)) for b in (8, 16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sizes[8] == sizes[16], (trial, sizes)
+
+
+def test_eviction_shortens_chains_from_the_tail_so_every_stored_block_stays_reachable(tmp_path):
+    store = KVStore(tmp_path, block_size=4)
+    block = None
+    prompts = [_ids(64, seed) for seed in range(12)]  # 12 prompts x 16 blocks
+    for seed, ids in enumerate(prompts):
+        store.write(ids, _layers(64, seed), IDENT)
+        block = block or store.usage() // 16
+        if seed % 3 == 2:  # some prompts are read again (their age refreshed)
+            store.read(store.lookup(prompts[seed - 1], IDENT["key"]), prompts[seed - 1], 0, 64)
+    store.evict(100 * block)
+    files = {p.stem for _, _, p in store.blocks()}
+    assert len(files) == 100
+    for ids in prompts:
+        on_disk = sum(h in files for h in store.hashes(ids, IDENT["key"]))
+        assert store.lookup(ids, IDENT["key"]).n_blocks == on_disk  # no block stranded behind a missing one
+
+
+def test_capped_writes_keep_the_store_under_its_cap(tmp_path):
+    probe = KVStore(tmp_path / "probe", block_size=4)
+    probe.write(_ids(4), _layers(4), IDENT)
+    block = probe.usage()
+    store = KVStore(tmp_path / "s", block_size=4, max_bytes=10 * block)
+    for seed in range(6):
+        store.write(_ids(16, seed), _layers(16, seed), IDENT)
+        assert store.usage() <= 10 * block
+    assert store.lookup(_ids(16, 5), IDENT["key"]).n_blocks == 4  # the newest prompt is whole
+
+
+def test_retention_removes_blocks_nobody_used_for_that_long(tmp_path):
+    store = KVStore(tmp_path, block_size=4, retention_s=3600)
+    store.write(_ids(16), _layers(16), IDENT)
+    assert store.expire(now=time.time() + 60) == 0
+    assert store.expire(now=time.time() + 7200) == 4 and store.usage() == 0
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        KVStore(tmp_path, retention_s=0)
+
+
+def test_delete_chain_removes_a_session_and_only_its_chain(tmp_path):
+    store = KVStore(tmp_path, block_size=4)
+    session, other = _ids(16, 1), _ids(16, 2)
+    store.write(session, _layers(16, 1), IDENT)
+    store.write(other, _layers(16, 2), IDENT)
+    key, tip, n = store.tip(session)
+    assert (key, n) == (IDENT["key"], 16) and tip == store.hashes(session, key)[-1]
+    assert store.delete_chain(tip) == 4
+    assert store.lookup(session, key).n_blocks == 0 and store.lookup(other, key).n_blocks == 4
+    assert store.delete_chain(tip) == 0 and store.tip(session) is None
+    with pytest.raises(ValueError, match="not a block hash"):
+        store.delete_chain("../../etc")

@@ -1,22 +1,26 @@
 """The handoff proxy under load and faults, tiny family, real vLLM engines over loopback (serving environment).
 
-    PYTHONPATH=$PWD /work/venv-serve/bin/python experiments/handoff/load_tiny.py OUT_DIR [--sessions 16 --turns 10]
+    PYTHONPATH=$PWD .venv-serve/bin/python experiments/handoff/load_tiny.py OUT_DIR [--sessions 16 --turns 10]
         -> OUT_DIR/report.json (never overwritten)
 
 Three processes on 127.0.0.1: a producer and a consumer vLLM OpenAI server (`vllm.entrypoints.openai.api_server`,
-qwen3-tiny-3m, float32, eager, prefix caching off, `--enable-prompt-tokens-details`; the consumer with the
-identity map and native sink 1, as experiments/serve/e2e_tiny.py) and `python -m kvtransfer.serve.proxy`.
+qwen3-tiny-3m, float32, eager, prefix caching on, `--enable-prompt-tokens-details`; the consumer with the
+identity map and native sink 1, as experiments/serve/e2e_tiny.py) and `python -m kvtransfer.serve.proxy` (the
+mapper and the store given: start ids read from the mapper, switches wait for writes in flight).
 With the identity map the harness's `transfer` is the target's own prefill, so the reference of every target
 turn is the consumer's normal prefill of the same prompt (`kv_transfer_params {"kvtransfer": "off"}`, sent to
 the consumer directly): greedy tokens must be equal ("differing responses", goal 0).
 
 Phase 1 (load): `--sessions` concurrent sessions x `--turns` turns of /v1/completions on token ids (each turn adds
-24 user tokens, 8 greedy tokens back, ignore_eos), handoff to the target at a random turn (seeded).
+24 user tokens, 8 greedy tokens back, ignore_eos), handoff to the target at a random turn (seeded). The source
+turns are written through; the producer's `vllm:prompt_tokens` counter is read before and after each switch (a
+switch must not make the producer prefill anything).
 Phase 2 (faults), each followed by a good handoff that must map again:
   truncated entry, corrupt entry (bytes flipped inside K tensors, header intact), foreign-weights entry
   (the target's architecture, other weights), evicted entry (deleted between a session's handoff and its next
   turn), bad requests (not JSON, wrong types, unknown model), the producer killed (then its handoffs), the
-  consumer killed (the proxy answers from the source).
+  consumer killed (the proxy answers from the source); a takeover attempt (another API key on a session); 2,000 bad
+  requests with distinct session ids (the proxy's RSS before and after; sessions and locks left).
 Counted: requests, mapped, fallbacks by reason (the proxy's and the consumer connector's), crashes (a process
 that died without being killed, or a proxy 5xx), differing responses.
 """
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import json
 import os
 import random
@@ -47,8 +53,9 @@ def kv(role: str, store: Path, **extra) -> str:
 
 def start_engine(port: int, kvcfg: str, log: Path) -> subprocess.Popen:
     cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET), "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching",
+           "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
            "--enable-prompt-tokens-details", "--max-model-len", "2048", "--served-model-name", f"tiny-{port}",
+           "--block-size", "32",  # the CPU default is 128: these short turns would rarely fill a cacheable block
            "--kv-transfer-config", kvcfg]
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -83,6 +90,13 @@ class Run:
         self.out, self.proxy, self.consumer, self.store = out, proxy, consumer, store
         self.client = httpx.AsyncClient(timeout=600)
         self.records: list[dict] = []
+        self.switch_lock = asyncio.Lock()
+
+    async def prompt_tokens(self, url: str) -> float:
+        """An engine's vllm:prompt_tokens counter (tokens it prefilled or found cached), from /metrics."""
+        text = (await self.client.get(url + "/metrics")).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:prompt_tokens_total") or line.startswith("vllm:prompt_tokens{"))
 
     async def turn(self, ids: list[int], session: str, to_target: bool, phase: str, check: bool = True) -> dict:
         body = {"model": "target" if to_target else "source", "prompt": ids, "max_tokens": 8, "temperature": 0.0,
@@ -106,13 +120,41 @@ class Run:
         self.records.append(rec)
         return rec
 
-    async def session(self, i: int, turns: int, handoff_at: int) -> None:
+    async def session(self, i: int, turns: int, handoff_at: int, producer_url: str) -> None:
         rng = random.Random(1000 + i)
         ids = [START]
         for t in range(turns):
             ids = ids + [rng.randrange(100, 3000) for _ in range(24)]
-            rec = await self.turn(ids, f"load-{i}", t >= handoff_at, "load")
+            if t == handoff_at:
+                async with self.switch_lock:  # no other session's source turn moves the producer's counter meanwhile
+                    before = await self.prompt_tokens(producer_url)
+                    rec = await self.turn(ids, f"load-{i}", True, "load")
+                    rec["producer_prompt_tokens"] = await self.prompt_tokens(producer_url) - before
+            else:
+                async with self.switch_lock if t < handoff_at else contextlib.nullcontext():
+                    rec = await self.turn(ids, f"load-{i}", t >= handoff_at, "load")
+            rec["turn"], rec["switch"] = t, t == handoff_at
+            rec["new_tokens"] = 24 + len(rec.get("tokens", [])) if t else len(ids)
             ids = ids + rec.get("tokens", [])
+
+
+def proxy_rss(pid: int) -> int:
+    """Resident memory of a process in kB (/proc), 0 where unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def block_index(path: Path) -> int:
+    """A store block's index in its chain (its header's "block")."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["kvtransfer"])["block"]
 
 
 def entry_paths(store: Path) -> set[Path]:
@@ -126,11 +168,14 @@ async def faults(run: Run, producer: subprocess.Popen, consumer: subprocess.Pope
 
     async def handoff_then_spoil(name, spoil):
         ids = body(200)
+        before = entry_paths(run.store)
         save = await run.client.post(source_url + "/v1/completions",
                                      json={"model": "tiny-8101", "prompt": ids, "max_tokens": 1})
         assert save.status_code == 200, save.text
-        new = sorted(entry_paths(run.store), key=lambda p: p.stat().st_mtime)[-1]
-        spoil(new)
+        deadline = time.time() + 30  # the producer writes in the background
+        while len(entry_paths(run.store) - before) < 200 // 16 and time.time() < deadline:
+            await asyncio.sleep(0.1)
+        spoil(max(entry_paths(run.store) - before, key=block_index))  # the prompt's last stored block
         # the proxy hands over again (the producer rewrites nothing: entries are never overwritten)
         rec = await run.turn(ids, f"fault-{name}", True, f"fault:{name}")
         good = await run.turn(body(150), f"fault-{name}-after", True, f"after:{name}")
@@ -175,6 +220,28 @@ async def faults(run: Run, producer: subprocess.Popen, consumer: subprocess.Pope
     rec = await run.turn(ids2, "fault-evicted", True, "fault:evicted")
     notes["evicted"] = {"header": rec.get("header")}
 
+    # a takeover: another API key posts to a session opened with one
+    owner = {"x-kvtransfer-session": "fault-owned", "authorization": "Bearer owner"}
+    ids = body(40)
+    first = await run.client.post(run.proxy + "/v1/completions", headers=owner,
+                                  json={"model": "source", "prompt": ids, "max_tokens": 2})
+    thief = await run.client.post(run.proxy + "/v1/completions", headers={**owner, "authorization": "Bearer thief"},
+                                  json={"model": "target", "prompt": ids, "max_tokens": 2})
+    notes["takeover"] = {"owner": first.status_code, "thief": thief.status_code}
+
+    # bad requests with distinct session ids: the proxy keeps no state for them
+    rss_before = proxy_rss(run.proxy_pid)
+    sessions_before = (await run.client.get(run.proxy + "/kvtransfer/stats")).json()["sessions"]
+    codes = collections.Counter()
+    for i in range(2000):
+        r = await run.client.post(run.proxy + "/v1/completions", json={"model": "target", "prompt": {"bad": i}},
+                                  headers={"x-kvtransfer-session": f"bad-{i:05d}-" + "x" * 2000})
+        codes[r.status_code] += 1
+    notes["distinct_bad_sessions"] = {
+        "codes": dict(codes), "rss_kb_before": rss_before, "rss_kb_after": proxy_rss(run.proxy_pid),
+        "sessions_before": sessions_before,
+        "sessions_after": (await run.client.get(run.proxy + "/kvtransfer/stats")).json()["sessions"]}
+
     # bad requests straight at the proxy
     bad = [b"not json", b"[1]", b'{"model": ["x"], "prompt": [0, 5]}', b'{"model": "nope", "prompt": "a"}',
            b'{"model": "target", "prompt": {"a": 1}}', b'{"model": "target", "prompt": [0, 5], "stream": "yes"}',
@@ -216,7 +283,8 @@ async def main_async(args) -> dict:
     consumer = start_engine(8102, kv("kv_consumer", store, mapper=out / "identity", source_model=TARGET,
                                      stats=out / "consumer_stats.json"), out / "consumer.log")
     proxy = subprocess.Popen([PY, "-m", "kvtransfer.serve.proxy", "--source", "http://127.0.0.1:8101", "--target",
-                              "http://127.0.0.1:8102", "--start-ids", str(START), "--port", "8100"],
+                              "http://127.0.0.1:8102", "--mapper", str(out / "identity"), "--store", str(store),
+                              "--port", "8100"],
                              stdout=(out / "proxy.log").open("w"), stderr=subprocess.STDOUT,
                              env=os.environ | {"PYTHONPATH": str(ROOT)}, start_new_session=True)
     try:
@@ -225,9 +293,11 @@ async def main_async(args) -> dict:
             wait_up(url, proc)
         t_up = time.time()
         run = Run(out, "http://127.0.0.1:8100", "http://127.0.0.1:8102", store)
+        run.proxy_pid = proxy.pid
         rng = random.Random(0)
         plan = [rng.randrange(1, args.turns) for _ in range(args.sessions)]
-        await asyncio.gather(*(run.session(i, args.turns, plan[i]) for i in range(args.sessions)))
+        await asyncio.gather(*(run.session(i, args.turns, plan[i], "http://127.0.0.1:8101")
+                               for i in range(args.sessions)))
         t_load = time.time()
         proxy_stats_load = (await run.client.get(run.proxy + "/kvtransfer/stats")).json()
         notes = await faults(run, producer, consumer, "http://127.0.0.1:8101")

@@ -203,8 +203,10 @@ class KVStore:
         if len(layers) != model["n_layers"] or any(tuple(t.shape) != want for kv in layers for t in kv):
             raise ValueError(f"{len(layers)} layers of {tuple(k0.shape)} do not match the model's "
                              f"{model['n_layers']} layers of {want}")
-        keys = torch.stack([k for k, _ in layers])  # [L, n_kv, n - first, d]
-        values = torch.stack([v for _, v in layers])
+        m = (n - first) // B * B  # the full blocks' tokens after `first`
+        # one copy into block-major order [n_blocks, L, n_kv, B, d], on an integer view of the same bytes (CPU
+        # copies of bfloat16 take a slow path; the bytes are all that is stored)
+        keys, values = (_blocked([_raw(kv[i])[:, :m] for kv in layers], B).view(k0.dtype) for i in (0, 1))
         hashes = self.hashes(ids.tolist(), model["key"])
         written, paths = 0, []
         for j, h in enumerate(hashes):
@@ -212,8 +214,8 @@ class KVStore:
             paths.append(path)
             if j * B < first or path.exists():
                 continue
-            a = j * B - first
-            bid, k, v = ids[j * B:(j + 1) * B], keys[:, :, a:a + B].contiguous(), values[:, :, a:a + B].contiguous()
+            a = j - first // B
+            bid, k, v = ids[j * B:(j + 1) * B], keys[a], values[a]
             header = {"format": FORMAT, "version": VERSION, "model": model, "block": j,
                       "parent": hashes[j - 1] if j else self.seed(model["key"]), "hash": h, "block_size": B,
                       "dtype": dtype, "checksum": checksum(bid, k, v)}
@@ -326,7 +328,9 @@ class KVStore:
             ks.append(k[:, :, a:b])
             vs.append(v[:, :, a:b])
         _touch_chain([self.block_path(prefix.model_key, h) for h in prefix.hashes[:(hi - 1) // B + 1]])
-        keys, values = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        dtype = ks[0].dtype
+        keys = torch.cat([_raw(k) for k in ks], dim=2).view(dtype)  # an integer view: see `write`
+        values = torch.cat([_raw(v) for v in vs], dim=2).view(dtype)
         return [(keys[i], values[i]) for i in range(keys.shape[0])]
 
     # ---------------------------------------------------------------- size
@@ -423,6 +427,18 @@ class KVStore:
             if n:
                 return key, self.hashes(list(token_ids)[:n * self.block_size], key)[-1], n * self.block_size
         return None
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as an integer tensor of the same element size (copies of it take the fast path)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _blocked(layers: list[torch.Tensor], block: int) -> torch.Tensor:
+    """Per-layer [n_kv, m, d] (m a multiple of `block`) as one contiguous [m / block, L, n_kv, block, d] tensor."""
+    x = torch.stack(layers)  # [L, n_kv, m, d]
+    L, h, m, d = x.shape
+    return x.view(L, h, m // block, block, d).permute(2, 0, 1, 3, 4).contiguous()
 
 
 def _size(path: Path) -> int:

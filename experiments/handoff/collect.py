@@ -1,68 +1,82 @@
-"""results/handoff/README.md from the committed run reports (results/handoff/*.json).
+"""results/handoff/README.md's generated blocks from the committed reports (results/handoff/*.json).
 
     python experiments/handoff/collect.py
 
-Reads results/handoff/load_tiny.json (experiments/handoff/load_tiny.py's report.json, copied) and writes the
-README's generated block: the load run's counts and the fault table. Written atomically.
+Reads load_tiny.json (experiments/handoff/load_tiny.py's report.json), and where present latency.json,
+overhead.json, conversation.json (experiments/handoff/real_pair.py) and store_io.json
+(experiments/handoff/store_io.py); writes one generated block per report. Written atomically.
 """
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "results/handoff"
-BEGIN, END = "<!-- BEGIN generated:load_tiny -->", "<!-- END generated:load_tiny -->"
+
+
+def _run_line(prov: dict) -> str:
+    return (f"Run at commit `{str(prov.get('commit'))[:7]}`{' (dirty tree)' if prov.get('dirty') else ''}, "
+            f"{prov.get('cpus', '?')} CPUs ({prov.get('cpu', 'unknown CPU')}).")
+
+
+def _pct(values: list[float], q: float) -> float:
+    """The q-quantile (nearest rank) of `values`."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def load_table(rep: dict) -> str:
+    """The load phase: counts, what each switch and later turn computed, and latency quantiles by kind of turn."""
     load = [r for r in rep["records"] if r["phase"] == "load"]
     target = [r for r in load if r["to_target"]]
+    switches = [r for r in target if r.get("switch")]
+    later = [r for r in target if not r.get("switch")]
     status = Counter((r.get("kvtransfer") or {}).get("status", f"HTTP {r['status']}") for r in load)
-    fallbacks = Counter(r["header"] for r in target if not (r.get("header") or "").startswith("mapped"))
-    differs = [r for r in target if r.get("differs")]
     checked = [r for r in target if "differs" in r]
-    secs = sorted(r["seconds"] for r in load)
-    tgt_secs = [r["seconds"] for r in target]
-    handed = [r for r in target if r.get("kvtransfer", {}).get("save_s") is not None]
-    rows = [("sessions x turns", f"{rep['sessions']} x {rep['turns']} (handoff turn per session: "
+
+    def q(rows):
+        s = [r["seconds"] for r in rows]
+        return f"{_pct(s, .5):.2f} / {_pct(s, .95):.2f} / {max(s):.2f}" if s else "-"
+
+    rows = [("sessions x turns", f"{rep['sessions']} x {rep['turns']} (switch turn per session: "
                                  f"{', '.join(map(str, rep['handoff_turns']))})"),
-            ("requests", len(load)),
-            ("served by the source", status.get("source", 0)),
-            ("served by the target", len(target)),
-            ("handoffs (producer save + map)", len(handed)),
-            ("mapped (all target requests incl. later turns)", status.get("mapped", 0)),
-            ("fallbacks by reason", ", ".join(f"{k}: {v}" for k, v in fallbacks.items()) or "none"),
-            ("responses differing from the target's own prefill (greedy, 8 tokens)",
-             f"{len(differs)} / {len(checked)}"),
-            ("non-200 responses", sum(r["status"] != 200 for r in load)),
-            ("mapped / prefilled tokens (target requests)",
-             f"{sum(r['kvtransfer']['mapped'] or 0 for r in target)} / "
-             f"{sum(r['kvtransfer']['prefilled'] or 0 for r in target)}"),
-            ("request seconds, median (all / target)",
-             f"{statistics.median(secs):.3f} / {statistics.median(tgt_secs):.3f}" if tgt_secs else "-"),
-            ("producer save seconds, median (handoffs)",
-             f"{statistics.median(r['kvtransfer']['save_s'] for r in handed):.3f}" if handed else "-"),
-            ("wall seconds: engines' start-up / load phase / faults",
+            ("requests (non-200)", f"{len(load)} ({sum(r['status'] != 200 for r in load)})"),
+            ("outcomes", ", ".join(f"{k}: {v}" for k, v in sorted(status.items()))),
+            ("switches that sent anything to the source (its prompt-token counter moved, or a save step)",
+             f"{sum(bool(r.get('producer_prompt_tokens')) or r['kvtransfer'].get('save_s') is not None for r in switches)}"
+             f" / {len(switches)}"),
+            ("switch: tokens mapped / prefilled (sum)", f"{sum(r['kvtransfer']['mapped'] or 0 for r in switches)} / "
+                                                        f"{sum(r['kvtransfer']['prefilled'] or 0 for r in switches)}"),
+            ("later target turns: cached / prefilled (sum); new tokens those turns added",
+             f"{sum(r['kvtransfer'].get('cached') or 0 for r in later)} / "
+             f"{sum(r['kvtransfer']['prefilled'] or 0 for r in later)}; {sum(r['new_tokens'] for r in later)}"),
+            ("target answers differing from the target's own prefill (identity map, greedy, 8 tokens)",
+             f"{sum(bool(r['differs']) for r in checked)} / {len(checked)}"),
+            ("seconds p50 / p95 / max: source turns", q([r for r in load if not r["to_target"]])),
+            ("seconds p50 / p95 / max: switches", q(switches)),
+            ("seconds p50 / p95 / max: later target turns", q(later)),
+            ("wall seconds: engines' start-up (apart) / load phase / faults",
              " / ".join(f"{rep['seconds'][k]:.0f}" for k in ("startup", "load", "faults")))]
     return "| quantity | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
-FAULT_ROWS = [("truncated", "entry truncated by 4 KiB"),
-              ("corrupt_k_bytes", "bytes flipped inside every layer's K (header intact)"),
-              ("foreign_weights", "same architecture and header, other K/V numbers"),
-              ("evicted", "entry deleted between a handoff and the session's next turn"),
-              ("producer_dead", "producer killed, then a handoff"),
-              ("both_dead", "producer and consumer killed, then a target request")]
+FAULT_ROWS = [("truncated", "the last stored block of a prompt truncated by 4 KiB"),
+              ("corrupt_k_bytes", "bytes flipped inside a block's K (header intact)"),
+              ("foreign_weights", "a block with the same header and other K/V numbers"),
+              ("evicted", "a handed-over session's blocks deleted before its next turn"),
+              ("producer_dead", "the source killed, then a session it never served switches"),
+              ("both_dead", "both engines killed, then a target request")]
 
 
 def fault_table(rep: dict) -> str:
     f = rep["faults"]
-    by_phase = {r["phase"]: r for r in rep["records"]}
-    lines = ["| fault | what | proxy's answer (X-KVTransfer or HTTP status) | served tokens == target's own prefill | "
-             "next clean handoff |", "|---|---|---|---|---|"]
+    by_phase = {r["phase"]: r for r in rep["records"] if "phase" in r}
+    lines = ["| fault | what | proxy's answer (X-KVTransfer or HTTP status) | served == target's own prefill | "
+             "next clean switch |", "|---|---|---|---|---|"]
     for key, what in FAULT_ROWS:
         rec = by_phase.get(f"fault:{key}", {})
         answer = f[key].get("header") or f"HTTP {f[key].get('status')}"
@@ -71,55 +85,94 @@ def fault_table(rep: dict) -> str:
     bad = f["bad_requests"]
     lines.append(f"| bad requests | {len(bad)} malformed bodies | HTTP {', '.join(map(str, sorted(set(bad))))} "
                  f"(all {len(bad)}) | - | - |")
+    t = f.get("takeover")
+    if t:
+        lines.append(f"| takeover | another API key on an open session | HTTP {t['thief']} (owner: {t['owner']}) | - | - |")
+    b = f.get("distinct_bad_sessions")
+    if b:
+        lines.append(f"| distinct bad sessions | {sum(b['codes'].values())} bad requests, each with its own 2 KB session "
+                     f"id | HTTP {', '.join(b['codes'])}; sessions {b['sessions_before']} -> {b['sessions_after']}; "
+                     f"proxy RSS {b['rss_kb_before'] / 1024:.0f} -> {b['rss_kb_after'] / 1024:.0f} MiB | - | - |")
     lines.append(f"\nProxy alive after every fault: {'yes' if f['proxy_alive_after'] else 'NO'}; proxy crashed: "
                  f"{'yes' if rep['crashed']['proxy'] else 'no'}; proxy 5xx from its own errors: "
                  f"{sum(v for k, v in rep['proxy_stats']['errors'].items() if k.startswith('proxy_error'))}. "
-                 f"Consumer connector's reasons over the whole run: "
+                 f"Target connector's reasons over the whole run: "
                  f"{', '.join(f'{k}: {v}' for k, v in sorted((rep['consumer_reasons'] or {}).items()))}. "
-                 f"Proxy counters: {json.dumps(rep['proxy_stats']['counts'])}, fallbacks "
-                 f"{json.dumps(rep['proxy_stats']['fallbacks'])}, errors {json.dumps(rep['proxy_stats']['errors'])}.")
+                 f"Proxy handoff counters: {json.dumps(rep['proxy_stats'].get('handoff', {}))}.")
     return "\n".join(lines)
 
 
-def render(rep: dict) -> str:
-    m = rep["machine"]
-    return (f"{BEGIN}\nRun at commit `{m['commit'][:7]}`{' (dirty tree)' if m['dirty'] else ''}, {m['cpus']} CPUs, "
-            f"{m['platform']}.\n\n{load_table(rep)}\n\n{fault_table(rep)}\n{END}")
-
-
-def real_pair(rep: dict) -> str:
-    """The real pair's handoff latency and conversation tables."""
-    m = rep["machine"]
-    lines = [f"Run at commit `{m['commit'][:7]}`{' (dirty tree)' if m['dirty'] else ''}, {m['cpus']} CPUs.", "",
-             "| prompt tokens | rep | handoff: request -> target's first token, save included (s) | producer save (s) "
-             "| target cold prefill (s) | speed-up | proxy's answer | first token handoff / cold |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rep["latency"]:
-        k = r["kvtransfer"]
-        lines.append(f"| {r['n']:,} | {r['rep']} | {r['handoff_s']:.2f} | {k['save_s']:.2f} | {r['cold_s']:.2f} | "
-                     f"{r['cold_s'] / r['handoff_s']:.1f}x | {k['summary']} | {r['first_token']} / "
-                     f"{r['cold_first_token']} |")
-    lines += ["", "| turn | prompt tokens | served by | proxy's answer | TTFT (s) | target re-prefill TTFT (s) | "
-                  "answer (proxy) | answer (target re-prefill) | same | gold |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rep["conversation"]:
-        k = r.get("kvtransfer") or {}
-        rp = f"{r['reprefill_ttft_s']:.2f}" if "reprefill_ttft_s" in r else "-"
-        same = "-" if "same_answer" not in r else ("yes" if r["same_answer"] else "no")
-        lines.append(f"| {r['turn']} | {r['prompt']:,} | {r['engine']} | {k.get('summary', 'source')} | "
-                     f"{r['ttft_s']:.2f} | {rp} | {json.dumps(r['answer'])} | {json.dumps(r.get('reprefill_answer', '-'))} "
-                     f"| {same} | {json.dumps(r['gold'])} |")
-    lines.append(f"\nConsumer connector's reasons: {json.dumps(rep.get('consumer_reasons'))}; engines' start-up "
-                 f"{rep['startup_s']:.0f} s.")
+def latency_table(rep: dict) -> str:
+    lines = [_run_line(rep["provenance"]), "",
+             "| context tokens | n | switch: median / max (s) | target's cold prefill: median / max (s) | "
+             "speed-up (medians) | target reads only the last 128 tokens: median (s) | mapped / prefilled (median) | "
+             "first token = cold's: switch / truncation |", "|---|---|---|---|---|---|---|---|"]
+    for r in rep["rows"]:
+        h, c, t = r["handoff_ttft_s"], r["cold_ttft_s"], r["truncate_ttft_s"]
+        lines.append(f"| {r['tokens']:,} | {len(h)} | {statistics.median(h):.2f} / {max(h):.2f} | "
+                     f"{statistics.median(c):.2f} / {max(c):.2f} | {statistics.median(c) / statistics.median(h):.1f}x | "
+                     f"{statistics.median(t):.2f} | {statistics.median(r['mapped']):.0f} / "
+                     f"{statistics.median(r['prefilled']):.0f} | {r['first_token_equal_cold']} / "
+                     f"{r['first_token_equal_truncate']} of {len(h)} |")
+    lines.append(f"\nEngines' start-up {rep['startup_s']:.0f} s (not in any row). Proxy handoff counters: "
+                 f"{json.dumps(rep['proxy_stats'].get('handoff', {}))}.")
     return "\n".join(lines)
+
+
+def overhead_table(rep: dict) -> str:
+    pairs = rep["pairs"]
+    return (f"{_run_line(rep['provenance'])}\n\n| source turn, {rep['tokens']:,} tokens | n | TTFT median (s) |\n"
+            f"|---|---|---|\n| written through (connector, background write) | {len(pairs)} | "
+            f"{rep['through_median_s']:.2f} |\n| plain engine (no connector) | {len(pairs)} | {rep['plain_median_s']:.2f} |"
+            f"\n\nOverhead of write-through (medians): {100 * rep['overhead_median']:+.1f} %.")
+
+
+def conversation_table(rep: dict) -> str:
+    rows = rep["rows"]
+    turns = sorted({r["turn"] for r in rows})
+    lines = [_run_line(rep["provenance"]), "", f"{len({r['conversation'] for r in rows})} CoQA conversations; turns 1-2 on "
+             "the source, then the target (switch at turn 3).", "",
+             "| turn | proxy's answer (first conversation) | TTFT handed over, median (s) | TTFT target-only session, "
+             "median (s) | F1 handed over | F1 target-only | answers equal |", "|---|---|---|---|---|---|---|"]
+    for t in turns:
+        sel = [r for r in rows if r["turn"] == t]
+        k = (sel[0].get("kvtransfer") or {}).get("summary", "source")
+        lines.append(f"| {t} | {k} | {statistics.median(r['ttft_s'] for r in sel):.2f} | "
+                     f"{statistics.median(r['target_only_ttft_s'] for r in sel):.2f} | "
+                     f"{statistics.mean(r['f1'] for r in sel):.2f} | {statistics.mean(r['target_only_f1'] for r in sel):.2f} | "
+                     f"{sum(r['same_answer'] for r in sel)} / {len(sel)} |")
+    tgt = [r for r in rows if r["engine"] == "target"]
+    if tgt:
+        d = [r["f1"] - r["target_only_f1"] for r in tgt]
+        se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+        lines.append(f"\nTarget turns (3-10): F1 handed over {statistics.mean(r['f1'] for r in tgt):.3f} vs target-only "
+                     f"{statistics.mean(r['target_only_f1'] for r in tgt):.3f} (paired difference {statistics.mean(d):+.3f} "
+                     f"± {se:.3f} SE over {len(d)} turns, turns of one conversation are not independent); answers equal "
+                     f"{sum(r['same_answer'] for r in tgt)} / {len(tgt)}.")
+    return "\n".join(lines)
+
+
+def store_table(rep: dict) -> str:
+    lines = [_run_line(rep["provenance"]), "",
+             f"| tokens | MB | store write (MB/s) | plain file write (MB/s) | store read + verify (MB/s) | plain read (MB/s) "
+             f"| write / plain | read / plain |", "|---|---|---|---|---|---|---|---|"]
+    for r in rep["rows"]:
+        lines.append(f"| {r['tokens']:,} | {r['mb']:.0f} | {r['store_write_mb_s']:.0f} | {r['plain_write_mb_s']:.0f} | "
+                     f"{r['store_read_mb_s']:.0f} | {r['plain_read_mb_s']:.0f} | {r['write_vs_plain']:.1f}x | "
+                     f"{r['read_vs_plain']:.1f}x |")
+    return "\n".join(lines)
+
+
+SOURCES = {"load_tiny": ("load_tiny.json", lambda rep: f"{_run_line(rep['machine'])}\n\n{load_table(rep)}\n\n"
+                                                        f"{fault_table(rep)}"),
+           "latency": ("latency.json", latency_table), "overhead": ("overhead.json", overhead_table),
+           "conversation": ("conversation.json", conversation_table), "store_io": ("store_io.json", store_table)}
 
 
 def readme_blocks(out: Path = OUT) -> dict[str, str]:
-    """{block name: body} of results/handoff/README.md from the committed reports (kvtransfer.report.readme)."""
-    rep = json.loads((out / "load_tiny.json").read_text())
-    bodies = {"load_tiny": render(rep)[len(BEGIN) + 1:-len(END) - 1]}
-    if (out / "real_pair.json").exists():
-        bodies["real_pair"] = real_pair(json.loads((out / "real_pair.json").read_text()))
-    return bodies
+    """{block name: body} of results/handoff/README.md from the committed reports present (kvtransfer.report.readme)."""
+    return {name: render(json.loads((out / file).read_text()))
+            for name, (file, render) in SOURCES.items() if (out / file).exists()}
 
 
 def main() -> None:

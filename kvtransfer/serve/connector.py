@@ -11,15 +11,21 @@ extra config
                    and the producer's weights identity); the consumer keeps the target's native sink
                    K/V in <store>/sinks (computed by one HF prefill of the start tokens on first use)
     block_size     tokens per store block (default 16; fixed by the first engine that opens the store)
-    store_max_bytes  producer: size cap of the store's blocks, least-recently-used evicted (default: no cap)
+    store_max_bytes  producer: size cap of the store's blocks, least-recently-used evicted, chain tails first
+                   (default: no cap)
+    store_retention_s  producer: blocks unused this long are removed (default: kept)
+    async_save     producer: write in the background (default true; false writes inside the forward step)
+    save_queue_bytes  producer: gathered K/V waiting for the writer, at most (default 1 GiB; beyond it a step waits)
     mapper         consumer: a saved mapper directory (kvtransfer.core.mapper)
     source_model   consumer: the source model's directory (its config builds the source RoPE)
     native_tail    consumer: prompt tokens the target always computes itself (default 1, the paper's)
     gate           consumer: a gate artifact (kvtransfer.core.gate.save_gate): the per-request gate, served
                    (kvtransfer.serve.gating; gate_tail overrides the artifact's tail). An unusable file: every
                    request is prefilled normally, reason "gate_unusable"
-    mapped_cache_salt  consumer with prefix caching on: only requests with this cache_salt are mapped
-                   (default "kvtransfer-mapped"), so mapped blocks never serve unsalted requests as exact hits
+    mapped_cache_salt  consumer with prefix caching on: only requests whose cache_salt is this salt or starts
+                   with "<salt>:" (a session's own, as the handoff proxy sends) are mapped (default
+                   "kvtransfer-mapped"), so mapped blocks never serve another session or an unsalted request as
+                   exact hits, while a session's later turns hit its own
     per request    kv_transfer_params (SamplingParams.extra_args["kv_transfer_params"]; the OpenAI server's
                    `kv_transfer_params` body field): {"kvtransfer": "off"} asks for a normal prefill;
                    {"kvtransfer_source_len": n} maps at most the first n prompt tokens; {"kvtransfer_tag": "..."}
@@ -30,8 +36,9 @@ extra config
     stats          optional JSON path: fallback reasons and per-request records (scheduler side, bounded, written
                    on a timer); "<stats>.worker.json" gets the worker's last 1,000 per-load timings
 
-Producer: each prompt's K/V is gathered layer by layer (`save_kv_layer`) once its prefill is
-complete and written as one store entry (`wait_for_save`). Consumer: the scheduler decides per
+Producer: once a prompt's prefill completes, the K/V of its full blocks the store does not hold yet are gathered
+layer by layer (`save_kv_layer`) and handed to a background writer (`wait_for_save`, kvtransfer.serve.writer):
+no forward step waits for the disk; the writer's counters go to "<stats>.worker.json". Consumer: the scheduler decides per
 request (kvtransfer.serve.policy.decide); the worker reads the entry, maps it
 (kvtransfer.serve.mapping.ServeMap) and scatters it into the paged cache (kvtransfer.serve.paged)
 before the forward pass (checking each block's checksum and token ids against the request's prompt), in
@@ -198,6 +205,8 @@ class KVTransferConnector(KVConnectorBase_V1):
         self._alloc: dict[str, list[int]] = {}  # scheduler: request -> its block ids when external tokens were promised
         self.writer = StoreWriter(self.store, max_pending_bytes=int(extra.get("save_queue_bytes", 1 << 30)),
                                   background=_flag(extra.get("async_save", True))) if self.producer else None
+        if self.writer is not None:
+            self.timings.writer = self.writer.stats
         self.spec = None if self.producer else self._scheduler_spec(role)
         if self.producer and (not HAVE_VLLM or role == KVConnectorRole.SCHEDULER):
             try:  # the store key of this model (its weights read once), before the first request needs it
@@ -514,6 +523,7 @@ class KVTransferConnector(KVConnectorBase_V1):
                 end = len(spec.token_ids) if spec.end is None else spec.end
                 self.writer.submit(spec.req_id, spec.token_ids[:end], [parts[i] for i in sorted(parts)],
                                    self._identity(), spec.first)
+                self.timings.touch()
             except Exception as err:  # noqa: BLE001 -- a failed save (disk full, ...) is a future miss, not a failure
                 log.error("kvtransfer: could not store request %s: %s", spec.req_id, err)
 

@@ -301,6 +301,7 @@ class Timings(_TimedJSON):
     def __init__(self, path: str | Path | None = None, keep: int = 1000, flush_s: float = 0.5):
         super().__init__(path, flush_s)
         self.loads: deque = deque(maxlen=keep)
+        self.writer: dict | None = None  # a producer's StoreWriter.stats (writes, blocks, bytes, failures, seconds)
 
     def add(self, row: dict) -> None:
         """Keep one load's timings (the oldest beyond `keep` dropped) and schedule a write."""
@@ -310,7 +311,11 @@ class Timings(_TimedJSON):
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"loads": list(self.loads)}
+            return {"loads": list(self.loads)} | ({"writer": dict(self.writer)} if self.writer is not None else {})
+
+    def touch(self) -> None:
+        """Schedule a write (a producer's writer counters changed)."""
+        self._schedule()
 
 
 class Decider:

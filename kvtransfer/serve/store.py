@@ -15,8 +15,10 @@
 Only full blocks are stored (a prompt's last n % B tokens are the target's to compute), and no block is
 stored twice: turn t + 1 of a conversation writes only the blocks turn t did not, and a consumer maps the
 longest stored prefix of any prompt (`lookup`). Blocks are written atomically (temporary file + rename,
-kvtransfer.core.io) and never overwritten; a read refreshes the block's mtime, and with `max_bytes` set every
-write evicts least-recently-used blocks (oldest mtime first) until the store fits.
+kvtransfer.core.io) and never overwritten. A write or read stamps the mtimes of the prompt's whole chain, block 0
+the newest, so least-recently-used eviction (`max_bytes`) takes a chain's tail before its head and never leaves a
+block unreachable behind a missing one; `retention_s` removes blocks nobody used for that long, and `delete_chain`
+a session's chain.
 
 Several processes may share one directory (two engines, or engines on two nodes that mount the same
 shared filesystem with atomic rename, e.g. NFSv4 / Lustre / CephFS): a reader sees a whole block or none;

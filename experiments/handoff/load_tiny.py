@@ -273,6 +273,7 @@ async def main_async(args) -> dict:
     if (out / "report.json").exists():
         raise SystemExit(f"{out}/report.json exists: results are never overwritten, pick a new OUT_DIR")
     store = out / "store"
+    provenance = machine()  # the tree the engines load, before anything else can change it
     from transformers import AutoConfig
 
     from kvtransfer.serve.mapping import identity_mapper
@@ -311,7 +312,7 @@ async def main_async(args) -> dict:
               "proxy_stats_after_load": proxy_stats_load, "proxy_stats": proxy_stats,
               "consumer_reasons": consumer_stats.get("reasons"), "faults": notes, "crashed": crashed,
               "seconds": {"startup": t_up - t_start, "load": t_load - t_up, "faults": time.time() - t_load},
-              "machine": machine()}
+              "machine": provenance}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     return report
 

@@ -151,6 +151,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     src, tgt = Path(args.real) / "hf/qwen25coder-0.5b", Path(args.real) / "hf/qwen25coder-1.5b"
     store = out / "store"
+    provenance = machine()  # the tree the engines load, before anything else can change it
     from transformers import AutoTokenizer
 
     from kvtransfer.eval.perplexity import load_pages
@@ -226,7 +227,7 @@ def main() -> None:
                                                                for r in sel)})
         stats = c.get("http://127.0.0.1:8200/kvtransfer/stats").json()
         write_once(out / "latency.json", {"rows": rows, "summary": summary(rows), "startup_s": startup_s,
-                                          "proxy_stats": stats, "provenance": machine()})
+                                          "proxy_stats": stats, "provenance": provenance})
         # 3. the conversation, handed over at turn 3
         if args.conversations:
             convo = []
@@ -254,7 +255,7 @@ def main() -> None:
                     convo.append(row)
                     print(json.dumps(row), flush=True)
                     ids, ref_ids = ids + ans, ref_ids + r_ans
-            write_once(out / "conversation.json", {"rows": convo, "provenance": machine()})
+            write_once(out / "conversation.json", {"rows": convo, "provenance": provenance})
         # 2. write-through overhead: a plain 0.5B in the consumer's place
         if args.overhead:
             kill(procs["consumer"])
@@ -275,7 +276,7 @@ def main() -> None:
             write_once(out / "overhead.json", {"pairs": pairs, "tokens": 1024, "through_median_s": statistics.median(through),
                                                "plain_median_s": statistics.median(plain_s),
                                                "overhead_median": statistics.median(through) / statistics.median(plain_s) - 1,
-                                               "provenance": machine()})
+                                               "provenance": provenance})
     finally:
         for p in procs.values():
             kill(p)

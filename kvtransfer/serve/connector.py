@@ -443,7 +443,8 @@ class KVTransferConnector(KVConnectorBase_V1):
             self._layout = worker_layout(self._vllm_config, dtype, head_dim)
             for layer in self._kv_caches.values():
                 self._layout.check(layer, n_kv, head_dim, self._cache_dtype)
-        except (ValueError, ImportError, AttributeError) as err:
+            self._identity()  # the weights digest, read once here rather than inside the first save's step
+        except (ValueError, ImportError, AttributeError, OSError) as err:
             self._layout = None
             log.error("kvtransfer: producer cannot read its paged cache (%s); no prompt will be stored", err)
 

@@ -46,6 +46,10 @@ def test_load_sessions_hand_over_and_serve_what_the_target_computes(report):
     assert all(r["kvtransfer"]["prefilled"] < r["new_tokens"] + 32 for r in later)  # vLLM block 32
     assert [r for r in load if r["to_target"] and r.get("differs")] == []  # greedy tokens == the target's own prefill
     assert all(r["header"] == "source" for r in load if not r["to_target"])
+    # the producer gathered and wrote each stored block once, in the background (no block twice, none failed)
+    w = report["producer_writer"]
+    assert w["failed"] == 0 and w["written_blocks"] == w["blocks_in_store"] > 0
+    assert w["written_bytes"] == w["written_blocks"] * w["bytes_per_block"]
 
 
 def test_faults_are_counted_fallbacks_and_the_next_handoff_maps(report):

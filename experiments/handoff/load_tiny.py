@@ -138,6 +138,20 @@ class Run:
             ids = ids + rec.get("tokens", [])
 
 
+def writer_check(timings: Path, store: Path) -> dict:
+    """The producer's writer counters after the load phase, and the blocks the store holds then: with
+    write-through every block is gathered and written once (bytes gathered == blocks written x bytes a block)."""
+    stats = json.loads(timings.read_text()).get("writer", {}) if timings.exists() else {}
+    files = entry_paths(store)
+    block_bytes = None
+    if files:
+        from safetensors import safe_open
+
+        with safe_open(str(next(iter(files))), framework="pt") as f:
+            block_bytes = sum(f.get_tensor(n).numel() * f.get_tensor(n).element_size() for n in ("k", "v"))
+    return {**stats, "blocks_in_store": len(files), "bytes_per_block": block_bytes}
+
+
 def proxy_rss(pid: int) -> int:
     """Resident memory of a process in kB (/proc), 0 where unreadable."""
     try:
@@ -280,7 +294,7 @@ async def main_async(args) -> dict:
 
     identity_mapper(AutoConfig.from_pretrained(TARGET), model_id=str(TARGET), start_ids=[START]).save(out / "identity")
     t_start = time.time()
-    producer = start_engine(8101, kv("kv_producer", store), out / "producer.log")
+    producer = start_engine(8101, kv("kv_producer", store, stats=out / "producer_stats.json"), out / "producer.log")
     consumer = start_engine(8102, kv("kv_consumer", store, mapper=out / "identity", source_model=TARGET,
                                      stats=out / "consumer_stats.json"), out / "consumer.log")
     proxy = subprocess.Popen([PY, "-m", "kvtransfer.serve.proxy", "--source", "http://127.0.0.1:8101", "--target",
@@ -301,6 +315,8 @@ async def main_async(args) -> dict:
                                for i in range(args.sessions)))
         t_load = time.time()
         proxy_stats_load = (await run.client.get(run.proxy + "/kvtransfer/stats")).json()
+        await asyncio.sleep(2)  # the producer's timings file is written on a 0.5 s timer
+        writer = writer_check(out / "producer_stats.json.worker.json", store)
         notes = await faults(run, producer, consumer, "http://127.0.0.1:8101")
         proxy_stats = (await run.client.get(run.proxy + "/kvtransfer/stats")).json()
         crashed = {"proxy": proxy.poll() is not None}
@@ -311,6 +327,7 @@ async def main_async(args) -> dict:
     report = {"sessions": args.sessions, "turns": args.turns, "handoff_turns": plan, "records": run.records,
               "proxy_stats_after_load": proxy_stats_load, "proxy_stats": proxy_stats,
               "consumer_reasons": consumer_stats.get("reasons"), "faults": notes, "crashed": crashed,
+              "producer_writer": writer,
               "seconds": {"startup": t_up - t_start, "load": t_load - t_up, "faults": time.time() - t_load},
               "machine": provenance}
     (out / "report.json").write_text(json.dumps(report, indent=1))

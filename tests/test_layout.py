@@ -40,6 +40,8 @@ OUTER = {
     "kvtransfer.dryrun": {"kvtransfer.runner", "kvtransfer.plan"},
     # the vLLM connector: loaded by vLLM's worker, so the core only (no runner, eval, report; see below)
     "kvtransfer.serve": set(),
+    # the `kvtransfer-run` entry point (run.py): a run, or a dry run, and its closing table
+    "kvtransfer.cli": {"kvtransfer.runner", "kvtransfer.dryrun", "kvtransfer.eval"},
 }
 _STRING_REF = re.compile(r"kvtransfer(?:\.\w+)+:\w+")
 

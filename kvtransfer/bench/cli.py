@@ -179,8 +179,8 @@ def write_outputs(rows: list[dict], out_dir: str | Path, *, caps: dict | None = 
     return paths
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    """CLI entry: benchmark one or more pairs (shapes-only) and write rows JSON + table + figure."""
+def parser() -> argparse.ArgumentParser:
+    """The command line of `python -m kvtransfer.bench` (tests/test_doc_commands.py parses the docs' commands)."""
     ap = argparse.ArgumentParser(prog="python -m kvtransfer.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="qwen3_14b_32b", help=f"comma list of {', '.join(PAIRS)}")
     ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
@@ -198,7 +198,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--calibration", action="store_true", help="also measure calibration throughput")
     ap.add_argument("--out", help="output directory; existing files are never overwritten (default: a fresh "
                     "./runs/bench/<pair>/<time>, as a run's out_dir)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """CLI entry: benchmark one or more pairs (shapes-only) and write rows JSON + table + figure."""
+    a = parser().parse_args(argv)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[a.dtype] or (
         torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
     tokens = [int(t.lower().replace("k", "")) * (1024 if "k" in t.lower() else 1) for t in a.tokens.split(",")]

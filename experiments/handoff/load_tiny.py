@@ -1,6 +1,6 @@
 """The handoff proxy under load and faults, tiny family, real vLLM engines over loopback (serving environment).
 
-    PYTHONPATH=$PWD /work/venv-serve/bin/python experiments/handoff/load_tiny.py OUT_DIR [--sessions 16 --turns 10]
+    PYTHONPATH=$PWD .venv-serve/bin/python experiments/handoff/load_tiny.py OUT_DIR [--sessions 16 --turns 10]
         -> OUT_DIR/report.json (never overwritten)
 
 Three processes on 127.0.0.1: a producer and a consumer vLLM OpenAI server (`vllm.entrypoints.openai.api_server`,

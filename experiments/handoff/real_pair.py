@@ -1,6 +1,6 @@
 """The handoff on the real pair (Qwen2.5-Coder 0.5B -> 1.5B), through the proxy and two vLLM engines (serving env).
 
-    PYTHONPATH=$PWD /work/venv-serve/bin/python experiments/handoff/real_pair.py OUT_DIR \
+    PYTHONPATH=$PWD .venv-serve/bin/python experiments/handoff/real_pair.py OUT_DIR \
         --real ~/.cache/kvtransfer-real --mapper artifacts/qwen25coder/mappers/b0eb9ce8807e3a38 [--sizes 1024 2048]
         -> OUT_DIR/real_pair.json (never overwritten)
 

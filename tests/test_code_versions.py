@@ -143,3 +143,42 @@ def test_the_cli_reports_a_change_and_records_a_bump(tmp_path, monkeypatch, caps
             code_versions.main(["--bump", "no_such_kind"])
     finally:
         artifacts.recorded.cache_clear()
+
+
+def _scratch_package(tmp_path):
+    import shutil
+
+    copy = tmp_path / "kvtransfer"
+    shutil.copytree(code_versions.PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def _edit(path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, old
+    path.write_text(text.replace(old, new))
+
+
+def test_kinds_see_the_code_they_reach_through_run_function_by_function(tmp_path, monkeypatch):
+    """Stages are handed `run`: an edit to `core/data.token_sequences` (how calibration text is tokenized, reached
+    through `Run.token_ids`) or to one `Run` method moves the kinds whose code reaches it, and only those."""
+    declared = {k: a.code for k, a in ARTIFACTS.items()}
+    scratch = _scratch_package(tmp_path)
+    monkeypatch.setattr(code_versions, "PACKAGE", scratch)
+    base = code_versions.current(declared)
+
+    _edit(scratch / "core" / "data.py", "def token_sequences(", "def token_sequences(*_unused, ")
+    tokens = code_versions.current(declared)
+    moved_by_tokens = {k for k in declared if tokens[k] != base[k]}
+    assert {"calibration", "feature_sample", "mapper", "eval_tasks_mapped", "eval_ppl_mapped"} <= moved_by_tokens
+
+    _edit(scratch / "runner" / "run.py", "        return mapper.native_sink\n", "        return int(mapper.native_sink)\n")
+    sink = code_versions.current(declared)
+    moved_by_sink = {k for k in declared if sink[k] != tokens[k]}
+    assert {"mapper", "fidelity", "gate", "eval_tasks_mapped", "eval_ppl_mapped", "eval_coqa_mapped"} <= moved_by_sink
+    assert not moved_by_sink & {"calibration", "feature_sample"}   # the calibration never asks for the sink
+
+    # a docstring edit in a Run method moves nothing; an edit to a function nothing reaches moves nothing
+    _edit(scratch / "runner" / "run.py", "(mapper.native_sink when it was fitted)", "(the fitted mapper's)")
+    (scratch / "core" / "unused_helper.py").write_text("def helper():\n    return 1\n")
+    assert code_versions.current(declared) == sink

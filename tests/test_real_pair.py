@@ -1,4 +1,4 @@
-"""Guard on the real pretrained pair (Qwen2.5-Coder 0.5B -> 1.5B, ../shared/realmodels/get.sh).
+"""Guard on the real pretrained pair (Qwen2.5-Coder 0.5B -> 1.5B, experiments/qwen25coder/get_models.sh).
 
 Slow (a few minutes on 2 cores) and needs the converted models, so it is marked slow and runs
 only when KVT_REAL_DIR names their directory:
@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 REAL = os.environ.get("KVT_REAL_DIR")
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not REAL, reason="set KVT_REAL_DIR to the directory ../shared/realmodels/get.sh "
+              pytest.mark.skipif(not REAL, reason="set KVT_REAL_DIR to the directory experiments/qwen25coder/get_models.sh "
                                                   "filled (hf/qwen25coder-0.5b, hf/qwen25coder-1.5b)")]
 
 

@@ -157,7 +157,7 @@ def test_gpu_layout_on_vllms_own_cache_views():
 
 
 @pytest.mark.skipif(not (os.environ.get("KVT_REAL_DIR") and os.environ.get("KVT_REAL_MAPPER")),
-                    reason="set KVT_REAL_DIR (get.sh's directory) and KVT_REAL_MAPPER (the fitted main mapper)")
+                    reason="set KVT_REAL_DIR (experiments/qwen25coder/get_models.sh's directory) and KVT_REAL_MAPPER (the fitted main mapper)")
 def test_real_pair_serves_what_the_harness_computes(tmp_path):
     """Two WikiText-2 windows at P = 256 through producer 0.5B -> consumer 1.5B vs the harness's transfer mode
     (experiments/serve/equivalence.py; the 32-window table is results/serve/equivalence.md)."""

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Issue 30 measurements: selective recompute curve and the per-request gate, results/gate/.
+# Selective recompute curve and the per-request gate, results/gate/.
 #   bash experiments/gate/run.sh            # every run below; rerun to resume (each mode's result is cached)
 #   python experiments/gate/collect.py      # results/gate/README.md tables from the runs
 # Each run writes results/gate/runs/<name>/ and is skipped once its summary exists. The real-pair runs read
-# the main configuration's calibration and map from CACHE (default /work/artifacts/qwen25coder, the coordinator's;
-# any cache_dir works, it calibrates and fits on first use). Later runs add modes: what an earlier one computed
+# the main configuration's calibration and map from CACHE (default artifacts/qwen25coder, where
+# experiments/qwen25coder/run.sh leaves them; any cache_dir works, it calibrates and fits on first use). Later runs add modes: what an earlier one computed
 # comes from the cache. STEPS="name ..." runs a subset.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=results/gate/runs
-CACHE=${KVT_GATE_CACHE:-/work/artifacts/qwen25coder}
+CACHE=${KVT_GATE_CACHE:-artifacts/qwen25coder}
 mkdir -p "$OUT"
 
 run() {  # run NAME OVERRIDES...

@@ -441,8 +441,7 @@ def top_readme_blocks(summaries: dict[str, dict]) -> dict[str, str]:
             rows.append([f"{label}, n = {r['n']}", *(_fmt(r.get(m), r.get(f"stderr_{m}")) for m in
                                                      ("target", "source", "no_context")),
                          f"**{_fmt(r['transfer'], r.get('stderr_transfer'))}**",
-                         f"**{_fmt(r.get('gap_closed'), r.get('stderr_gap_closed'), pct=True)}**",
-                         share_cell(share.get(task), r["transfer"])])
+                         _gap_or_degenerate(r), share_cell(share.get(task), r["transfer"])])
     p256 = _ppl_rows(s).get(256)
     if p256:
         windows = ((s.get("_config") or {}).get("eval") or {}).get("ppl", {}).get("windows")
@@ -461,7 +460,7 @@ def top_readme_blocks(summaries: dict[str, dict]) -> dict[str, str]:
         rows.append([f"CoQA F1, {r['conversations']} × {r['turns'] // max(1, r['conversations'])} turns, "
                      f"{'story mapped once' if r['protocol'] == 'once' else 'every turn mapped'}",
                      _fmt(r["target_f1"], r["target_f1_se"]), "–", "–", f"**{_fmt(r['transfer_f1'], r['transfer_f1_se'])}**",
-                     f"retention {_fmt(r['retention'], r['retention_se'], pct=True)}"])
+                     f"retention {_fmt(r['retention'], r['retention_se'], pct=True)}", "–"])
     table = readme.md_table(["metric", "target", "source", "no context (floor)", "**transfer**",
                              "**gap closed** (floor → target)", "content share"], rows)
     note = ("content share = (transfer − transfer on a wrong context) / (target − target on a wrong context): the share "
@@ -474,13 +473,22 @@ def top_readme_blocks(summaries: dict[str, dict]) -> dict[str, str]:
     return {"real_pair": table + "\n" + note}
 
 
+def _gap_or_degenerate(r: dict) -> str:
+    """The task's gap closed with its SE; where transfer and the floor score 0 on every item (bootstrap SE 0), that
+    is said instead of a "0 ± 0 %" that reads like a precise measurement."""
+    if r.get("stderr_gap_closed") == 0 and r.get("transfer") == r.get("no_context") == 0:
+        return "**0 %** (transfer and floor 0 on every item: no SE)"
+    return f"**{_fmt(r.get('gap_closed'), r.get('stderr_gap_closed'), pct=True)}**"
+
+
 def _ppl_se_note(s: dict) -> str:
     src = s.get("ppl_ses_from")
     if not src:
         return ""
     commit = ((src.get("environment") or {}).get("commit") or "?")[:7]
-    return (f" The perplexity SEs are those of `{src['run']}`, the same protocol rerun at `{commit}` with per-window "
-            f"NLLs; it reproduced every perplexity of `main` (largest relative difference {src['max_relative_difference']:.1g}).")
+    return (f" The perplexity SEs come from the same protocol rerun at `{commit}` with per-window NLLs, which "
+            f"reproduced every perplexity of the main run (largest relative difference "
+            f"{src['max_relative_difference']:.1g}).")
 
 
 def write_figures(summaries: dict[str, dict], main: dict | None, fdir: Path) -> None:

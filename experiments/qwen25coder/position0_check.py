@@ -1,6 +1,6 @@
 """Is the flat K R² heatmap of results/qwen25coder an artefact of the position-0 (attention-sink) rows?
 
-    python experiments/qwen25coder/position0_check.py     # ~2 min on 2 cores; needs ../shared/realmodels/get.sh
+    python experiments/qwen25coder/position0_check.py     # ~2 min on 2 cores; needs experiments/qwen25coder/get_models.sh
 
 Takes 16 Wikipedia sequences x 256 tokens with <|endoftext|> at position 0 (the calibration's convention),
 keeps every second position (stride 2), and holds out 4 sequences. It then measures:

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# The real pair end to end on a CPU: Qwen2.5-Coder-0.5B -> 1.5B (mismatched KV), results/qwen25coder/.
-#   ../shared/realmodels/get.sh            # once: models + handbook text into ~/.cache/kvtransfer-real
-#   bash experiments/qwen25coder/run.sh    # every run below; rerun to resume (each stage is cached)
-#   python experiments/qwen25coder/collect.py   # tables + figures of results/qwen25coder from the runs
-# Each run writes results/qwen25coder/runs/<name>/ (summary.json, tables/, figures/) and is skipped
-# once that summary exists. Stage artifacts (moments, mappers, per-(mode, task) eval results) live
-# in artifacts/qwen25coder and are shared: a variant recomputes only what it changes.
-# STEPS="name ..." runs a subset; FULL=1 adds Table 2's rotated-key ablations, which need a second
-# calibration (~25 min on 2 cores).
+# The real pair end to end on a CPU: Qwen2.5-Coder-0.5B -> 1.5B (mismatched KV), the runs of results/qwen25coder/.
+#   bash experiments/qwen25coder/get_models.sh       # once: models + calibration text into ~/.cache/kvtransfer-real
+#   bash experiments/qwen25coder/run.sh              # every run below, recomputed into a fresh runs/qwen25coder/<time>
+#   python experiments/qwen25coder/collect.py --runs runs/qwen25coder/<time> --out runs/qwen25coder/<time>/collected
+# Expected time on a 2-core CPU: about 15 hours for the whole set (the evaluations the committed summaries record
+# add up to ~12.6 h; each of the six calibrations takes 15-25 min). STEPS="name ..." runs a subset.
+# OUT=DIR writes the runs there instead; a run whose DIR/<name>/summary.json exists is skipped, so rerunning with the
+# same OUT resumes (OUT=results/qwen25coder/runs only redoes what is missing from the committed results).
+# Stage artifacts (moments, mappers, per-(mode, task) eval results) live in artifacts/qwen25coder and are shared:
+# a variant recomputes only what it changes; delete that folder too for a recomputation from scratch.
+# FULL=1 adds Table 2's rotated-key ablations, which need a second calibration (~25 min on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REAL=${KVT_REAL_DIR:-$HOME/.cache/kvtransfer-real}
-OUT=results/qwen25coder/runs
+OUT=${OUT:-runs/qwen25coder/$(date -u +%Y-%m-%d_%H-%M-%S)}
+export KVT_REAL_DIR=$REAL
+echo "[run.sh] writing the runs to $OUT"
 HANDBOOK="calib.files=[$REAL/text/handbook_en.txt] calib.domain=handbook"
 MORE_TASKS="eval.tasks=[hellaswag,arc_challenge,winogrande,mmlu]"
 mkdir -p "$OUT"
@@ -39,9 +43,9 @@ run wiki_k8_sink0 stage=[fit,eval] mapper.native_sink=0
 # 4. Table 2 ablation that needs no second calibration: the content-space map without re-rotation
 run wiki_no_rerotation stage=[fit,eval] ablation=no_rerotation
 # 5. the k with the best held-out R² (from the main run's Table 7)
-BEST_K=$(python - <<'PY'
-import json, pathlib
-p = pathlib.Path("results/qwen25coder/runs/main/summary.json")
+BEST_K=$(OUT=$OUT python - <<'PY'
+import json, os, pathlib
+p = pathlib.Path(os.environ["OUT"]) / "main" / "summary.json"
 rows = [r for r in json.loads(p.read_text()).get("variance_explained", []) if "k_heldout" in r] if p.exists() else []
 print(max(rows, key=lambda r: r["k_heldout"] + r["v_heldout"])["k"] if rows else 8)
 PY
@@ -70,7 +74,7 @@ run speed stage=[bench]
 # 8. calibration on the handbook (technical prose), sink 1 and 0
 run handbook_k8_sink1 stage=[calibrate,fit,eval,report] $HANDBOOK
 run handbook_k8_sink0 stage=[fit,eval] $HANDBOOK mapper.native_sink=0
-# 9. precision (issue 10 §2): the same calibration with float32 moments accumulated in place (the GPU-node
+# 9. precision: the same calibration with float32 moments accumulated in place (the GPU-node
 #    layout) against the float64 host moments of step 1: held-out R², fidelity and perplexity of its k = 8 map
 run wiki_k8_sink1_fp32 stage=[calibrate,fit,eval] calib.dtype=float32 calib.accumulate=device calib.mlp_samples=0 \
   "eval.tasks=[]" "eval.modes=[target,transfer,no_context]"

@@ -22,7 +22,7 @@ from kvtransfer.report import readme  # noqa: E402
 
 COLLECT = "experiments/serve/collect.py"
 FOLDER = Path("results/serve")
-TTFT_GOAL = 10.0  # issue 22: at least 10x lower TTFT at 2,048 tokens with the mapped cache
+TTFT_GOAL = 10.0  # the goal: at least 10x lower TTFT at 2,048 tokens with the mapped cache
 
 
 def _script(name: str):

@@ -179,8 +179,8 @@ def write_outputs(rows: list[dict], out_dir: str | Path, *, caps: dict | None = 
     return paths
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    """CLI entry: benchmark one or more pairs (shapes-only) and write rows JSON + table + figure."""
+def parser() -> argparse.ArgumentParser:
+    """The command line of `python -m kvtransfer.bench` (tests/test_doc_commands.py parses the docs' commands)."""
     ap = argparse.ArgumentParser(prog="python -m kvtransfer.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="qwen3_14b_32b", help=f"comma list of {', '.join(PAIRS)}")
     ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
@@ -196,11 +196,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--selection", default="random", choices=("random", "band"))
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--calibration", action="store_true", help="also measure calibration throughput")
-    ap.add_argument("--out", required=True, help="output directory (existing files are never overwritten)")
-    a = ap.parse_args(argv)
+    ap.add_argument("--out", help="output directory; existing files are never overwritten (default: a fresh "
+                    "./runs/bench/<pair>/<time>, as a run's out_dir)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """CLI entry: benchmark one or more pairs (shapes-only) and write rows JSON + table + figure."""
+    a = parser().parse_args(argv)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[a.dtype] or (
         torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
     tokens = [int(t.lower().replace("k", "")) * (1024 if "k" in t.lower() else 1) for t in a.tokens.split(",")]
+    if a.out is None:
+        import time
+
+        a.out = str(Path("runs") / "bench" / a.pair.replace(",", "+") / time.strftime("%Y-%m-%d_%H-%M-%S"))
     output_paths(a.out)  # refuse before measuring anything
     caps = timing.measure_device(a.device, dtype)
     print(f"device {a.device} {dtype}: matmul {caps['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, "
@@ -221,6 +231,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     paths = write_outputs(rows, a.out, caps=caps, extra=extra)
     print(Path(paths["md"]).read_text())
     return {k: str(v) for k, v in paths.items()}
+
+
+def cli() -> None:
+    """`kvtransfer-bench`: `main` without its return value (a console script exits with what it returns)."""
+    main()
 
 
 if __name__ == "__main__":

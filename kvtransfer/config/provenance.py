@@ -173,6 +173,22 @@ def describe_commit(env: dict | None) -> str:
     return env["commit"][:7] + (" (dirty)" if env.get("dirty") else "")
 
 
+def public_path(value) -> str:
+    """A path as a results file shows it: relative to the repository when inside it, the home directory as `~`, so a
+    collected README names no directory of the machine that made it. Anything else is returned as given."""
+    text = str(value)
+    if not text.startswith("/"):
+        return text
+    path = Path(text)
+    for base, shown in ((ROOT, "."), (Path.home(), "~")):
+        try:
+            rel = path.relative_to(base)
+        except ValueError:
+            continue
+        return rel.as_posix() if shown == "." else f"~/{rel.as_posix()}"
+    return text
+
+
 def results_provenance(summaries: dict[str, dict]) -> dict:
     """What a results folder's summaries say about their origin: {"commits": {sha7: [run, ...]},
     "dirty": [run, ...], "no_commit": [run, ...], "runs": n}."""

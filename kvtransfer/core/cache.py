@@ -36,20 +36,26 @@ def positions_from_mask(attention_mask: torch.Tensor, offset: torch.Tensor | int
     return (pos + offset).clamp(min=0)
 
 
+# the first transformers release whose decoders take `cache=` (pyproject.toml's lower bound)
+MIN_TRANSFORMERS = "5.24"
+
+
 def _ones_mask(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(input_ids, dtype=torch.long)
 
 
 def _check_extended(cache: DynamicCache, before: int, new: int) -> None:
     """Raise when the forward left `cache` as it was: a transformers release that names the cache argument
-    otherwise silently computes without it (seen: 5.19 takes `past_key_values` only). Only "not extended at
-    all" is checked: a sliding-window layer may hold fewer than before + new tokens."""
+    otherwise silently computes without it (releases before 5.24 take `past_key_values` only). Only "not extended
+    at all" is checked: a sliding-window layer may hold fewer than before + new tokens."""
     if new > 0 and cache.get_seq_length() == before:
         import transformers
 
         raise RuntimeError(f"the model did not extend the cache it was given ({before} + {new} tokens expected, "
-                           f"{cache.get_seq_length()} held): transformers {transformers.__version__} ignores the "
-                           "`cache` argument; install the transformers version pyproject.toml asks for")
+                           f"{cache.get_seq_length()} held): transformers {transformers.__version__} does not take "
+                           f"the decoder's `cache` argument (it is named so from transformers {MIN_TRANSFORMERS} on); "
+                           f"run `pip install 'transformers>={MIN_TRANSFORMERS},<6'`. A model with custom code "
+                           "(trust_remote_code) that names its cache argument otherwise cannot be prefilled here")
 
 
 @torch.no_grad()

@@ -126,6 +126,8 @@ def transfer_once(lm, docs: list[dict], *, max_turns: int | None = 10, max_gen_t
     model = lm.scoring_model
     eos_ids = lm._eos_ids()
     out = []
+    bar = lm._bar(sum(_n_turns(d, max_turns) for d in docs), f"CoQA turns, story cached once ({lm.mode})", False) \
+        if hasattr(lm, "_bar") else None
     for doc in docs:
         story = lm.tok_encode(doc["story"] + "\n\n")
         prefix, pending = lm.cut(story)  # pending: tokens not yet in the cache
@@ -139,8 +141,12 @@ def transfer_once(lm, docs: list[dict], *, max_turns: int | None = 10, max_gen_t
                                  eos_ids=eos_ids, is_done=lambda g: any(s in lm.tok_decode(g) for s in UNTIL))[0]
             pred, golds = _answer(lm, toks), turn_golds(doc, t)
             turns.append({"turn": t + 1, "pred": pred, "golds": golds, "f1": coqa_f1(pred, golds)})
+            if bar is not None:
+                bar.update(1)
             pending = q[-1:] + lm.tok_encode(f" {doc['answers']['input_text'][t]}\n\n", add_special_tokens=False)
         out.append(turns)
+    if bar is not None:
+        bar.close()
     return out
 
 

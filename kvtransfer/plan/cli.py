@@ -12,13 +12,12 @@ import argparse
 import json
 from pathlib import Path
 
+from ..config.paths import conf_dir
 from .build import make_plan
 from .knobs import get
 from .node import NODES, Node, detect_node
 from .rates import DEVICES
 from .text import format_plan, write_plan
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def compose_config(overrides: list[str]) -> dict:
@@ -28,7 +27,7 @@ def compose_config(overrides: list[str]) -> dict:
 
     if not any(o.split("=", 1)[0].lstrip("+~") == "out_dir" for o in overrides):
         overrides = ["out_dir=plan", *overrides]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides))
     return OmegaConf.to_container(cfg, resolve=True)
 
@@ -37,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvtransfer.plan", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for run.py (pair=..., calib.dtype=...)")
-    parser.add_argument("--node", choices=sorted(NODES), help="a node shape of issue 10 (sets the four below)")
+    parser.add_argument("--node", choices=sorted(NODES), help="a node preset (sets the four below)")
     parser.add_argument("--gpu-mem", type=float, help="GiB per GPU")
     parser.add_argument("--host-mem", type=float, help="GiB of host memory")
     parser.add_argument("--disk", type=float, help="GiB of local disk")
@@ -45,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu", choices=sorted(DEVICES), help="GPU model for the rate table")
     parser.add_argument("--weights-on-disk", action="store_true", help="count the weights against --disk")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    parser.add_argument("--out", help="write plan.json + plan.md here (default: runs/plan/<pair>)")
+    parser.add_argument("--out", help="write plan.json + plan.md here (default: ./runs/plan/<pair>)")
     return parser
 
 
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = compose_config(args.overrides)
     node, explicit = node_from_args(args, cfg)
     plan = make_plan(cfg, node, local=not explicit)
-    out = Path(args.out or ROOT / "runs" / "plan" / str(plan["pair"]))
+    out = Path(args.out or Path("runs") / "plan" / str(plan["pair"]))  # under the working directory, as a run
     write_plan(plan, out)
     if args.json:
         print(json.dumps(plan))

@@ -1,7 +1,10 @@
 """How a code fix invalidates cached artifacts: a code version per artifact kind, kept honest by a digest.
 
 Each artifact kind declares the modules that compute it (`Artifact.code` in kvtransfer.runner.artifacts); the
-code that computes it is those modules and every kvtransfer module they import, lazily or not (`closure`).
+code that computes it is every function, method, class body and module body those modules reach by name, through
+imports (lazy or not) and through the attributes of the objects they are handed -- the `run` a stage receives, so
+`Run` methods and what they call (`core/data.py`'s tokenization) count for the kinds that use them
+(kvtransfer.runner.code_units).
 `code_versions.json` (next to this file) holds, per kind, its version and the digest of that code as last
 reviewed. The digest reads the syntax tree without docstrings, so comments, docstrings and formatting never
 change it; any other edit does, and tests/test_code_versions.py then fails until someone decides:
@@ -27,59 +30,27 @@ import json
 import sys
 from pathlib import Path
 
-from . import artifacts
+from . import artifacts, code_units
 from .artifacts import ARTIFACTS, recorded, version  # noqa: F401 -- version: the committed version of a kind
 
 PACKAGE = Path(__file__).resolve().parents[1]   # kvtransfer/
 
 
-def _module_file(parts: list[str]) -> Path | None:
-    """The file of kvtransfer module `parts` (["core", "rope"] -> kvtransfer/core/rope.py), None if none."""
-    path = PACKAGE.joinpath(*parts)
-    if path.with_suffix(".py").is_file():
-        return path.with_suffix(".py")
-    if (path / "__init__.py").is_file():
-        return path / "__init__.py"
-    return None
-
-
-def imported_modules(path: Path) -> set[Path]:
-    """The kvtransfer module files `path` imports anywhere in its body (function-level imports included);
-    `from . import a, b` names modules a and b, not the package's __init__."""
-    package = list(path.relative_to(PACKAGE).parts[:-1])
-    out: set[Path] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] == "kvtransfer" and (f := _module_file(alias.name.split(".")[1:])):
-                    out.add(f)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[:len(package) - (node.level - 1)] + (node.module.split(".") if node.module else [])
-            elif (node.module or "").split(".")[0] == "kvtransfer":
-                base = node.module.split(".")[1:]
-            else:
-                continue
-            names = [_module_file(base + [alias.name]) for alias in node.names]
-            out |= {f for f in names if f is not None}
-            if any(f is None for f in names) and (f := _module_file(base)):  # a name defined in the module itself
-                out.add(f)
-    return out
-
-
 def closure(entries: tuple[str, ...]) -> list[Path]:
-    """Sorted module files of `entries` ("runner/fit_stage", ...) and everything they import within kvtransfer."""
-    todo = [PACKAGE / f"{e}.py" for e in entries]
-    seen: set[Path] = set()
-    while todo:
-        path = todo.pop()
-        if path in seen:
-            continue
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is declared as producing code but does not exist: fix Artifact.code")
-        seen.add(path)
-        todo += imported_modules(path)
-    return sorted(seen)
+    """Sorted module files holding the units `entries` ("runner/fit_stage", ...) reach (kvtransfer.runner.code_units)."""
+    return sorted({PACKAGE / rel for rel, _ in code_units.Package(PACKAGE).reach(entries)})
+
+
+def units_digest(pkg: code_units.Package, units: set, sources: dict | None = None) -> str:
+    """sha256 (first 16 hex) of the units' code without comments, docstrings or layout, in (module, name) order
+    (`sources`: a cache of unit sources shared across kinds)."""
+    sources = {} if sources is None else sources
+    h = hashlib.sha256()
+    for rel, name in sorted(units):
+        if (rel, name) not in sources:
+            sources[rel, name] = pkg.source((rel, name))
+        h.update(f"{rel}:{name}\n".encode() + sources[rel, name].encode() + b"\n")
+    return h.hexdigest()[:16]
 
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:
@@ -110,8 +81,9 @@ def python_minor() -> str:
 
 
 def current(declared: dict[str, tuple[str, ...]]) -> dict[str, str]:
-    """{kind: digest of its producing code now} for `declared` {kind: entry modules}."""
-    return {kind: code_digest(closure(entries)) for kind, entries in declared.items()}
+    """{kind: digest of the code it reaches now, function by function} for `declared` {kind: entry modules}."""
+    pkg, sources = code_units.Package(PACKAGE), {}
+    return {kind: units_digest(pkg, pkg.reach(entries), sources) for kind, entries in declared.items()}
 
 
 def changed(declared: dict[str, tuple[str, ...]], versions: dict | None = None) -> dict[str, tuple[str | None, str]]:

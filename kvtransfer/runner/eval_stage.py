@@ -152,6 +152,9 @@ def _coqa(lm: KVTransferLM, mode: str, ecfg: dict) -> dict:
             out[protocol] = copy.deepcopy(next(iter(out.values())))
             continue
         run = {"every_turn": per_turn_transfer, "once": transfer_once}[protocol]
+        if lm.progress:   # the longest eval part on a CPU: say what runs before its bar starts
+            print(f"[kvtransfer] CoQA drift, {mode}, {protocol}: {len(docs)} conversations x up to {ccfg['turns']} "
+                  "turns", flush=True)
         out[protocol] = run(other, docs, max_turns=ccfg["turns"], max_gen_toks=ccfg["max_gen_toks"])
     return {protocol: out[protocol] for protocol in ccfg["protocols"]}
 

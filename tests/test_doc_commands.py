@@ -41,6 +41,8 @@ RULES = [
     (r"^python experiments/gpu_bench\.py", "not run", "needs a GPU"),
     (r"^python -m kvtransfer\.bench ", "parse", "minutes of CPU at full depth (tests/test_bench.py runs small shapes)"),
     (r"^python -m kvtransfer\.serve\.proxy ", "parse", "needs two running vLLM servers (tests/test_proxy.py fakes them)"),
+    (r"^(\.venv-serve/bin/)?python -m kvtransfer\.serve\.launch ", "parse",
+     "starts two vLLM servers and the proxy (tests/test_serve_launch.py checks the commands it starts)"),
     (r"^python -m kvtransfer\.eval ", "not run", "lm-eval through the map: minutes (tests/test_eval_cli.py runs it)"),
     (r"^(python -m vllm\.|vllm serve )", "not run", "a vLLM server: the serving environment (docs/serving.md)"),
     (r"^[A-Z_]+=(?!.*\b(python|vllm|bash)\b)", "not run", "sets shell variables for the commands after it"),
@@ -171,6 +173,11 @@ def test_cli_commands_parse(where, command):
         parsed = parser().parse_args(args)
         assert set(parsed.pair.split(",")) <= set(PAIRS), command
         assert all(t.rstrip("kK").isdigit() for t in parsed.tokens.split(",")), command
+    elif module == "kvtransfer.serve.launch":
+        from kvtransfer.serve import launch
+
+        cmds = launch.commands(launch.parser().parse_args(args))   # the three command lines it would start
+        assert set(cmds) == {"source", "target", "proxy"}, command
     elif module == "kvtransfer.serve.proxy":
         from kvtransfer.serve import proxy
 

@@ -125,3 +125,13 @@ def test_cost_counts_flops_against_a_re_prefill():
     dev = recompute_cost(cfg, 20, [5, 19], "deviation")
     assert dev["flops"] == token_flops(cfg, 6) + token_flops(cfg, 20) + prefill_flops(cfg, 20, layers=1)
     assert recompute_cost(cfg, 20, [], "deviation")["flops"] == 0
+
+
+def test_range_flops_is_the_closed_form_of_the_per_token_sum():
+    from kvtransfer.core.recompute import range_flops, token_flops
+
+    cfg = tiny_model("qwen3", layers=3).config
+    for a, b in [(0, 0), (0, 1), (0, 37), (5, 37), (36, 37), (10, 5)]:
+        loop = sum(token_flops(cfg, p + 1) for p in range(a, b))
+        assert range_flops(cfg, a, b) == loop  # integers well inside float64's exact range
+    assert range_flops(cfg, 0, 64) == prefill_flops(cfg, 64)

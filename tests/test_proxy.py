@@ -595,6 +595,9 @@ def test_rejected_requests_leave_no_session_and_no_lock():
             assert r.status_code == 400
         r = await rig.chat(MSGS, session="y" * 300)  # over the id limit
         assert r.status_code == 400
+        for i in range(50):  # valid in shape, refused later (an empty conversation): no session either
+            r = await rig.chat([], model="tgt", session=f"empty-{i}")
+            assert r.status_code == 400
         assert len(rig.proxy.sessions) == 0 and rig.proxy.sessions._locks == {}
         await rig.chat(MSGS, session="ok")
         assert list(rig.proxy.sessions) == ["ok"] and rig.proxy.sessions._locks == {}

@@ -347,8 +347,14 @@ class HandoffProxy:
             if key is None:
                 return await self._route(kind, body, request.headers, wanted, Session(salt=self.sessions.salt(None)))
             async with self.sessions.locked(key):
+                new = key not in self.sessions
                 session = self.sessions.open(key, owner)
-                return await self._route(kind, body, request.headers, wanted, session)
+                try:
+                    return await self._route(kind, body, request.headers, wanted, session)
+                except Exception:
+                    if new:  # a session's first request failed: it leaves nothing behind
+                        self.sessions.drop(key)
+                    raise
         except BadRequest as err:
             self.stats.errors["bad_request"] += 1
             return _error(400, str(err))

@@ -668,3 +668,22 @@ def test_metrics_and_mapper_start_ids(tmp_path):
         P.mapper_start_ids(tmp_path)
     with pytest.raises(ValueError, match="give --mapper"):
         P.mapper_start_ids(tmp_path / "missing")
+
+
+def test_a_later_turns_stream_says_its_reused_tokens_are_cached_or_mapped():
+    """vLLM streams carry no kv_transfer_params: a later turn's usage counts the target's own cache hits and any
+    re-mapped tokens together, and the proxy says so instead of calling them mapped."""
+    async def go():
+        rig = Rig(block=16)
+        await rig.chat(MSGS, session="s")
+        turn2 = MSGS + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "more " * 8}]
+        r = await rig.chat(turn2, model="tgt", session="s", stream=True)
+        last = json.loads([line for line in r.text.splitlines() if line.startswith("data: {")][-1][6:])
+        assert last["kvtransfer"]["status"] == "mapped"  # the switch: nothing can be cached under a fresh salt
+        turn3 = turn2 + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "last"}]
+        r = await rig.chat(turn3, model="tgt", session="s", stream=True)
+        last = json.loads([line for line in r.text.splitlines() if line.startswith("data: {")][-1][6:])
+        hits = len(_ids(turn2)) // 16 * 16
+        assert last["kvtransfer"]["status"] == "reused" and last["kvtransfer"]["cached"] == hits
+        assert last["kvtransfer"]["summary"].startswith(f"reused {hits} tokens (cached or mapped")
+    run(go())

@@ -4,8 +4,8 @@
         --real ~/.cache/kvtransfer-real --mapper MAPPER_DIR [--sizes 1024 2048 4096 8192 --repeats 10 10 5 5]
         -> OUT_DIR/latency.json, OUT_DIR/overhead.json, OUT_DIR/conversation.json (each written once, atomically)
 
-Engines as docs/serving.md starts them: the 0.5B as producer and the 1.5B as consumer with the mapper, float32,
-eager, prefix caching on, `--enable-prompt-tokens-details`; the proxy with `--mapper` and `--store`.
+Engines as docs/serving.md starts them: the 0.5B as producer and the 1.5B as consumer with the mapper, float32
+(`--dtype`), eager, prefix caching on, `--enable-prompt-tokens-details`; the proxy with `--mapper` and `--store`.
 
 1. Switch latency (latency.json). For each size n and repeat: a session whose context is <|endoftext|> + a
    WikiText-2 window of n tokens (another window per repeat) and a first question, which the source answers
@@ -61,9 +61,9 @@ def kv(role, store, **extra):
                        "kv_connector_extra_config": {"store": str(store), **{k: str(v) for k, v in extra.items()}}})
 
 
-def engine(model, port, kvcfg, log, max_len, space_gb):
+def engine(model, port, kvcfg, log, max_len, space_gb, dtype="float32"):
     cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port), "--host",
-           "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
+           "127.0.0.1", "--dtype", dtype, "--enforce-eager", "--enable-prefix-caching",
            "--enable-prompt-tokens-details", "--max-model-len", str(max_len), "--served-model-name", f"m{port}"]
     cmd += ["--kv-transfer-config", kvcfg] if kvcfg else []
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(space_gb), "PYTHONPATH": str(ROOT)}
@@ -144,11 +144,16 @@ def main() -> None:
     ap.add_argument("--overhead", type=int, default=10)
     ap.add_argument("--conversations", type=int, default=5)
     ap.add_argument("--truncate", type=int, default=128)
+    ap.add_argument("--dtype", default="float32", help="both engines' dtype (bfloat16 halves their memory)")
     args = ap.parse_args()
     if len(args.repeats) != len(args.sizes):
         ap.error("give one --repeats value per --sizes value")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from kvtransfer.serve.proxy import mapper_start_ids
+
+    global START
+    START = mapper_start_ids(args.mapper)[0]  # <|endoftext|> (151643) for the real pair's prefix_token mapper
     src, tgt = Path(args.real) / "hf/qwen25coder-0.5b", Path(args.real) / "hf/qwen25coder-1.5b"
     store = out / "store"
     provenance = machine()  # the tree the engines load, before anything else can change it
@@ -160,9 +165,10 @@ def main() -> None:
             for i in tok.encode(page, add_special_tokens=False)]
     max_len = max(args.sizes) + 256
     t0 = time.time()
-    procs = {"producer": engine(src, 8201, kv("kv_producer", store), out / "producer.log", max_len, 1),
+    procs = {"producer": engine(src, 8201, kv("kv_producer", store), out / "producer.log", max_len, 1, args.dtype),
              "consumer": engine(tgt, 8202, kv("kv_consumer", store, mapper=Path(args.mapper).resolve(), source_model=src,
-                                               stats=out / "consumer_stats.json"), out / "consumer.log", max_len, 2)}
+                                               stats=out / "consumer_stats.json"), out / "consumer.log", max_len, 2,
+                                  args.dtype)}
     procs["proxy"] = subprocess.Popen([PY, "-m", "kvtransfer.serve.proxy", "--source", "http://127.0.0.1:8201",
                                        "--target", "http://127.0.0.1:8202", "--mapper", str(Path(args.mapper).resolve()),
                                        "--store", str(store), "--port", "8200", "--switch-wait", "30"],
@@ -227,6 +233,7 @@ def main() -> None:
                                                                for r in sel)})
         stats = c.get("http://127.0.0.1:8200/kvtransfer/stats").json()
         write_once(out / "latency.json", {"rows": rows, "summary": summary(rows), "startup_s": startup_s,
+                                          "dtype": args.dtype,
                                           "proxy_stats": stats, "provenance": provenance})
         # 3. the conversation, handed over at turn 3
         if args.conversations:
@@ -259,13 +266,14 @@ def main() -> None:
         # 2. write-through overhead: a plain 0.5B in the consumer's place
         if args.overhead:
             kill(procs["consumer"])
-            procs["plain"] = engine(src, 8203, None, out / "plain.log", 2048, 1)
+            procs["plain"] = engine(src, 8203, None, out / "plain.log", 2048, 1, args.dtype)
             wait_up("http://127.0.0.1:8203", procs["plain"], timeout=1800)
             plain = "http://127.0.0.1:8203/v1/completions"
             c.post(plain, json={**one, "model": "m8203", "prompt": [START] + wiki[:64]})
             pairs = []
+            n_over = min(1024, max_len - 64)  # a context the source's max-model-len admits
             for i in range(args.overhead):
-                ids = [START] + wiki[i * 1100:i * 1100 + 1023]
+                ids = [START] + wiki[i * (n_over + 64):i * (n_over + 64) + n_over - 1]
                 session = {"x-kvtransfer-session": f"overhead-{i}-{uuid.uuid4().hex[:8]}"}
                 runs = [("through", lambda: timed(c, proxy, {**one, "model": "source", "prompt": ids}, session)),
                         ("plain", lambda: timed(c, plain, {**one, "model": "m8203", "prompt": ids}))]
@@ -273,7 +281,7 @@ def main() -> None:
                 pairs.append(got)
                 print(json.dumps(got), flush=True)
             through, plain_s = [p["through"] for p in pairs], [p["plain"] for p in pairs]
-            write_once(out / "overhead.json", {"pairs": pairs, "tokens": 1024, "through_median_s": statistics.median(through),
+            write_once(out / "overhead.json", {"pairs": pairs, "tokens": n_over, "through_median_s": statistics.median(through),
                                                "plain_median_s": statistics.median(plain_s),
                                                "overhead_median": statistics.median(through) / statistics.median(plain_s) - 1,
                                                "provenance": provenance})

@@ -309,7 +309,8 @@ class HandoffProxy:
         cached = details.get("cached_tokens") or 0
         return int(cached), int(prompt) - int(cached)
 
-    def judge(self, usage: dict | None, save_error: str, save_s: float | None, connector: Any = None) -> Outcome:
+    def judge(self, usage: dict | None, save_error: str, save_s: float | None, connector: Any = None, *,
+              later_turn: bool = False) -> Outcome:
         """The outcome of a consumer request: its connector's own decision (`kv_transfer_params.kvtransfer`: mapped,
         cached by its own prefix cache, or why neither; vLLM counts rejected loads as cached), else its usage's
         cached tokens; plus the save step's error."""
@@ -325,6 +326,8 @@ class HandoffProxy:
             why = f"gate_full ({gate.get('reason')})" if gate.get("action") == "full" else f"consumer_fallback ({decision['reason']})"
             return Outcome("fallback_reprefill", "target", 0, prefilled, save_error or why, save_s, cached)
         mapped, prefilled = self.counted(usage, save_error)
+        if later_turn and mapped and not save_error:  # the target's own cache, or the store where it evicted them
+            return Outcome("reused", "target", None, prefilled, "", save_s, mapped)
         if mapped is None:
             return Outcome("fallback_reprefill" if save_error else "handoff", "target", None, prefilled, save_error or
                            "mapped tokens unknown: start the consumer with --enable-prompt-tokens-details", save_s)
@@ -474,6 +477,7 @@ class HandoffProxy:
         if session.n_ids and not session.extends(ids):
             self.stats.handoff["history_rewritten"] += 1
         save_error, save_s, expect = "", None, 0
+        later = session.engine == "target" and bool(session.handed)  # vLLM's usage counts its own hits as cached too
         if session.engine == "source" and session.stored:  # the switch of a warm session: its blocks are stored
             self.stats.handoff["switches"] += 1
             expect = min(await self._stored_until(ids, session.stored), len(ids) - 1)
@@ -497,7 +501,8 @@ class HandoffProxy:
                                               "handoff: mapped tokens in the stream's last event (kvtransfer field)",
                                               lambda usage, ended: self.judge(
                                                   usage, save_error or ("" if ended else
-                                                                        "the consumer's stream ended early"), save_s))
+                                                                        "the consumer's stream ended early"), save_s,
+                                                  later_turn=later))
             else:
                 data = await self._post("target", "/v1/completions", upstream)
                 out = self.judge(data.get("usage"), save_error, save_s, data.get("kv_transfer_params"))

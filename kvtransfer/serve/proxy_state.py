@@ -26,7 +26,8 @@ class Unreachable(RuntimeError):
 
 @dataclass
 class Outcome:
-    """What the proxy did with one request: status is mapped | cached | fallback_reprefill | fallback_source | source.
+    """What the proxy did with one request: status is mapped | cached | reused | fallback_reprefill | fallback_source |
+    source (reused: a later turn's stream, whose usage counts mapped and cached tokens together).
 
     mapped: tokens the consumer took from the map; cached: tokens it found in its own prefix cache (this session's
     earlier turns); prefilled: tokens it computed. save_s: seconds the producer took to store the prompt (only a
@@ -47,6 +48,8 @@ class Outcome:
             return f"mapped {self.mapped} tokens{hits}, prefilled {self.prefilled}"
         if self.status == "cached":
             return f"cached {self.cached} tokens, prefilled {self.prefilled}"
+        if self.status == "reused":
+            return f"reused {self.cached} tokens (cached or mapped: a stream does not say), prefilled {self.prefilled}"
         if self.status in ("fallback_reprefill", "fallback_source"):
             return f"{self.status}: {self.reason}"
         return self.status if not self.reason else f"{self.status}: {self.reason}"

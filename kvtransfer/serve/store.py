@@ -38,7 +38,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from ..core.io import atomic_save_tensors
 from .ident import identity_from_config  # noqa: F401 -- re-exported (older imports)
@@ -310,15 +309,10 @@ class KVStore:
         ks, vs = [], []
         for j in range(lo // B, (hi - 1) // B + 1):
             path = self.block_path(prefix.model_key, prefix.hashes[j])
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    header = json.loads((f.metadata() or {}).get("kvtransfer", "{}"))
-                tensors = load_file(str(path))
-            except Exception as err:  # noqa: BLE001 -- safetensors raises RuntimeError for a file removed meanwhile
-                raise _unreadable(path, err) from err
+            header, tensors, digest = _read_block(path)
             try:
                 bid, k, v = tensors["token_ids"], tensors["k"], tensors["v"]
-                ok = isinstance(header, dict) and checksum(bid, k, v) == header.get("checksum")
+                ok = isinstance(header, dict) and digest == header.get("checksum")
             except (KeyError, RuntimeError, TypeError) as err:
                 raise BadEntry("corrupt", f"{path}: {err}") from err
             if not ok:
@@ -429,6 +423,38 @@ class KVStore:
             if n:
                 return key, self.hashes(list(token_ids)[:n * self.block_size], key)[-1], n * self.block_size
         return None
+
+
+_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
+
+
+def _read_block(path: Path) -> tuple[dict, dict[str, torch.Tensor], str]:
+    """(kvtransfer header, tensors, checksum) of a block file, read once: the tensors are views of the file's bytes,
+    and the checksum is `checksum`'s sha256 over the token_ids, k and v bytes, taken in place. BadEntry("evicted")
+    for a file that is gone, "corrupt" for one that is not a readable block."""
+    try:
+        with open(path, "rb") as f:
+            buf = bytearray(os.fstat(f.fileno()).st_size)
+            f.readinto(buf)
+    except OSError as err:
+        raise _unreadable(path, err) from err
+    try:
+        n = int.from_bytes(buf[:8], "little")
+        meta = json.loads(bytes(buf[8:8 + n]))
+        header = json.loads(meta.get("__metadata__", {}).get("kvtransfer", "{}"))
+        view, base, h, tensors = memoryview(buf), 8 + n, hashlib.sha256(), {}
+        for name in ("token_ids", "k", "v"):
+            spec = meta[name]
+            a, b = spec["data_offsets"]
+            if not 0 <= a <= b <= len(buf) - base:
+                raise ValueError(f"{name}'s bytes {a}..{b} lie outside the file")
+            h.update(view[base + a:base + b])
+            dtype = _TORCH_DTYPES[spec["dtype"]]
+            tensors[name] = torch.frombuffer(view[base + a:base + b], dtype=dtype).view(spec["shape"]) \
+                if b > a else torch.empty(spec["shape"], dtype=dtype)
+    except (ValueError, KeyError, TypeError, RuntimeError, AttributeError) as err:
+        raise BadEntry("corrupt", f"{path}: not a readable block ({type(err).__name__}: {err})") from err
+    return header, tensors, h.hexdigest()
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -167,7 +167,7 @@ def main() -> None:
     t0 = time.time()
     procs = {"producer": engine(src, 8201, kv("kv_producer", store), out / "producer.log", max_len, 1, args.dtype),
              "consumer": engine(tgt, 8202, kv("kv_consumer", store, mapper=Path(args.mapper).resolve(), source_model=src,
-                                               stats=out / "consumer_stats.json"), out / "consumer.log", max_len, 2,
+                                               stats=out / "consumer_stats.json"), out / "consumer.log", max_len, 1,
                                   args.dtype)}
     procs["proxy"] = subprocess.Popen([PY, "-m", "kvtransfer.serve.proxy", "--source", "http://127.0.0.1:8201",
                                        "--target", "http://127.0.0.1:8202", "--mapper", str(Path(args.mapper).resolve()),

@@ -143,7 +143,7 @@ def shrink(cfg: dict, out_dir: Path) -> dict:
     seq_len = min(int(calib["seq_len"]), int(dry["seq_len"]))
     calib.update(seq_len=seq_len, n_sequences=calib_sequences(cfg, dry, seq_len), batch_size=min(calib["batch_size"], 4),
                  heldout_observations=min(calib.get("heldout_observations") or 512, 512),
-                 mlp_samples=min(calib.get("mlp_samples") or 0, 2048), store_device="cpu", accumulate="host")
+                 mlp_samples=min(calib.get("mlp_samples") or 0, 2048), store_device="cpu")
     if small["mapper"].get("kind") == "mlp":
         small["mapper"].update(hidden=min(small["mapper"]["hidden"], 16), epochs=1, device="cpu")
     if small["mapper"].get("kind") == "trained":  # the calibration keeps >= 10 sequences: 2 stop + up to 4 to train on

@@ -181,7 +181,9 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     settings = {"stride": stride, "batch_size": batch_size, "heldout_fraction": heldout_fraction,
                 "heldout_observations": heldout_observations, "seed": seed,
                 "key_space": key_space, "target_layers": target_layers, "dtype": str(dtype),
-                "compute_dtype": str(compute_dtype) if accumulate == "host" else str(dtype), "accumulate": accumulate}
+                "compute_dtype": (str(compute_dtype) if accumulate == "host" else
+                                  str(torch.float32) if accumulate == "twolevel" else str(dtype)),
+                "accumulate": accumulate}   # twolevel: float32 sums (ridge.moments_eps reads it)
     if accumulate == "twolevel":   # only then: earlier calibrations keep their fingerprints
         settings["flush_batches"] = int(flush_batches)
     if features != "kv":  # only then: the paper's calibrations keep their fingerprints (and resume their checkpoints)

@@ -427,7 +427,7 @@ def test_execute_refuses_before_loading_anything(tmp_path, monkeypatch, cfg_14_3
 
 
 # -- sizes asked of the run's own data structures -----------------------------------------------------
-@pytest.mark.parametrize("dtype,accumulate", [("float64", "host"), ("float32", "device")])
+@pytest.mark.parametrize("dtype,accumulate", [("float64", "host"), ("float32", "device"), ("float64", "twolevel")])
 def test_the_plans_sizes_are_the_structures_real_sizes(dtype, accumulate):
     """Issue 20 §3: the plan's moments, held-out, feature sample and mapper sizes at a small shape equal the
     bytes of a real Moments / HeldOut / FeatureSampler / Mapper / MLPMapper built at that shape."""
@@ -444,6 +444,8 @@ def test_the_plans_sizes_are_the_structures_real_sizes(dtype, accumulate):
     wide = accumulate == "device"
     moments = Moments(list(range(3)), list(range(4)), 16, 24, dtype=getattr(torch, dtype), wide=wide)
     assert (moments.dx, moments.dy) == (s.dx, s.dy) and moments.nbytes == s.moments
+    buffer = Moments(list(range(3)), list(range(4)), 16, 24, dtype=torch.float32, wide=True)
+    assert s.buffer == (buffer.nbytes if accumulate == "twolevel" else 0)
     held = HeldOut.sampled(range(3), range(4), 16, 24, total=s.n_held * s.kept, capacity=12)
     assert held.nbytes == s.heldout and s.held_rows == 12
     sampler = FeatureSampler(20, len(s.train_batch_rows))
@@ -467,7 +469,8 @@ def test_the_plans_sizes_are_the_structures_real_sizes(dtype, accumulate):
 
 
 # -- simulation: the plan's calibration sizes vs a real collect_moments ---------------------------------
-@pytest.mark.parametrize("dtype,accumulate", [("float64", "host"), ("float32", "host"), ("float32", "device")])
+@pytest.mark.parametrize("dtype,accumulate", [("float64", "host"), ("float32", "host"), ("float32", "device"),
+                                              ("float64", "twolevel")])
 def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkeypatch, dtype, accumulate):
     """Random Qwen3 models from the real config class at 1/8 of 14B -> 32B's per-layer KV width (one
     kv head x 128 = 128 features per layer; 5 -> 8 layers): the moments' tensor bytes, the checkpoint
@@ -483,7 +486,7 @@ def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkey
     cfg = _compose("pair=tiny", f"calib.n_sequences={n_seq}", f"calib.seq_len={seq_len}", f"calib.stride={stride}",
                    f"calib.batch_size={batch}", "calib.heldout_fraction=0.25", f"calib.dtype={dtype}",
                    "calib.capture=sequential", "calib.checkpoint_every=4", "device=cpu",
-                   f"calib.accumulate={accumulate}")
+                   f"calib.accumulate={accumulate}", "calib.flush_batches=1")   # twolevel: checkpoints every batch
     shapes = (P.shape_from_config(src_cfg, "s"), P.shape_from_config(tgt_cfg, "t"))
     setup = P.Setup(cfg, *shapes, P.Node(), FIXED_RATES)
     assert (setup.dx, setup.dy) == (5 * 128, 8 * 128) == (40_960 // 64, 65_536 // 64)
@@ -501,7 +504,7 @@ def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkey
     result = collect_moments(src, tgt, random_ids(n_seq, seq_len, seed=3), stride=stride, batch_size=batch,
                              heldout_fraction=0.25, capture="sequential", feature_dir=tmp_path / "features",
                              checkpoint_path=ckpt_dir, checkpoint_every=4,
-                             dtype=getattr(torch, dtype), accumulate=accumulate)
+                             dtype=getattr(torch, dtype), accumulate=accumulate, flush_batches=1)
     monkeypatch.undo()
     actual = sum(t.numel() * t.element_size() for kind in result.train.stats.values() for t in kind.values())
     assert_within(actual, setup.moments, atol=0.15 * setup.moments, reason=SIZE_MODEL, headroom_exempt=MODELLED)
@@ -523,7 +526,8 @@ def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkey
 
 @pytest.mark.parametrize("dtype,accumulate,capture", [("float64", "host", "co-resident"),
                                                       ("float32", "host", "sequential"),
-                                                      ("float32", "device", "co-resident")])
+                                                      ("float32", "device", "co-resident"),
+                                                      ("float64", "twolevel", "co-resident")])
 def test_plan_matches_measured_host_peak(dtype, accumulate, capture):
     """Issue 10 §4: a real collect_moments at 1/8 of 14B -> 32B's feature widths (Dx 5,120, Dy 8,192) in a fresh
     process (tests/rss_probe.py); the host memory it adds (Linux VmHWM over the RSS before it) is within 15 %

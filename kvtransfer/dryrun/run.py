@@ -36,7 +36,7 @@ class DryRunError(RuntimeError):
 
 def plan_node(cfg: dict):
     """The kvtransfer.plan.Node the printed plan is for: dry.node = null (this machine), a preset name of the
-    planner (h200, 8xh100) or a mapping {gpus, gpu_gib, host_gib, disk_gib, gpu}."""
+    planner (kvtransfer.plan.NODES: dgx-h200, dgx-h100, 8xh100, ...) or a mapping {gpus, gpu_gib, host_gib, disk_gib, gpu}."""
     from .. import plan as resource_plan
 
     spec = (cfg.get("dry") or {}).get("node")

@@ -51,9 +51,9 @@ PAIRS = {
     "tiny": dict(source=ROOT / "models/tiny/qwen3-tiny-1m", target=ROOT / "models/tiny/qwen3-tiny-7m",
                  calib=[ROOT / "data/tiny/calib.jsonl"], held=[ROOT / "data/tiny/heldout.jsonl"], n_sequences=160,
                  seq_len=128, stride=2, batch=16, k=4, prefix=96, continuation=32, windows=32),
-    # the real pair at the protocol of results/qwen25coder (160 x 256 Wikipedia-like text, stride 4, k = 8)
-    "qwen25coder": dict(source=None, target=None, calib=None, held=None, n_sequences=160, seq_len=256, stride=4,
-                        batch=4, k=8, prefix=192, continuation=64, windows=16),
+    # the real pair, Qwen2.5-Coder 0.5B -> 1.5B, at a CPU-sized protocol (64 x 128 Wikipedia tokens, stride 2, k = 4)
+    "qwen25coder": dict(source=None, target=None, calib=None, held=None, n_sequences=64, seq_len=128, stride=2,
+                        batch=4, k=4, prefix=96, continuation=32, windows=8),
 }
 PATHS = {  # name: collect_moments keywords
     "float64 host": dict(accumulate="host"),

@@ -102,3 +102,19 @@ def test_the_fit_is_unchanged_to_float32_rounding(host_and_twolevel):
         for kind in ("k", "v"):
             assert_close(r_two[split][kind], r_ref[split][kind], dtype=torch.float32, factor=32, magnitude=1.0,
                          reason="R² is a ratio of sums inheriting the moments' <= 16 eps32 relative error, twice")
+
+
+def test_the_committed_precision_table_holds_the_default_within_its_tolerance():
+    """results/precision/tiny.json (python results/precision/make.py): the default against the float64 host path on
+    the committed tiny family -- every output inside the tolerance derived from the moments' perturbation."""
+    import json
+    from pathlib import Path
+
+    res = json.loads((Path(__file__).resolve().parents[1] / "results/precision/tiny.json").read_text())
+    default, ref = res["paths"]["two-level (default)"], res["paths"]["float64 host"]
+    assert default["within"] and default["same_selection"] and default["selected"] == ref["selected"]
+    for kind in ("k", "v"):
+        assert default["dr2"][kind] <= default["tol_heldout_r2"][kind]
+        assert default["cond"][kind]["cond_max"] > 1e5   # ill-conditioned solves: the tolerance is on outputs
+    assert default["dlogppl"] <= default["tol_logppl"]
+    assert default["moments_rel_err"] <= 16 * 2.0 ** -23   # a few eps32: float32 sums of <= 8 batches

@@ -279,3 +279,7 @@ def test_the_headline_command_dry_runs_on_an_8_gpu_preset(offline_hub, tmp_path,
     summary = check_run(out, "qwen3_14b_32b", ["arc_challenge", "hellaswag", "winogrande", "mmlu", "gsm8k_cot"])
     assert json.loads((out / "config.json").read_text())["calib"]["accumulate"] == "twolevel"
     assert summary["calibration"]["observations"] > 0
+    # the plan at the stand-in shapes against what the stand-in run wrote: the moments directory holds the stripped
+    # and the rotated calibration (report.rotated_heatmap), each the plan's calibration (+ 15 % for headers)
+    check = json.loads((out / "dry_run.json").read_text())["standin_check"]
+    assert 0 < check["measured"]["moments_disk_gib"] <= 2 * 1.15 * check["predicted"]["calibration_disk_gib"] + 0.001

@@ -133,6 +133,9 @@ def _replay_features():
 
 
 def measure(name: str, spec: dict) -> dict:
+    from kvtransfer.config.provenance import json_provenance
+
+    provenance = json_provenance()   # of the tree at the start (the outputs it writes are not yet there)
     torch.manual_seed(0)
     _replay_features()
     src, tok = kt.load_model(str(spec["source"]), dtype="float32", device="cpu")
@@ -196,7 +199,8 @@ def measure(name: str, spec: dict) -> dict:
     return {"pair": name, "protocol": {k: (str(v) if isinstance(v, Path) else v) for k, v in spec.items()
                                        if k not in ("source", "target", "calib", "held")},
             "rows_per_batch": m_per_batch, "native_target_ppl": native, "lambda": DEFAULT_LAMBDA,
-            "unit_roundoff_float32": 2.0 ** -24, "paths": {p: _jsonable(r) for p, r in rows.items()}}
+            "unit_roundoff_float32": 2.0 ** -24, "paths": {p: _jsonable(r) for p, r in rows.items()},
+            "provenance": provenance}
 
 
 def _jsonable(row: dict) -> dict:

@@ -46,8 +46,8 @@ def test_twolevel_masters_are_float64_and_match_the_float64_host_path(host_and_t
         for name, t in ref.train.stats[kind].items():
             assert two.train.stats[kind][name].dtype == torch.float64
             assert_close(torch.tensor(_rel(two.train.stats[kind][name], t)), torch.tensor(0.0), dtype=torch.float32,
-                         factor=16, magnitude=1.0, reason="float32 sums of <= 3 batches, relative to the largest "
-                         "entry: a few eps32 of GEMM rounding")
+                         factor=64, magnitude=1.0, reason="float32 sums of <= 3 batches, relative to the largest "
+                         "entry: a few eps32 of GEMM rounding (measured <= 2-3 eps32), x10 headroom")
 
 
 def test_checkpoint_cadence_and_a_resume_mid_flush_change_no_bit(pair, ids, tmp_path):
@@ -88,8 +88,9 @@ def test_the_fold_is_the_same_in_any_chunking():
             assert torch.equal(out[1].stats[kind][name], t)
     ref = Moments([0, 1], [0], 3, 4)
     ref.add(x, y)
-    assert_close(out[0].stats["k"]["cxy"], ref.stats["k"]["cxy"], dtype=torch.float32, factor=16,
-                 reason="float32 sums of <= 3 ten-row batches vs one float64 batch: a few eps32 of the entries' scale")
+    assert_close(out[0].stats["k"]["cxy"], ref.stats["k"]["cxy"], dtype=torch.float32, factor=64,
+                 reason="float32 sums of <= 3 ten-row batches vs one float64 batch: a few eps32 of the entries' "
+                        "scale, x10 headroom")
 
 
 def test_the_fit_is_unchanged_to_float32_rounding(host_and_twolevel):
@@ -115,6 +116,8 @@ def test_the_committed_precision_table_holds_the_default_within_its_tolerance():
     assert default["within"] and default["same_selection"] and default["selected"] == ref["selected"]
     for kind in ("k", "v"):
         assert default["dr2"][kind] <= default["tol_heldout_r2"][kind]
-        assert default["cond"][kind]["cond_max"] > 1e5   # ill-conditioned solves: the tolerance is on outputs
+        assert int(default["cond"][kind]["cond_max"]) > 100_000   # ill-conditioned: the tolerance is on outputs
     assert default["dlogppl"] <= default["tol_logppl"]
-    assert default["moments_rel_err"] <= 16 * 2.0 ** -23   # a few eps32: float32 sums of <= 8 batches
+    assert_close(torch.tensor(default["moments_rel_err"]), torch.tensor(0.0), dtype=torch.float32, factor=64,
+                 magnitude=1.0, reason="float32 sums of <= 8 batches of 1,024 rows relative to the largest entry: a "
+                                       "few eps32 (measured ~2), x10 headroom")

@@ -43,6 +43,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting new pairs after this many seconds")
+    ap.add_argument("--pairs", default=",".join(PAIRS), help="comma-separated pairs of kvtransfer.bench.PAIRS")
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -56,7 +57,7 @@ def main(argv=None) -> None:
     print(f"{device} {dtype}: matmul {caps['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s, "
           f"copy {caps['copy_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
     rows, depth = [], {}
-    for pair in PAIRS:
+    for pair in a.pairs.split(","):
         if time.time() - t0 > a.budget_s:
             print(f"time budget spent; skipping {pair}")
             continue

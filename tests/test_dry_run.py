@@ -261,3 +261,25 @@ def test_a_model_cache_holding_real_snapshots_is_refused(tmp_path):
     (standin / "STANDIN.json").write_text("{}")
     check_standin_cache(tmp_path / "dry")
     check_standin_cache(tmp_path / "empty")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("node", ["dgx-h100", "dgx-h200"])
+def test_the_headline_command_dry_runs_on_an_8_gpu_preset(offline_hub, tmp_path, node):
+    """`python run.py pair=qwen3_14b_32b dry_run=true dry.node=<8-GPU preset>` as typed: the real run's plan on
+    that node says "fits, as typed" (its number-neutral knobs applied and printed), and every stage then runs on
+    the stand-ins, the two-level moments included."""
+    proc = dry_run(offline_hub, tmp_path, "pair=qwen3_14b_32b", "dry_run=true", f"dry.node={node}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "verdict: fits, as typed" in proc.stdout
+    out = run_dir(tmp_path, "qwen3_14b_32b")
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["verdict"] == "fits, as typed" and plan["node"]["name"].startswith("DGX")
+    assert all(e["changes"] is None for e in plan["applied"])
+    summary = check_run(out, "qwen3_14b_32b", ["arc_challenge", "hellaswag", "winogrande", "mmlu", "gsm8k_cot"])
+    assert json.loads((out / "config.json").read_text())["calib"]["accumulate"] == "twolevel"
+    assert summary["calibration"]["observations"] > 0
+    # the plan at the stand-in shapes against what the stand-in run wrote: the moments directory holds the stripped
+    # and the rotated calibration (report.rotated_heatmap), each the plan's calibration (+ 15 % for headers)
+    check = json.loads((out / "dry_run.json").read_text())["standin_check"]
+    assert 0 < check["measured"]["moments_disk_gib"] <= 2 * 1.15 * check["predicted"]["calibration_disk_gib"] + 0.001

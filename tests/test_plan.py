@@ -39,8 +39,14 @@ def cfg_14_32():
 
 
 @pytest.fixture(scope="module")
-def plan_14_32(cfg_14_32):
-    return P.make_plan(cfg_14_32, H200, rates=FIXED_RATES, auto=False)
+def cfg_host():
+    """The former default: float64 moments on the host, batch products shipped and merged there."""
+    return _compose("pair=qwen3_14b_32b", "calib.accumulate=host")
+
+
+@pytest.fixture(scope="module")
+def plan_14_32(cfg_host):
+    return P.make_plan(cfg_host, H200, rates=FIXED_RATES, auto=False)
 
 
 # -- formulas, by hand ------------------------------------------------------------------------------
@@ -62,7 +68,8 @@ def test_shapes_and_sizes_of_qwen3_14b_to_32b_by_hand(cfg_14_32):
     assert P.weight_bytes(tgt, 2) == 2 * tgt.params
 
 
-def test_plan_figures_of_qwen3_14b_to_32b(cfg_14_32, plan_14_32):
+def test_plan_figures_of_qwen3_14b_to_32b(cfg_host, plan_14_32):
+    cfg_14_32 = cfg_host
     pr, st = plan_14_32["protocol"], plan_14_32["stages"]
     split = 69_795_971_072
     assert (pr["dx"], pr["dy"], pr["p"], pr["k"]) == (40_960, 65_536, 8 * 1024, 8)
@@ -121,8 +128,40 @@ def test_device_accumulation_by_hand(cfg_14_32):
     assert_rounded(cal["parts"]["seconds"]["device->host copies"], 8 * train / FIXED_RATES.link, decimals=1,
                    reason="the plan reports seconds rounded to 0.1 s")
     assert cal["fits"] and plan["protocol"]["accumulate"] == "device (in place)"
-    host = P.make_plan(cfg_14_32, H200, rates=FIXED_RATES, knobs=False)["stages"]["calibrate"]["parts"]["seconds"]
+    host = P.make_plan(_compose("pair=qwen3_14b_32b", "calib.accumulate=host"), H200, rates=FIXED_RATES,
+                       knobs=False)["stages"]["calibrate"]["parts"]["seconds"]
     assert host["device->host copies"] > 10 * cal["parts"]["seconds"]["device->host copies"]
+
+
+def test_two_level_moments_by_hand(cfg_14_32):
+    """The default (calib.accumulate=twolevel): a float32 buffer (float64 means / cyy) on the GPU next to both
+    models, the float64 masters + held-out features on the host with one 256 MiB row chunk of the fold; the
+    checkpoint holds the masters; the buffer crosses the link once per flush of 8 train batches."""
+    plan = P.make_plan(cfg_14_32, H200, rates=FIXED_RATES, knobs=False)
+    cal, pr = plan["stages"]["calibrate"], plan["protocol"]
+    assert cfg_14_32["calib"]["accumulate"] == "twolevel" and cfg_14_32["calib"]["flush_batches"] == 8
+    buffer = 2 * ((40_960 ** 2 + 40_960 * 65_536) * 4 + (40_960 + 2 * 65_536) * 8)
+    master = 2 * (40_960 ** 2 + 40_960 * 65_536 + 40_960 + 2 * 65_536) * 8
+    held = 2 * 8192 * (40_960 + 65_536) * 4 + 8192 * 8
+    assert_rounded(cal["parts"]["gpu"]["train moments + held-out features"], buffer / P.GiB, decimals=6, reason=PART)
+    assert_rounded(cal["parts"]["host"]["train moments + held-out features + merge of one kind"],
+                   (master + held + (256 << 20) + 500 * 1024 * 8) / P.GiB, decimals=6, reason=PART)
+    assert_rounded(cal["parts"]["disk"]["checkpoint, rewritten in place (calibration + one piece)"],
+                   (master + held + P.GiB) / P.GiB, decimals=6, reason=PART)
+    flushes = -(-113 // 8)   # 450 train sequences in batches of 4: 113 batches, a flush every 8 and after the last
+    assert_rounded(cal["parts"]["seconds"]["device->host copies"],
+                   flushes * 2 * (40_960 ** 2 + 40_960 * 65_536) * 4 / FIXED_RATES.link, decimals=1,
+                   reason="the plan reports seconds rounded to 0.1 s")
+    assert pr["calib_dtype"] == "float64" and pr["compute_dtype"] == "float32" and pr["accumulate"].startswith("two-level")
+    # 8 checkpoints of 64 sequences at the typed cadence; the plan's tune raises it (number-neutral)
+    tuned = P.make_plan(cfg_14_32, P.Node(**P.NODES["dgx-h100"]), rates=FIXED_RATES)
+    cadence = [e for e in tuned["applied"] if e["key"] == "calib.checkpoint_every"]
+    assert cadence and cadence[0]["changes"] is None and cadence[0]["value"] % (8 * 4) == 0
+    ck = tuned["stages"]["calibrate"]["parts"]["seconds"]
+    n_ck = -(-(113 + 13) // (cadence[0]["value"] // 4))   # 113 train + 13 held-out batches
+    assert 2 <= n_ck < 8
+    assert ck["checkpoints"] <= P.knobs.CHECKPOINT_SHARE * sum(v for k, v in ck.items() if k != "checkpoints") \
+        or n_ck == 2   # the minimum: one checkpoint mid-run besides the last
 
 
 def test_the_feature_sample_is_planned_wherever_the_code_keeps_it(cfg_14_32):
@@ -156,7 +195,8 @@ def test_the_feature_sample_is_planned_wherever_the_code_keeps_it(cfg_14_32):
                   reason=TWO_TOTALS, headroom_exempt=DISPLAY)
 
 
-def test_sequential_capture_adds_the_feature_files(cfg_14_32):
+def test_sequential_capture_adds_the_feature_files(cfg_host):
+    cfg_14_32 = cfg_host
     seq = dict(cfg_14_32, calib=dict(cfg_14_32["calib"], capture="sequential"))
     plan = P.make_plan(seq, H200, rates=FIXED_RATES, knobs=False)
     feats = plan["stages"]["calibrate"]["parts"]["disk"]["sequential source features"] * P.GiB
@@ -204,9 +244,10 @@ def test_cli_json_is_one_object_with_the_schema(tmp_path, capsys):
         assert st["fits"] == (not st["over"]) and (st["refused"] is None) == (st["fits"] and not st["over_time"])
     for kb in plan["applied"]:
         assert set(kb) >= {"key", "value", "set", "note", "changes"}
-    # as typed calibrate does not fit one H200; the run applies the plan's knobs and then it does
-    assert not plan["stages"]["calibrate"]["as_typed"]["fits"] and plan["stages"]["calibrate"]["fits"]
-    assert "calib.dtype=float32" in plan["overrides"] and plan["rates"]["rates"]
+    # the float64 masters' checkpoint (71.5 GiB) does not fit the 64 GiB disk, and no layout that keeps the numbers
+    # changes that: refused, naming the smallest node preset that runs it
+    assert not plan["stages"]["calibrate"]["fits"] and plan["stages"]["calibrate"]["over"] == ["disk"]
+    assert plan["verdict"] == "refused" and plan["smallest_node"] == "1xh200-cloud" and plan["rates"]["rates"]
     assert json.loads((tmp_path / "plan.json").read_text())["stages"].keys() == plan["stages"].keys()
     assert "| calibrate |" in (tmp_path / "plan.md").read_text()
     # explicit node flags
@@ -215,63 +256,68 @@ def test_cli_json_is_one_object_with_the_schema(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["node"]["gpus"] == 8
 
 
-def test_the_plan_text_says_a_number_changing_set_is_refused_not_applied():
-    """Issue 32: plan.auto applies number-neutral knobs only, so a plan whose set holds calib.dtype=float32 must
-    not say the run applies it (the text said so after the rule changed); a neutral set still says applied."""
-    changing = P.make_plan(_compose("pair=qwen3_14b_32b"), P.Node(**P.NODES["h200"]), rates=FIXED_RATES)
-    assert any(e["changes"] for e in changing["applied"])
-    text = P.format_plan(changing, markdown=True)
-    assert "the run refuses until they are typed" in text and "the run sets these itself" not in text
-    neutral = P.make_plan(_compose("pair=ministral3_3b_14b"), P.Node(**P.NODES["h200"]), rates=FIXED_RATES)
-    assert neutral["applied"] and not any(e["changes"] for e in neutral["applied"])
-    assert "applied (the run sets these itself" in P.format_plan(neutral, markdown=True)
+def test_every_knob_is_number_neutral_and_the_text_says_applied():
+    """One command, one set of numbers: the walk holds number-neutral knobs only (the moments' precision is no
+    knob), so whatever a node applies, the text says the run sets it itself."""
+    assert all(k.changes is None for k in P.KNOBS)
+    assert not {"calib.dtype", "calib.accumulate", "calib.compute_dtype"} & {k.key for k in P.KNOBS}
+    plan = P.make_plan(_compose("pair=qwen3_14b_32b"), P.Node(**P.NODES["dgx-h100"]), rates=FIXED_RATES)
+    assert plan["applied"] and not any(e["changes"] for e in plan["applied"])
+    text = P.format_plan(plan, markdown=True)
+    assert "applied (the run sets these itself" in text and "verdict: fits, as typed" in text
 
 
-@pytest.mark.parametrize("node", ["h200", "8xh100"])
-def test_every_paper_pair_fits_both_nodes_at_defaults_with_the_applied_knobs(node):
-    """Issue 19 §3's done-when: at the defaults every stage of the six pairs fits 1 x H200 / 128 GiB / 64 GiB and
-    8 x H100 / 1 TiB / 1 TB with the knobs the plan applies, except a stage over plan.max_hours, which is
-    refused and says so; and the applied knobs, given as Hydra overrides, make a plan that fits by itself."""
-    typed_refused, refused = [], {}
+@pytest.mark.parametrize("node", ["8xh100", "dgx-h100", "dgx-h200"])
+def test_every_paper_pair_runs_as_typed_on_the_8_gpu_nodes(node):
+    """Every stage of the six pairs at the defaults runs on the 8-GPU presets with the number-neutral knobs the
+    run applies itself ("fits, as typed"), within plan.max_hours; the applied knobs, typed as Hydra overrides, make a
+    plan that fits by itself."""
     for pair in PAPER_PAIRS:
         plan = P.make_plan(_compose(f"pair={pair}"), P.Node(**P.NODES[node]), rates=FIXED_RATES)
+        assert plan["verdict"] == "fits, as typed" and not plan["refused"], (pair, plan["refused"])
         order = [k.key for k in P.KNOBS]
-        assert [order.index(e["key"].replace("pair.source.", "pair.target.")) for e in plan["applied"]] == sorted(
-            order.index(e["key"].replace("pair.source.", "pair.target.")) for e in plan["applied"])
-        for name, st in plan["stages"].items():
-            assert st["fits"], (pair, name, st["over"])
-            if st["over_time"]:
-                refused[(pair, name)] = st["refused"]
-        if any(not st["as_typed"]["fits"] for st in plan["stages"].values()):
-            typed_refused.append(pair)
+        walked = [e for e in plan["applied"] if e["key"] != "calib.checkpoint_every"]   # + tune, last
+        assert [order.index(e["key"].replace("pair.source.", "pair.target.")) for e in walked] == sorted(
+            order.index(e["key"].replace("pair.source.", "pair.target.")) for e in walked)
+        assert all(st["fits"] and not st["over_time"] for st in plan["stages"].values()), pair
         again = P.make_plan(_compose(f"pair={pair}", *shlex.split(plan["overrides"])), P.Node(**P.NODES[node]),
                             rates=FIXED_RATES, knobs=False)
         assert all(st["fits"] for st in again["stages"].values()), pair
-    # as typed, the issue's count: report is refused for every pair on one H200; four pairs on 8 x H100
-    assert len(typed_refused) == (6 if node == "h200" else 4)
-    assert list(refused) == ([("llama31_8b_70b", "eval")] if node == "h200" else [])
-    assert all("plan.max_hours=48" in why for why in refused.values())
+
+
+@pytest.mark.parametrize("node", ["h200", "1xh100-cloud", "1xh200-cloud"])
+def test_single_gpu_nodes_run_or_name_the_node_that_would(node):
+    """On one GPU a pair runs as typed, or is refused naming the smallest preset on which it runs as typed."""
+    for pair in PAPER_PAIRS:
+        cfg = _compose(f"pair={pair}")
+        plan = P.make_plan(cfg, P.Node(**P.NODES[node]), rates=FIXED_RATES)
+        if plan["verdict"] == "fits, as typed":
+            continue
+        assert plan["verdict"] == "refused" and plan["smallest_node"] not in (None, node), pair
+        assert P.make_plan(cfg, P.Node(**P.NODES[plan["smallest_node"]]))["verdict"] == "fits, as typed"
+        assert plan["smallest_node"] in P.refusal_message(plan)
 
 
 def test_a_stage_over_max_hours_is_refused_not_applied():
     cfg = _compose("pair=llama31_8b_70b")
-    plan = P.make_plan(cfg, H200, rates=FIXED_RATES)
+    h200x1 = P.Node(**P.NODES["1xh200-cloud"])   # the 70B's weights offloaded: eval streams them every forward
+    plan = P.make_plan(cfg, h200x1, rates=FIXED_RATES)
     assert plan["stages"]["eval"]["seconds"] > 48 * 3600 and "eval" in plan["refused"]
     with pytest.raises(P.PlanError, match="plan.max_hours=48"):
-        P.check_plan(cfg, H200, rates=FIXED_RATES)
+        P.check_plan(cfg, h200x1, rates=FIXED_RATES)
     # without eval the rest runs with the knobs applied (eval's offload budget no longer binds)
-    assert P.check_plan(cfg, H200, rates=FIXED_RATES, stages=["calibrate", "fit", "bench", "report"])["applied"]
+    assert P.check_plan(cfg, h200x1, rates=FIXED_RATES, stages=["calibrate", "fit", "bench", "report"])["applied"]
     # a higher ceiling lets it through
     long = dict(cfg, plan=dict(cfg["plan"], max_hours=10_000))
-    assert "eval" not in P.make_plan(long, H200, rates=FIXED_RATES)["refused"]
+    assert "eval" not in P.make_plan(long, h200x1, rates=FIXED_RATES)["refused"]
 
 
 def test_refusal_with_auto_off_names_the_knobs(cfg_14_32):
     manual = dict(cfg_14_32, plan=dict(cfg_14_32["plan"], auto=False))
     with pytest.raises(P.PlanError) as err:
-        P.check_plan(manual, H200, rates=FIXED_RATES)
+        P.check_plan(manual, H100x8, rates=FIXED_RATES)
     msg = str(err.value)
-    assert "calibrate" in msg and "calib.dtype=float32" in msg and "plan.auto=false" in msg
+    assert "calibrate" in msg and "device_map=auto" in msg and "plan.auto=false" in msg
     assert "plan.enforce=false" in msg and "GiB" in msg
     # on 8 x H100 the GPU side is what fails (eval: both models on cuda:0), and device_map=auto is named
     with pytest.raises(P.PlanError, match="device_map=auto"):
@@ -279,21 +325,20 @@ def test_refusal_with_auto_off_names_the_knobs(cfg_14_32):
     # the ridge fit loads no model (config-only pair identity): it fits 8 x H100 and uses no GPU
     fit = P.check_plan(cfg_14_32, H100x8, rates=FIXED_RATES, stages=["fit"])["stages"]["fit"]
     assert fit["fits"] and fit["gpu_gib"] <= 1.0
-    # with auto on (the default) the same config passes on one H200, the knobs applied
-    assert {e["set"] for e in P.check_plan(cfg_14_32, H200, rates=FIXED_RATES)["applied"]} >= {"calib.dtype=float32"}
+    # with auto on (the default) the same config passes on 8 x H100, the knobs applied
+    assert {e["set"] for e in P.check_plan(cfg_14_32, H100x8, rates=FIXED_RATES)["applied"]} >= {"device_map=auto"}
 
 
 def test_the_applied_figures_are_the_plan_of_the_applied_config(cfg_14_32):
-    plan = P.make_plan(cfg_14_32, H200, rates=FIXED_RATES)
-    applied = P.make_plan(P.applied_config(cfg_14_32, plan), H200, rates=FIXED_RATES, knobs=False)
-    typed = P.make_plan(cfg_14_32, H200, rates=FIXED_RATES, knobs=False)
+    plan = P.make_plan(cfg_14_32, H100x8, rates=FIXED_RATES)
+    applied = P.make_plan(P.applied_config(cfg_14_32, plan), H100x8, rates=FIXED_RATES, knobs=False)
+    typed = P.make_plan(cfg_14_32, H100x8, rates=FIXED_RATES, knobs=False)
     for name, st in plan["stages"].items():
         figures = ("gpu_gib", "host_gib", "disk_gib", "seconds")
         assert [st[f] for f in figures] == [applied["stages"][name][f] for f in figures]
         assert [st["as_typed"][f] for f in figures] == [typed["stages"][name][f] for f in figures]
-    assert plan["protocol"]["calib_dtype"] == "float32" and typed["protocol"]["calib_dtype"] == "float64"
-    fp32 = next(e for e in plan["applied"] if e["set"] == "calib.dtype=float32")
-    assert "-0.006" in fp32["changes"] and "34.5 vs 34.2" in fp32["changes"]
+    assert plan["protocol"]["calib_dtype"] == typed["protocol"]["calib_dtype"] == "float64"   # no knob touches it
+    assert {e["key"] for e in plan["applied"]} >= {"device_map"}
 
 
 def test_the_plan_parses_stages_with_the_runners_resolver(cfg_14_32):
@@ -332,15 +377,16 @@ def test_plan_run_applies_refuses_or_warns(tmp_path, cfg_14_32, monkeypatch):
     assert plan["applied"] == [] and ran["calib"] == cfg["calib"] and (tmp_path / "b" / "plan.md").exists()
     ran, plan = plan_run(cfg, tmp_path / "c", [], log=lambda *_: None)   # refuses for the stages asked for only
     assert ran == cfg and plan["refused"] == {}
-    # on one H200 the fit needs float32 moments, which change the numbers: refused with the overrides to type
-    # (issue 32: applied silently, the same command gave other numbers on 8 x H100); typed, they run everywhere
+    # on one H200 with a 64 GiB disk no number-neutral layout holds the float64 masters' checkpoint: refused,
+    # naming the smallest preset that runs it; on 8 x H100 the run applies device_map=auto itself and says so
     monkeypatch.setattr(P, "detect_node", lambda cfg: H200)
-    with pytest.raises(P.PlanError, match=r"changes the numbers.*calib.dtype=float32"):
+    with pytest.raises(P.PlanError, match="smallest node preset that runs it: 1xh100-cloud"):
         plan_run(cfg, tmp_path / "d", log=lambda *_: None)
-    typed = dict(cfg, calib=dict(cfg["calib"], dtype="float32"))
+    monkeypatch.setattr(P, "detect_node", lambda cfg: H100x8)
     logged = []
-    ran, plan = plan_run(typed, tmp_path / "d2", log=logged.append)
-    assert ran["calib"]["dtype"] == "float32" and not [e for e in plan["applied"] if e.get("changes")]
+    ran, plan = plan_run(cfg, tmp_path / "d2", log=logged.append)
+    assert ran["device_map"] == "auto" and ran["calib"]["dtype"] == "float64"
+    assert any("applying device_map=auto" in line for line in logged)
     manual = dict(cfg, plan=dict(cfg["plan"], auto=False))
     with pytest.raises(P.PlanError, match="plan.auto=false"):
         plan_run(manual, tmp_path / "e", log=lambda *_: None)
@@ -375,13 +421,13 @@ def test_execute_refuses_before_loading_anything(tmp_path, monkeypatch, cfg_14_3
     monkeypatch.setattr(P.rates, "rates_for", lambda *a, **k: FIXED_RATES)
     monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = dict(cfg_14_32, stage="calibrate", cache_dir=str(tmp_path / "cache"))
-    with pytest.raises(P.PlanError, match="calib.dtype=float32"):
+    with pytest.raises(P.PlanError, match="smallest node preset that runs it: 1xh100-cloud"):
         pipeline.execute(cfg, tmp_path / "run")
     assert (tmp_path / "run" / "plan.json").exists() and not (tmp_path / "run" / "summary.json").exists()
 
 
 # -- sizes asked of the run's own data structures -----------------------------------------------------
-@pytest.mark.parametrize("dtype,accumulate", [("float64", "host"), ("float32", "device")])
+@pytest.mark.parametrize("dtype,accumulate", [("float64", "host"), ("float32", "device"), ("float64", "twolevel")])
 def test_the_plans_sizes_are_the_structures_real_sizes(dtype, accumulate):
     """Issue 20 §3: the plan's moments, held-out, feature sample and mapper sizes at a small shape equal the
     bytes of a real Moments / HeldOut / FeatureSampler / Mapper / MLPMapper built at that shape."""
@@ -398,6 +444,8 @@ def test_the_plans_sizes_are_the_structures_real_sizes(dtype, accumulate):
     wide = accumulate == "device"
     moments = Moments(list(range(3)), list(range(4)), 16, 24, dtype=getattr(torch, dtype), wide=wide)
     assert (moments.dx, moments.dy) == (s.dx, s.dy) and moments.nbytes == s.moments
+    buffer = Moments(list(range(3)), list(range(4)), 16, 24, dtype=torch.float32, wide=True)
+    assert s.buffer == (buffer.nbytes if accumulate == "twolevel" else 0)
     held = HeldOut.sampled(range(3), range(4), 16, 24, total=s.n_held * s.kept, capacity=12)
     assert held.nbytes == s.heldout and s.held_rows == 12
     sampler = FeatureSampler(20, len(s.train_batch_rows))
@@ -421,7 +469,8 @@ def test_the_plans_sizes_are_the_structures_real_sizes(dtype, accumulate):
 
 
 # -- simulation: the plan's calibration sizes vs a real collect_moments ---------------------------------
-@pytest.mark.parametrize("dtype,accumulate", [("float64", "host"), ("float32", "host"), ("float32", "device")])
+@pytest.mark.parametrize("dtype,accumulate", [("float64", "host"), ("float32", "host"), ("float32", "device"),
+                                              ("float64", "twolevel")])
 def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkeypatch, dtype, accumulate):
     """Random Qwen3 models from the real config class at 1/8 of 14B -> 32B's per-layer KV width (one
     kv head x 128 = 128 features per layer; 5 -> 8 layers): the moments' tensor bytes, the checkpoint
@@ -437,7 +486,7 @@ def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkey
     cfg = _compose("pair=tiny", f"calib.n_sequences={n_seq}", f"calib.seq_len={seq_len}", f"calib.stride={stride}",
                    f"calib.batch_size={batch}", "calib.heldout_fraction=0.25", f"calib.dtype={dtype}",
                    "calib.capture=sequential", "calib.checkpoint_every=4", "device=cpu",
-                   f"calib.accumulate={accumulate}")
+                   f"calib.accumulate={accumulate}", "calib.flush_batches=1")   # twolevel: checkpoints every batch
     shapes = (P.shape_from_config(src_cfg, "s"), P.shape_from_config(tgt_cfg, "t"))
     setup = P.Setup(cfg, *shapes, P.Node(), FIXED_RATES)
     assert (setup.dx, setup.dy) == (5 * 128, 8 * 128) == (40_960 // 64, 65_536 // 64)
@@ -455,7 +504,7 @@ def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkey
     result = collect_moments(src, tgt, random_ids(n_seq, seq_len, seed=3), stride=stride, batch_size=batch,
                              heldout_fraction=0.25, capture="sequential", feature_dir=tmp_path / "features",
                              checkpoint_path=ckpt_dir, checkpoint_every=4,
-                             dtype=getattr(torch, dtype), accumulate=accumulate)
+                             dtype=getattr(torch, dtype), accumulate=accumulate, flush_batches=1)
     monkeypatch.undo()
     actual = sum(t.numel() * t.element_size() for kind in result.train.stats.values() for t in kind.values())
     assert_within(actual, setup.moments, atol=0.15 * setup.moments, reason=SIZE_MODEL, headroom_exempt=MODELLED)
@@ -477,7 +526,8 @@ def test_plan_matches_real_moments_checkpoint_and_feature_files(tmp_path, monkey
 
 @pytest.mark.parametrize("dtype,accumulate,capture", [("float64", "host", "co-resident"),
                                                       ("float32", "host", "sequential"),
-                                                      ("float32", "device", "co-resident")])
+                                                      ("float32", "device", "co-resident"),
+                                                      ("float64", "twolevel", "co-resident")])
 def test_plan_matches_measured_host_peak(dtype, accumulate, capture):
     """Issue 10 §4: a real collect_moments at 1/8 of 14B -> 32B's feature widths (Dx 5,120, Dy 8,192) in a fresh
     process (tests/rss_probe.py); the host memory it adds (Linux VmHWM over the RSS before it) is within 15 %

@@ -58,8 +58,8 @@ def _maps_trained() -> dict[Path, dict[str, str]]:
 
 
 def _plan() -> dict[Path, dict[str, str]]:
-    c = _module("results/plan/figure.py")
-    return {ROOT / "results/plan/README.md": {"key_numbers": c.key_numbers(c.load_plans())}}
+    c = _module("results/plan/make.py")
+    return c.doc_blocks(c.load_plans())
 
 
 def _handoff() -> dict[Path, dict[str, str]]:

@@ -769,10 +769,10 @@ def test_new_weights_at_the_same_path_recompute_every_artifact(tiny_pair_dirs, t
     assert len(calls) == 2 and second["mapper"]["path"] != first["mapper"]["path"]
 
 
-def test_a_number_changing_knob_is_refused_with_the_override_to_type(tiny_pair_dirs, tmp_path, monkeypatch):
-    """Issue 32 (one command, one number): on a node where calibrate fits only with calib.dtype=float32 (which changes
-    the numbers), the run is refused before anything loads, naming the override to type; typed, every node runs it
-    and nothing is applied behind the user's back. plan.auto=false refuses too."""
+def test_no_layout_that_keeps_the_numbers_fits_so_the_run_refuses_naming_a_node(tiny_pair_dirs, tmp_path, monkeypatch):
+    """One command, one number: on a node whose disk cannot hold the float64 masters' checkpoint the run is refused
+    before anything loads (no knob changes the moments' precision), naming the smallest node preset that runs it;
+    a user who types calib.dtype=float32 gets float32 masters everywhere, nothing applied behind their back."""
     from kvtransfer import plan as P
     from run_configs import FIXED_RATES
 
@@ -783,12 +783,12 @@ def test_a_number_changing_knob_is_refused_with_the_override_to_type(tiny_pair_d
         return P.stage_usage(P.Setup(c, *P.load_shapes(c), big, FIXED_RATES))["calibrate"].disk
 
     fp64, fp32 = disk(cfg), disk(dict(cfg, calib=dict(cfg["calib"], dtype="float32")))
-    assert cfg["calib"]["dtype"] == "float64" and fp32 < fp64
-    node = P.Node("small disk", 0, 0.0, 64.0, (fp64 + fp32) / 2 / 0.95 / P.GiB)   # fits float32 moments only
+    assert cfg["calib"]["dtype"] == "float64" and cfg["calib"]["accumulate"] == "twolevel" and fp32 < fp64
+    node = P.Node("small disk", 0, 0.0, 64.0, (fp64 + fp32) / 2 / 0.95 / P.GiB)   # fits float32 masters only
     monkeypatch.setattr(P, "detect_node", lambda c: node)
-    with pytest.raises(Exception, match="calib.dtype=float32") as err:
+    with pytest.raises(Exception, match="smallest node preset that runs it") as err:
         execute(cfg, tmp_path / "refused_auto")
-    assert type(err.value).__name__ == "PlanError" and "changes the numbers" in str(err.value)
+    assert type(err.value).__name__ == "PlanError" and "calib.dtype" not in str(err.value)
     assert not (tmp_path / "refused_auto" / "summary.json").exists()
     typed = dict(cfg, calib=dict(cfg["calib"], dtype="float32"))
     summary = execute(typed, tmp_path / "run")
@@ -798,6 +798,6 @@ def test_a_number_changing_knob_is_refused_with_the_override_to_type(tiny_pair_d
     assert ran["calib"]["dtype"] == "float32"
     train, _, _ = Run(ran, out).moments()
     assert train.dtype == torch.float32
-    with pytest.raises(Exception, match="plan.auto=false") as err:
+    with pytest.raises(Exception, match="smallest node preset") as err:
         execute(dict(cfg, plan=dict(cfg["plan"], auto=False)), tmp_path / "refused")
     assert type(err.value).__name__ == "PlanError" and not (tmp_path / "refused" / "summary.json").exists()

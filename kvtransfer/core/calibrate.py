@@ -119,6 +119,7 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
                     feature_dir: str | Path | None = None, checkpoint_path: str | Path | None = None,
                     checkpoint_every: int = 64, checkpoint_piece_bytes: int = PIECE_BYTES, dtype: torch.dtype = torch.float64,
                     compute_dtype: torch.dtype | None = None, store_device="cpu", accumulate: str = "host",
+                    flush_batches: int = 8,
                     stop_after_batches: int | None = None, feature_sink: Callable | None = None,
                     progress: Callable | None = None, features: str = "kv") -> CalibrationMoments:
     """Stream calibration sequences through source and target; return train/held-out moments.
@@ -130,7 +131,11 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     pairs whose full moments do not fit. dtype / store_device: accumulator precision and location
     (float64 on host by default; float32 halves memory). compute_dtype: precision of each batch's
     products (default dtype; float32 is fast on GPUs, merged into the accumulator's dtype).
-    accumulate: "host" (the batch's products are formed, shipped to `store_device` and merged there) or
+    accumulate: "twolevel" (the run's default, conf/calib: each train batch merged in place into a float32 buffer on the
+    target's device by `Moments.accumulate`, the buffer folded into the `dtype` -- float64 -- moments on `store_device`
+    by `Moments.absorb` after every `flush_batches` train batches and after the last; the flush schedule depends on
+    the batch index only, so checkpoints, their cadence and resumes never change a number: a checkpoint taken
+    mid-flush stores the buffer too), "host" (the batch's products are formed, shipped to `store_device` and merged there) or
     "device" (the train moments live on the target's device in `dtype` -- float32 on a GPU -- with float64
     means, merged in place per batch by `Moments.accumulate`; store_device then holds only the held-out
     features; compute_dtype is ignored).
@@ -152,8 +157,10 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     from .hidden import check_features, feature_width, hidden_size
 
     check_features(features)
-    if accumulate not in ("host", "device"):
-        raise ValueError(f"accumulate must be 'host' or 'device', got {accumulate!r}")
+    if accumulate not in ("host", "device", "twolevel"):
+        raise ValueError(f"accumulate must be 'host', 'device' or 'twolevel', got {accumulate!r}")
+    if int(flush_batches) < 1:
+        raise ValueError(f"flush_batches must be >= 1, got {flush_batches}")
     if capture not in ("co-resident", "sequential"):
         raise ValueError(f"capture must be 'co-resident' or 'sequential', got {capture!r}")
     if capture == "sequential" and feature_dir is None:
@@ -165,6 +172,8 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     batches = [("train", train_idx[i:i + batch_size]) for i in range(0, len(train_idx), batch_size)]
     batches += [("heldout", held_idx[i:i + batch_size]) for i in range(0, len(held_idx), batch_size)]
     every = max(1, checkpoint_every // batch_size)
+    if accumulate == "twolevel":   # checkpoints at flush boundaries: the buffer is then empty and not written
+        every = -(-every // int(flush_batches)) * int(flush_batches)
     wrap = progress or (lambda it, **_: it)
 
     src_model = _resolve(source) if capture == "co-resident" else None
@@ -172,7 +181,11 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
     settings = {"stride": stride, "batch_size": batch_size, "heldout_fraction": heldout_fraction,
                 "heldout_observations": heldout_observations, "seed": seed,
                 "key_space": key_space, "target_layers": target_layers, "dtype": str(dtype),
-                "compute_dtype": str(compute_dtype) if accumulate == "host" else str(dtype), "accumulate": accumulate}
+                "compute_dtype": (str(compute_dtype) if accumulate == "host" else
+                                  str(torch.float32) if accumulate == "twolevel" else str(dtype)),
+                "accumulate": accumulate}   # twolevel: float32 sums (ridge.moments_eps reads it)
+    if accumulate == "twolevel":   # only then: earlier calibrations keep their fingerprints
+        settings["flush_batches"] = int(flush_batches)
     if features != "kv":  # only then: the paper's calibrations keep their fingerprints (and resume their checkpoints)
         settings["features"] = features
     fingerprint = _fingerprint(token_ids, settings)
@@ -224,6 +237,14 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
 
     elif accumulate == "device":
         split["train"].to(tgt_model.device)   # resumed from a checkpoint read to the store
+    buffer = None
+    if accumulate == "twolevel":   # the device-side float32 buffer (restored when a checkpoint was cut mid-flush)
+        train = split["train"]
+        buffer = split.pop("buffer", None)
+        buffer = (buffer.to(tgt_model.device) if buffer is not None else
+                  Moments(train.source_layers, train.target_layers, train.source_width, train.target_width,
+                          torch.float32, tgt_model.device, wide=True))
+    n_train_batches = -(-len(train_idx) // batch_size)
 
     end = len(batches) if stop_after_batches is None else min(len(batches), done + stop_after_batches)
     for i in wrap(range(done, end), desc="calibration", initial=done, total=len(batches)):
@@ -238,7 +259,11 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
             x = kv_features(src_model, token_ids[idx].to(src_model.device), stride=stride, key_space=key_space,
                             codec=src_codec, features=features)
         x = {k: t.to(y["k"].device) for k, t in x.items()}
-        if name == "train" and accumulate == "device":
+        if name == "train" and accumulate == "twolevel":
+            buffer.accumulate(x, y)
+            if (i + 1) % flush_batches == 0 or i + 1 == n_train_batches:
+                split[name].absorb(buffer)
+        elif name == "train" and accumulate == "device":
             split[name].accumulate(x, y)
         elif name == "train":
             split[name].add(x, y, compute_dtype=compute_dtype)
@@ -250,7 +275,8 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
             if hasattr(feature_sink, "checkpoint"):  # first: a sink ahead of the moments skips what it has
                 feature_sink.checkpoint()
             _mark(split, i + 1, len(batches))
-            _save_checkpoint(checkpoint_path, split, i + 1, fingerprint, checkpoint_piece_bytes)
+            parts = split if buffer is None or buffer.n == 0 else {**split, "buffer": buffer}
+            _save_checkpoint(checkpoint_path, parts, i + 1, fingerprint, checkpoint_piece_bytes)
     _mark(split, end, len(batches))
     return CalibrationMoments(split["train"], split["heldout"])
 

@@ -14,6 +14,12 @@ the data (or of the target layers' columns) merge exactly, and large offsets nev
 Two ways to add a batch:
 * `add` (calib.accumulate=host): the batch's centred products are formed in `compute_dtype` on the
   batch's device, then shipped to the moments' store and merged there (today's fp64-on-host path).
+* two-level (calib.accumulate=twolevel, the default): `accumulate` into a float32 buffer on the target's device
+  (the GPU, or the CPU on a CPU-only run) for at most `calib.flush_batches` batches, then `absorb` it into
+  float64 masters on the host. The rounding of a flush's float32 sums is bounded by the flush's rows, not the
+  run's, and the schedule (which batches share a flush) depends on the config only, never on the node, the
+  checkpoint cadence or a resume, so the same command gives the same moments everywhere up to the GEMM kernels'
+  own rounding order.
 * `accumulate` (calib.accumulate=device): the moments live on the batch's device (e.g. the GPU, in
   float32) and each batch is merged in place by ONE GEMM per matrix, with no [Dx, Dx] / [Dx, Dy]
   temporary: C += [xc; e_x; d_x]^T [yc; -m e_y; w d_y], where xc = x - c are the rows centred at c (the
@@ -190,6 +196,38 @@ class Moments(FeatureLayout):
             a["cyy"] += sq.to(a["cyy"].dtype)
             a["mean_x"] += (dx * (m / n)).to(a["mean_x"].dtype)
             a["mean_y"] += (dy * (m / n)).to(a["mean_y"].dtype)
+
+    @torch.no_grad()
+    def absorb(self, buffer: "Moments", chunk_bytes: int = 256 << 20) -> None:
+        """Two-level accumulation's flush (calib.accumulate=twolevel): fold `buffer` (a float32 `Moments` with
+        float64 means, `wide`, filled by `accumulate` on the device for a bounded number of batches) into these
+        master moments (float64, on the host) by Chan's merge, then zero the buffer in place. The [Dx, Dx] /
+        [Dx, Dy] blocks travel in row chunks of <= `chunk_bytes` (as float64), so the host never holds a second
+        copy of the buffer; the master's own running mean is used for the merge term."""
+        if buffer.n == 0:
+            return
+        n_a, n_b = self.n, buffer.n
+        n = n_a + n_b
+        w = n_a * n_b / n
+        for kind in KINDS:
+            a, b = self.stats[kind], buffer.stats[kind]
+            dt = a["cxx"].dtype
+            dx = b["mean_x"].to(device=self.device, dtype=torch.float64) - a["mean_x"].double()
+            dy = b["mean_y"].to(device=self.device, dtype=torch.float64) - a["mean_y"].double()
+            for name, right in (("cxx", dx), ("cxy", dy)):
+                rows = max(1, chunk_bytes // max(1, a[name].shape[1] * 8))
+                for r0 in range(0, a[name].shape[0], rows):
+                    r1 = min(a[name].shape[0], r0 + rows)
+                    block = a[name][r0:r1]
+                    block += b[name][r0:r1].to(device=self.device, dtype=dt)
+                    block.addr_(dx[r0:r1].to(dt), right.to(dt), alpha=w)
+            a["cyy"] += (b["cyy"].to(device=self.device, dtype=torch.float64) + w * dy * dy).to(a["cyy"].dtype)
+            a["mean_x"] += (dx * (n_b / n)).to(a["mean_x"].dtype)
+            a["mean_y"] += (dy * (n_b / n)).to(a["mean_y"].dtype)
+            for t in b.values():
+                t.zero_()
+        self.n = n
+        buffer.n = 0
 
     def _merge(self, other_stats: dict, n_other: int) -> None:
         n_a, n_b = self.n, n_other

@@ -11,6 +11,7 @@ real run. What it cannot show is printed and written to dry_run.json (`CANNOT_SH
 from __future__ import annotations
 
 import copy
+import json
 import math
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ class DryRunError(RuntimeError):
 
 def plan_node(cfg: dict):
     """The kvtransfer.plan.Node the printed plan is for: dry.node = null (this machine), a preset name of the
-    planner (h200, 8xh100) or a mapping {gpus, gpu_gib, host_gib, disk_gib, gpu}."""
+    planner (kvtransfer.plan.NODES: dgx-h200, dgx-h100, 8xh100, ...) or a mapping {gpus, gpu_gib, host_gib, disk_gib, gpu}."""
     from .. import plan as resource_plan
 
     spec = (cfg.get("dry") or {}).get("node")
@@ -143,7 +144,7 @@ def shrink(cfg: dict, out_dir: Path) -> dict:
     seq_len = min(int(calib["seq_len"]), int(dry["seq_len"]))
     calib.update(seq_len=seq_len, n_sequences=calib_sequences(cfg, dry, seq_len), batch_size=min(calib["batch_size"], 4),
                  heldout_observations=min(calib.get("heldout_observations") or 512, 512),
-                 mlp_samples=min(calib.get("mlp_samples") or 0, 2048), store_device="cpu", accumulate="host")
+                 mlp_samples=min(calib.get("mlp_samples") or 0, 2048), store_device="cpu")
     if small["mapper"].get("kind") == "mlp":
         small["mapper"].update(hidden=min(small["mapper"]["hidden"], 16), epochs=1, device="cpu")
     if small["mapper"].get("kind") == "trained":  # the calibration keeps >= 10 sequences: 2 stop + up to 4 to train on
@@ -176,6 +177,42 @@ def shrink(cfg: dict, out_dir: Path) -> dict:
     return small
 
 
+def standin_check(small: dict, snapshots: dict, stages: list[str]) -> dict:
+    """The plan evaluated at the stand-in shapes on this machine (CPU rates measured here) against what the stand-in
+    run used: its process's peak RSS (the whole run: every stage, the runtime included) and the bytes each artifact
+    family holds on disk (moments = calibrate's rolling checkpoint, mappers = fit). Recorded, not enforced: the
+    plan's host model at tiny shapes is dominated by its runtime allowance."""
+    import resource
+
+    from transformers import AutoConfig
+
+    from .. import plan as resource_plan
+
+    shapes = []
+    for side in ("source", "target"):
+        spec = small["pair"][side]
+        where = spec.get("path") or snapshots.get(spec.get("id"))
+        shapes.append(resource_plan.shape_from_config(AutoConfig.from_pretrained(str(where)), side)
+                      if where else resource_plan.load_shape(spec))
+    node = resource_plan.Node("this machine (stand-in shapes)", 0, 0.0, resource_plan.node._host_gib(), 1e6)
+    plan = resource_plan.make_plan(small, node, shapes=tuple(shapes), local=True, stages=stages, knobs=False)
+    cache = Path(small.get("cache_dir", "artifacts"))
+
+    def du(name: str) -> int:
+        root = cache / name
+        return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.is_dir() else 0
+
+    gib = resource_plan.GiB
+    measured = {"peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib, 3),
+                "moments_disk_gib": round(du("moments") / gib, 4), "mappers_disk_gib": round(du("mappers") / gib, 4)}
+    st = plan["stages"]
+    predicted = {name: {k: st[name][k] for k in ("host_gib", "disk_gib")} for name in stages}
+    cal = st["calibrate"]["parts"]["disk"] if "calibrate" in st else {}
+    predicted["calibration_disk_gib"] = round(sum(v for k, v in cal.items() if k.startswith("checkpoint")), 4)
+    predicted["peak_host_gib"] = max(st[n]["host_gib"] for n in stages)
+    return {"predicted": predicted, "measured": measured}
+
+
 def dry_run(cfg: dict, out_dir: str | Path, *, log=print) -> dict:
     """Run `cfg` as a dry run into `out_dir` (see module doc); returns the run's summary."""
     from ..runner.preflight import preflight
@@ -202,9 +239,13 @@ def dry_run(cfg: dict, out_dir: str | Path, *, log=print) -> dict:
     log(f"[dry run] {STANDIN_NOTE}: {', '.join(ids) or 'none (local model paths are used as they are)'} in {cache}")
     with standin_models(cache):
         summary = execute(small, out_dir, plan=plan)
+    check = standin_check(small, snapshots, stages)
+    log(f"[dry run] plan at the stand-in shapes vs the stand-in run: predicted {json.dumps(check['predicted'])}; "
+        f"measured {json.dumps(check['measured'])}")
     record = {"pair": cfg["pair"]["name"], "stages": stages, "standins": {i: str(p) for i, p in snapshots.items()},
               "standin_sizes": sizes, "note": STANDIN_NOTE, "preflight": checks, "cannot_show": list(CANNOT_SHOW),
-              "calibration_sequences": small["calib"]["n_sequences"], "seconds": round(time.perf_counter() - started, 1)}
+              "calibration_sequences": small["calib"]["n_sequences"], "seconds": round(time.perf_counter() - started, 1),
+              "standin_check": check}
     atomic_write_json(out_dir / "dry_run.json", record)
     log(f"[dry run] every stage ran in {record['seconds']:.0f} s. What a dry run cannot show:")
     for line in CANNOT_SHOW:

@@ -6,8 +6,8 @@ import math
 
 from ..config.runconfig import parse_stages
 from . import rates as rate_table
-from .knobs import Context, apply_knobs, get, recommend, shell_overrides
-from .node import GiB, Node
+from .knobs import Context, apply_knobs, get, recommend, shell_overrides, tune
+from .node import NODES, GiB, Node
 from .setup import Setup, run_device
 from .shapes import ModelShape, load_shape, mapper_params, weight_bytes
 from .stages import stage_usage
@@ -81,9 +81,13 @@ def _protocol(s: Setup) -> dict:
     return {"n_sequences": s.n_seq, "seq_len": s.seq, "stride": s.stride, "batch_size": s.batch,
             "k": s.k, "dx": s.dx, "dy": s.dy, "p": s.p, "observations": obs,
             "p_over_n": round(s.p / max(1, obs), 4), "calib_dtype": str(s.calib.get("dtype", "float64")),
-            "compute_dtype": str(s.calib.get("compute_dtype") or s.calib.get("dtype", "float64")),
+            "compute_dtype": ("float32" if s.twolevel else
+                              str(s.calib.get("compute_dtype") or s.calib.get("dtype", "float64"))),
             "capture": s.calib.get("capture", "co-resident"), "store_device": (s.device if s.in_place else s.store),
-            "accumulate": "device (in place)" if s.in_place else "host",
+            "accumulate": ("device (in place)" if s.in_place else
+                           f"two-level (float32 on {s.device} for {s.flush} batches, then into the masters)"
+                           if s.twolevel else "host"),
+            "buffer_gib": round(s.buffer / GiB, 2),
             "moments_split_gib": round(s.moments / GiB, 2),
             "heldout_observations": s.held_rows, "heldout_gib": round(s.heldout / GiB, 2),
             "source_weights_gib": round(weight_bytes(s.src, s.w) / GiB, 2),
@@ -94,7 +98,7 @@ def _protocol(s: Setup) -> dict:
 
 def make_plan(cfg: dict, node: Node, *, shapes: tuple[ModelShape, ModelShape] | None = None,
               rates: rate_table.Rates | None = None, local: bool = False, knobs: bool = True,
-              auto: bool | None = None, stages: list[str] | None = None) -> dict:
+              auto: bool | None = None, stages: list[str] | None = None, suggest: bool = True) -> dict:
     """The resource plan of `cfg` (a resolved plain config dict) on `node`, as one JSON-able dict:
 
     {"pair", "source", "target", "node", "protocol", "rates", "notes", "auto", "max_hours",
@@ -115,6 +119,8 @@ def make_plan(cfg: dict, node: Node, *, shapes: tuple[ModelShape, ModelShape] | 
         cfg = dict(cfg, stage=list(requested))
     ctx = _context(node, shapes, rates, headroom, requested)
     recommended = recommend(cfg, ctx) if knobs else []
+    if knobs:   # number-neutral settings applied whatever fits (the checkpoint cadence)
+        recommended = recommended + tune(apply_knobs(cfg, recommended), ctx)
     applied = recommended if auto else []
     s, usage = ctx.usage(apply_knobs(cfg, applied))
     _, typed = ctx.usage(cfg)
@@ -122,13 +128,30 @@ def make_plan(cfg: dict, node: Node, *, shapes: tuple[ModelShape, ModelShape] | 
     entries = {name: _stage_entry(name, u, typed[name], s, node, headroom, max_hours, requested, label)
                for name, u in usage.items()}
     src, tgt = shapes
-    return {"pair": cfg["pair"].get("name"), "source": src.name, "target": tgt.name,
+    refused = {k: v["refused"] for k, v in entries.items() if v["refused"] and k in requested}
+    smallest = smallest_node(cfg, shapes, requested) if refused and suggest and knobs else None
+    verdict = ("fits, as typed" if not refused and auto else "fits" if not refused else "refused")
+    return {"pair": cfg["pair"].get("name"), "verdict": verdict, "smallest_node": smallest, "source": src.name, "target": tgt.name,
             "node": {**node.describe(), "device": s.device, "headroom": headroom},
             "protocol": _protocol(s), "rates": {"name": rates.name, "source": rates.source, "rates": rates.describe()},
             "notes": s.notes, "auto": auto, "max_hours": max_hours, "requested": requested,
             "recommended": recommended, "applied": applied, "overrides": shell_overrides(applied),
-            "refused": {k: v["refused"] for k, v in entries.items() if v["refused"] and k in requested},
-            "stages": entries}
+            "refused": refused, "stages": entries}
+
+
+def _node_size(spec: dict) -> tuple:
+    return (spec["gpus"] * spec["gpu_gib"], spec["host_gib"], spec["disk_gib"])
+
+
+def smallest_node(cfg: dict, shapes, stages: list) -> str | None:
+    """The smallest node preset (total GPU memory, then host, then disk) on which every stage of `stages` runs at
+    `cfg` with the plan's number-neutral knobs, or None when none does."""
+    for name, spec in sorted(NODES.items(), key=lambda kv: _node_size(kv[1])):
+        node = Node(**spec)
+        plan = make_plan(cfg, node, shapes=shapes, stages=stages, auto=True, suggest=False)
+        if not plan["refused"]:
+            return name
+    return None
 
 
 def applied_config(cfg: dict, plan: dict) -> dict:
@@ -152,6 +175,11 @@ def refusal_message(plan: dict, stages: list[str] | None = None) -> str | None:
     if plan["recommended"]:
         lines.append(f"  the plan's knobs ({'applied' if plan['applied'] else 'not applied: plan.auto=false'}): "
                      f"{shell_overrides(plan['recommended'])}")
+    if plan.get("smallest_node"):
+        spec = NODES[plan["smallest_node"]]
+        lines.append(f"  no layout that keeps the numbers fits this node; the smallest node preset that runs it: "
+                     f"{plan['smallest_node']} ({spec['name']}: {spec['gpus']} x {spec['gpu_gib']:g} GiB GPU, "
+                     f"{spec['host_gib']:g} GiB host, {spec['disk_gib']:.0f} GiB disk)")
     lines.append("Leave out the stages above (stage=...), use a larger node, or plan.enforce=false to run anyway. "
                  "Details: plan.json / python -m kvtransfer.plan pair=... --help")
     return "\n".join(lines)

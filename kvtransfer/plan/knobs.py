@@ -1,21 +1,22 @@
-"""The knobs the plan recommends when a requested stage does not fit, from one fixed, ordered list.
+"""The knobs the plan applies when a requested stage does not fit, from one fixed, ordered list of knobs that
+change no number of the run (one command, one set of numbers on every node).
 
 `recommend` walks `KNOBS` in order (twice): a knob that applies to the config (its `offer` returns a value) is
 kept when it lowers how far the requested stages are over budget, and the walk stops once everything fits; then
-any kept knob the others no longer need is dropped. That is a few plans per knob, not a search over sets. The
-order puts first what changes no number of the run, then what changes them least:
+any kept knob the others no longer need is dropped. That is a few plans per knob, not a search over sets:
 
     calib.mlp_samples=0          keep no feature sample (only mapper=mlp / weighting=attention_mass read it)
     device_map=auto              spread each model over the node's GPUs
+    calib.capture=sequential     one model resident at a time, the source's features via disk (bit-identical moments)
     report.rotated_heatmap=false skip the report's second (rotated-key) calibration (one figure fewer)
-    report.variance_k=[1,2,4,8]  Table-7 rows up to k = 8 (smaller fits in the report)
-    calib.dtype=float32          float32 moments (the solve stays float64) -- changes the numbers (FP32_MEASURED)
-    calib.accumulate=device      train moments on the GPU, merged in place -- changes the numbers
+    report.variance_k=[1,2,4,8]  Table-7 rows up to k = 8 (smaller fits in the report; the rows kept are the same)
     pair.<side>.max_memory       keep part of the target's weights on the host (slow: streamed every forward)
 
-A run applies the recommended set by itself (`plan.auto`, runner.pipeline.plan_run) when every knob of it is
-number-neutral; a set holding a knob that changes the numbers is refused with the overrides to type, so the
-same command gives the same numbers on every node it runs on.
+and, whatever fits, `tune`: calib.checkpoint_every raised so the rolling checkpoint's rewrites cost at most
+CHECKPOINT_SHARE of the calibration's estimated time (the result is the same: checkpoints fall on flush
+boundaries). The moments' precision is no knob: the default (calib.accumulate=twolevel, float64 masters on the
+host) is the same on a laptop and a DGX. When no number-neutral layout fits, the run refuses and names the
+smallest node preset that would run it (`build.smallest_node`).
 """
 from __future__ import annotations
 
@@ -28,14 +29,6 @@ from typing import Callable
 from ..config.runconfig import needs_feature_sample
 from .node import GiB
 from .shapes import weight_bytes
-
-# What the knobs that change numbers did where it was measured (results/plan/README.md, "Precision of the
-# moments"; results/qwen25coder/README.md item 10: Qwen2.5-Coder 0.5B -> 1.5B, 160 x 256 Wikipedia tokens,
-# k = 8, float32 moments accumulated on the device against float64 host moments, CPU).
-FP32_MEASURED = ("measured on Qwen2.5-Coder 0.5B -> 1.5B (float32 moments accumulated on the device vs float64 on "
-                 "the host): held-out K R² -0.006 (0.714 vs 0.720), V -0.001, ppl@256 34.5 vs 34.2, same selected "
-                 "layers; the ridge weights differ by 88 % (relative Frobenius norm)")
-
 
 @dataclass(frozen=True)
 class Knob:
@@ -91,8 +84,9 @@ def _offer_device_map(cfg, ctx):
     return "auto" if spread else None
 
 
-def _offer_fp32(cfg, ctx):
-    return "float32" if str(get(cfg, "calib.dtype", "float64")) == "float64" else None
+def _offer_sequential(cfg, ctx):
+    both = "calibrate" in ctx.stages or ("report" in ctx.stages and get(cfg, "report.rotated_heatmap"))
+    return "sequential" if both and get(cfg, "calib.capture", "co-resident") == "co-resident" else None
 
 
 def _offer_no_rotated(cfg, ctx):
@@ -103,11 +97,6 @@ def _offer_small_variance_k(cfg, ctx):
     ks = get(cfg, "report.variance_k", []) or []
     small = [k for k in ks if k != "all" and int(k) <= 8]
     return small if "report" in ctx.stages and small != list(ks) else None
-
-
-def _offer_accumulate(cfg, ctx):
-    on_gpu = ctx.node.gpus > 0 and str(cfg.get("device", "auto")) != "cpu"
-    return "device" if on_gpu and get(cfg, "calib.accumulate", "host") == "host" else None
 
 
 def offload_value(cfg: dict, ctx: Context) -> dict | None:
@@ -144,16 +133,12 @@ KNOBS = (
     Knob("calib.mlp_samples", "keep no feature sample (only mapper=mlp and mapper.weighting=attention_mass read it)",
          None, _offer_no_sample),
     Knob("device_map", "spreads each model over all GPUs", None, _offer_device_map),
+    Knob("calib.capture", "one model resident at a time during calibration: the source's features go to disk, "
+         "then the target runs against them (the same moments, bit for bit)", None, _offer_sequential),
     Knob("report.rotated_heatmap", "skip the report's second (rotated-key) calibration: the R² figure shows "
          "stripped keys only", None, _offer_no_rotated),
     Knob("report.variance_k", "Table-7 rows up to k = 8 only (smaller ridge fits in the report)", None,
          _offer_small_variance_k),
-    Knob("calib.dtype", "float32 moments: halves them in memory and on disk (the solve stays float64)",
-         FP32_MEASURED, _offer_fp32),
-    Knob("calib.accumulate", "train moments on the GPU in calib.dtype, merged in place per batch (no batch "
-         "products, nothing shipped to the host)", "with calib.dtype=float32: " + FP32_MEASURED
-         + "; in float64 the in-place merge equals the host path to <= 6 eps64 (tests/test_scale_design.py)",
-         _offer_accumulate),
     _OffloadKnob("pair.target.max_memory", "keeps part of the target's weights on the host; accelerate copies "
                  "them to the GPU on every forward pass (time: the plan's 'offloaded weights streamed')",
                  None, offload_value),
@@ -207,6 +192,37 @@ def recommend(cfg: dict, ctx: Context) -> list[dict]:
             if not ctx.over(_build(cfg, rest, ctx)[0]):
                 chosen = rest
     return _build(cfg, chosen, ctx)[1]
+
+
+CHECKPOINT_SHARE = 0.1   # the rolling checkpoint's rewrites may cost at most this share of the calibration
+
+
+def tune(cfg: dict, ctx: Context) -> list[dict]:
+    """Number-neutral settings applied whatever fits: calib.checkpoint_every (sequences) raised so that the rolling
+    checkpoint (one directory rewritten in place, piece by piece) is rewritten at most as often as costs
+    CHECKPOINT_SHARE of the calibration's other estimated time; at least one checkpoint besides the last stays
+    when the calibration has more than one checkpoint's worth of batches. Empty when the typed cadence is cheap."""
+    if "calibrate" not in ctx.stages:
+        return []
+    s, usage = ctx.usage(cfg)
+    secs = usage["calibrate"].parts.get("seconds", {})
+    ck = secs.get("checkpoints", 0.0)
+    rest = sum(v for k, v in secs.items() if k != "checkpoints")
+    if s.n_checkpoints <= 1 or ck <= CHECKPOINT_SHARE * rest:
+        return []
+    per = ck / s.n_checkpoints
+    n = max(2, int(CHECKPOINT_SHARE * rest // per))   # checkpoints affordable, the last one included
+    if n >= s.n_checkpoints:
+        return []
+    step = -(-s.n_batches // n)                          # batches between checkpoints
+    if s.twolevel:
+        step = -(-step // s.flush) * s.flush
+    value = step * s.batch
+    note = (f"checkpoint the rolling calibration every {value} sequences ({-(-s.n_batches // step)} writes of "
+            f"{s.checkpoint / GiB:.1f} GiB instead of {s.n_checkpoints}): the rewrites stay within "
+            f"{CHECKPOINT_SHARE:.0%} of the calibration's time")
+    return [{"key": "calib.checkpoint_every", "value": value, "set": f"calib.checkpoint_every={value}", "note": note,
+             "changes": None}]
 
 
 def apply_knobs(cfg: dict, entries: list[dict]) -> dict:

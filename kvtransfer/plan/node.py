@@ -8,12 +8,40 @@ from pathlib import Path
 from .rates import DEVICES
 
 GiB = 1 << 30
-# Node shapes of issue 10. GPU memory per device as nvidia-smi reports it (H200: 143,771 MiB,
-# H100-80GB: 81,559 MiB); "1 TB" disk = 1e12 bytes.
+TB = 1e12 / GiB   # a decimal terabyte, in GiB
+# GPU memory per device as nvidia-smi reports it (H200: 143,771 MiB = 140.4 GiB; H100-80GB: 81,559 MiB = 79.6 GiB).
+# Host memory and local disk from each system's public spec sheet (`source`); "TB" there is decimal (1e12 bytes),
+# "GiB" / "TiB" binary. The local disk is the one the run's cache_dir (artifacts, checkpoints) lives on.
 NODES = {
-    "h200": dict(name="1xH200", gpus=1, gpu_gib=140.4, host_gib=128.0, disk_gib=64.0, gpu="H200"),
-    "8xh100": dict(name="8xH100-80GB", gpus=8, gpu_gib=79.6, host_gib=1024.0, disk_gib=1e12 / GiB, gpu="H100"),
+    # a one-GPU workstation with a small local disk (the shape a single lent H200 has)
+    "h200": dict(name="1xH200", gpus=1, gpu_gib=140.4, host_gib=128.0, disk_gib=64.0, gpu="H200",
+                 source="a 1 x H200 machine with 128 GiB host memory and a 64 GiB local disk"),
+    # an 8 x H100 server with half a DGX's host memory and a 1 TB local disk
+    "8xh100": dict(name="8xH100-80GB", gpus=8, gpu_gib=79.6, host_gib=1024.0, disk_gib=1 * TB, gpu="H100",
+                   source="an 8 x H100-80GB server with 1 TiB host memory and a 1 TB local disk"),
+    # NVIDIA DGX H100 datasheet: 8 x H100 80 GB, 2 TB system memory, internal storage 8 x 3.84 TB NVMe U.2 (30 TB)
+    "dgx-h100": dict(name="DGX H100", gpus=8, gpu_gib=79.6, host_gib=2048.0, disk_gib=8 * 3.84 * TB, gpu="H100",
+                     source="NVIDIA DGX H100 datasheet (nvidia.com/en-us/data-center/dgx-h100): 8 x H100 80 GB, "
+                            "2 TB system memory, 30 TB internal NVMe (8 x 3.84 TB U.2)"),
+    # NVIDIA DGX H200 datasheet: 8 x H200 141 GB, 2 TB system memory, internal storage 8 x 3.84 TB NVMe U.2 (30 TB)
+    "dgx-h200": dict(name="DGX H200", gpus=8, gpu_gib=140.4, host_gib=2048.0, disk_gib=8 * 3.84 * TB, gpu="H200",
+                     source="NVIDIA DGX H200 datasheet (nvidia.com/en-us/data-center/dgx-h200): 8 x H200 141 GB, "
+                            "2 TB system memory, 30 TB internal NVMe (8 x 3.84 TB U.2)"),
+    # DigitalOcean GPU Droplet sizes (docs.digitalocean.com/products/droplets/details/features, GPU Droplets):
+    # H100x1 = 1 x H100 80 GB, 20 vCPU, 240 GiB RAM, 720 GiB boot + 5 TiB scratch NVMe; H200x1 = 1 x H200 141 GB,
+    # 24 vCPU, 240 GiB RAM, 720 GiB boot + 5 TiB scratch NVMe. cache_dir on the scratch disk.
+    "1xh100-cloud": dict(name="1xH100 cloud (H100x1)", gpus=1, gpu_gib=79.6, host_gib=240.0, disk_gib=5 * 1024.0,
+                         gpu="H100", source="DigitalOcean GPU Droplet H100x1 (docs.digitalocean.com, Droplet sizes): "
+                         "1 x H100 80 GB, 240 GiB RAM, 5 TiB NVMe scratch disk (+ 720 GiB boot)"),
+    "1xh200-cloud": dict(name="1xH200 cloud (H200x1)", gpus=1, gpu_gib=140.4, host_gib=240.0, disk_gib=5 * 1024.0,
+                         gpu="H200", source="DigitalOcean GPU Droplet H200x1 (docs.digitalocean.com, Droplet sizes): "
+                         "1 x H200 141 GB, 240 GiB RAM, 5 TiB NVMe scratch disk (+ 720 GiB boot)"),
 }
+
+
+def node_preset(name: str) -> "Node":
+    """The `Node` of a preset of NODES (its `source` stays in NODES)."""
+    return Node(**NODES[name])
 
 
 @dataclass
@@ -27,6 +55,7 @@ class Node:
     disk_gib: float = 0.0
     gpu: str | None = None   # key of rates.DEVICES, or None (CPU, or an unknown GPU: rates measured)
     weights_on_disk: bool = False
+    source: str = ""         # where a preset's figures come from (its spec sheet)
 
     def capacity(self) -> dict:
         """{"gpu", "host", "disk"}: bytes per GPU, of host memory, of disk."""
@@ -34,7 +63,8 @@ class Node:
 
     def describe(self) -> dict:
         return {"name": self.name, "gpus": self.gpus, "gpu_gib": self.gpu_gib, "host_gib": self.host_gib,
-                "disk_gib": round(self.disk_gib, 1), "gpu": self.gpu, "weights_on_disk": self.weights_on_disk}
+                "disk_gib": round(self.disk_gib, 1), "gpu": self.gpu, "weights_on_disk": self.weights_on_disk,
+                **({"source": self.source} if self.source else {})}
 
 
 def _host_gib() -> float:

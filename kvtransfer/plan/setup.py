@@ -75,14 +75,20 @@ class Setup:
         self.train_batch_rows = [min(self.batch, self.n_train - i) * self.kept for i in range(0, self.n_train, self.batch)]
         self.rows = self.batch * self.kept                      # m: observations per batch
         self.every = max(1, int(c.get("checkpoint_every", 64)) // self.batch)
+        acc = c.get("accumulate", "host")
+        if acc not in ("host", "device", "twolevel"):
+            raise ValueError(f"calib.accumulate must be twolevel, host or device, got {acc!r}")
+        self.twolevel = acc == "twolevel"   # float32 buffer on the device, float64 masters on the host
+        self.flush = int(c.get("flush_batches", 8))
+        if self.twolevel:                  # collect_moments checkpoints at flush boundaries
+            self.every = -(-self.every // self.flush) * self.flush
+        self.n_flushes = -(-len(self.train_batch_rows) // self.flush) if self.twolevel else 0
         self.n_checkpoints = -(-self.n_batches // self.every)    # the last batch always checkpoints
         self.a = dtype_bytes(c.get("dtype", "float64"))
         self.c = dtype_bytes(c["compute_dtype"]) if c.get("compute_dtype") else self.a
         self.store = "cuda" if str(c.get("store_device", "cpu")) != "cpu" and self.device == "cuda" else "cpu"
         self.sequential = c.get("capture", "co-resident") == "sequential"
-        if c.get("accumulate", "host") not in ("host", "device"):
-            raise ValueError(f"calib.accumulate must be host or device, got {c.get('accumulate')!r}")
-        self.in_place = c.get("accumulate", "host") == "device"   # Moments.accumulate (on the target's device)
+        self.in_place = acc == "device"   # Moments.accumulate (on the target's device)
         # the source's features per layer: its K or V (the paper's), or its hidden states (mapper=hidden,
         # kvtransfer.core.hidden: H or H + n_kv_s * d_s columns per layer and kind) -- every size below follows
         from ..core.hidden import feature_width
@@ -116,6 +122,11 @@ class Setup:
     def moments(self) -> int:
         """The train moments in calib.dtype (calib.accumulate=device: means and cyy in float64)."""
         return moments_bytes(self.dx, self.dy, self.a, wide=self.in_place)
+
+    @property
+    def buffer(self) -> int:
+        """calib.accumulate=twolevel: the float32 buffer (float64 means and cyy) on the target's device."""
+        return moments_bytes(self.dx, self.dy, 4, wide=True) if self.twolevel else 0
 
     @property
     def heldout(self) -> int:

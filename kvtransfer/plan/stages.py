@@ -39,7 +39,11 @@ def _calib_device(s: Setup) -> dict:
     fwd_t = forward_bytes(s.tgt, s.batch, s.seq, s.w, math_attention=s.math_attention())
     fwd_s = forward_bytes(s.src, s.batch, s.seq, s.w, math_attention=s.math_attention())
     feat_y, feat_x = 2 * m * dy * 4, 2 * m * dx * 4
-    if s.in_place:   # Moments.accumulate: one kind at a time: xb/yb in dtype, centred rows, the [m+2, .] operands
+    if s.twolevel:   # Moments.accumulate into the float32 buffer (the masters are on the host)
+        add_work = m * (dx + dy) * 4 + (m + 2) * (2 * dx + dy) * 4
+        moments_dev = s.buffer
+        merge_dev = 0
+    elif s.in_place:   # Moments.accumulate: one kind at a time: xb/yb in dtype, centred rows, the [m+2, .] operands
         add_work = m * (dx + dy) * s.a * (1 if s.a == 4 else 2) + (m + 2) * (2 * dx + dy) * s.a
         moments_dev = s.moments + (s.heldout if s.store == "cuda" else 0)
         merge_dev = 0
@@ -65,7 +69,9 @@ def _calib_host(s: Setup, held_host: float, loaded: frozenset) -> dict:
     dx, dy = s.dx, s.dy
     # (on a CPU run the in-place moments are device parts, which `place` puts on the host)
     host_moments = (s.heldout if s.in_place else s.calibration) if s.store == "cpu" else 0
-    if not s.in_place and s.store == "cpu" and (s.device == "cuda" or s.c != s.a):
+    if s.twolevel:   # the fold (Moments.absorb) brings the buffer over in float64 row chunks of <= 256 MiB
+        merge_host = min(256 << 20, s.buffer)
+    elif not s.in_place and s.store == "cpu" and (s.device == "cuda" or s.c != s.a):
         merge_host = moments_kind_bytes(dx, dy, s.a) + (dx * max(dx, dy) * s.c if s.c != s.a else 0)
     else:
         merge_host = 0
@@ -85,10 +91,15 @@ def _calib_seconds(s: Setup, loaded: frozenset) -> dict:
     """Estimated seconds of the calibration, by part."""
     r, m, dx, dy = s.rates, s.rows, s.dx, s.dy
     fwd = s.n_seq * (prefill_flops(s.src, s.seq, s.seq) + prefill_flops(s.tgt, s.seq, s.seq)) / s.flops_rate(s.mdtype)
-    cdt = {8: "float64", 4: "float32", 2: "bfloat16"}[s.a if s.in_place else s.c]
+    cdt = "float32" if s.twolevel else {8: "float64", 4: "float32", 2: "bfloat16"}[s.a if s.in_place else s.c]
     products = s.n_batches * 2 * 2 * m * (dx * dx + dx * dy) / (r.flops.get(cdt) or r.flops["float32"])
     elems = s.n_batches * 2 * (dx * dx + dx * dy)
-    if s.in_place:   # the merge is inside the GEMM (C += A^T B reads and writes C once per batch)
+    if s.twolevel:   # in-place float32 GEMMs on the device; per flush the buffer crosses the link once and is
+        # added into the float64 masters (read 4 + read/write 16 bytes an entry on the host)
+        per_flush = 2 * (dx * dx + dx * dy)
+        link = s.n_flushes * per_flush * 4 / r.link if (s.device == "cuda" and r.link) else 0.0
+        merge = elems * 2 * 4 / (r.bw if s.device == "cuda" else r.host_bw) + s.n_flushes * per_flush * 20 / r.host_bw
+    elif s.in_place:   # the merge is inside the GEMM (C += A^T B reads and writes C once per batch)
         link = s.n_checkpoints * s.moments / r.link if (s.device == "cuda" and r.link) else 0.0
         merge = elems * 2 * s.a / (r.bw if s.device == "cuda" else r.host_bw)
     else:

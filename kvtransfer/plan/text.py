@@ -34,17 +34,25 @@ def _knob_lines(plan: dict, markdown: bool) -> list[str]:
     bullet = "- " if markdown else "  "
     if not plan["recommended"]:
         return []
-    changing = [e["set"] for e in plan["applied"] if e["changes"]]
-    head = (f"recommended; the run refuses until they are typed, since {' '.join(changing)} changes the numbers "
-            "(plan.auto applies number-neutral knobs only, so one command gives one number on every node):"
-            if changing else
-            "applied (the run sets these itself; plan.auto=false refuses instead):" if plan["applied"] else
-            "recommended, not applied (plan.auto=false):")
+    head = ("applied (the run sets these itself, none changes a number; plan.auto=false refuses instead):"
+            if plan["applied"] else "recommended, not applied (plan.auto=false):")
     lines = ["", f"{head} {shell_overrides(plan['recommended'])}"]
     for e in plan["recommended"]:
-        lines.append(f"{bullet}{e['set']}: {e['note']}"
-                     + (f" -- CHANGES THE NUMBERS: {e['changes']}" if e["changes"] else ""))
+        lines.append(f"{bullet}{e['set']}: {e['note']}")
     return lines
+
+
+def verdict_line(plan: dict) -> str:
+    """One line: 'fits, as typed' (the command runs as typed; the run applies its number-neutral knobs itself),
+    or the refusal with the smallest node preset that would run it."""
+    if plan.get("verdict") == "fits, as typed":
+        extra = f" (the run applies {shell_overrides(plan['applied'])} itself)" if plan["applied"] else ""
+        return f"verdict: fits, as typed{extra}"
+    if plan.get("verdict") == "fits":
+        return "verdict: fits with the knobs above (plan.auto=false: type them)"
+    who = plan.get("smallest_node")
+    return (f"verdict: refused ({', '.join(plan['refused'])}); smallest node preset that runs it: {who}" if who else
+            f"verdict: refused ({', '.join(plan['refused'])}); no node preset runs it")
 
 
 def _table(plan: dict, markdown: bool) -> list[str]:
@@ -70,7 +78,7 @@ def _table(plan: dict, markdown: bool) -> list[str]:
 def format_plan(plan: dict, *, markdown: bool = False, details: bool = True) -> str:
     """The plan as a table (plain text or markdown), the knobs applied, the refused stages and notes."""
     lines = [f"{'## ' if markdown else ''}Resource plan: {plan['pair']} ({plan['source']} -> {plan['target']})", "",
-             *_header(plan), "", *_table(plan, markdown), *_knob_lines(plan, markdown)]
+             *_header(plan), "", *_table(plan, markdown), *_knob_lines(plan, markdown), "", verdict_line(plan)]
     bullet = "- " if markdown else "  "
     for name, reason in plan["refused"].items():
         lines.append(f"{bullet}REFUSED {name}: {reason}")

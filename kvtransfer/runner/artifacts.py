@@ -77,7 +77,7 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
              inputs=("calib.dataset", "calib.dataset_name", "calib.split", "calib.files", "calib.text_field",
                      "calib.domain", "calib.context_start", "calib.n_sequences", "calib.seq_len", "calib.stride",
                      "calib.heldout_fraction", "calib.heldout_observations", "calib.batch_size", "calib.capture",
-                     "calib.dtype", "calib.compute_dtype", "calib.accumulate", "seed", "mapper.features", *_MODEL_RUN),
+                     "calib.dtype", "calib.compute_dtype", "calib.accumulate", "calib.flush_batches", "seed", "mapper.features", *_MODEL_RUN),
              identities=("source", "target", "calib_data"), extra=("key_space", "format"),
              # the source's hidden states are calibrated only for the map that reads them (runconfig.source_features):
              # a ridge/MLP/trained run keeps the paper's calibration (and its key)

@@ -47,7 +47,7 @@ def _calibrate_locked(run, directory: Path, key_space: str) -> None:
         capture=calib.get("capture", "co-resident"), feature_dir=directory / "features",
         checkpoint_path=directory / "calibration", checkpoint_every=calib.get("checkpoint_every", 64),
         dtype=dtype, compute_dtype=compute, store_device=calib.get("store_device", "cpu"),
-        accumulate=calib.get("accumulate", "host"),
+        accumulate=calib.get("accumulate", "host"), flush_batches=int(calib.get("flush_batches", 8)),
         feature_sink=sampler, progress=run.progress, features=run.features)
     seconds = time.perf_counter() - started
     if not result.train.info.get("complete"):

@@ -30,11 +30,11 @@ def plan_run(cfg: dict, out_dir: str | Path, stages: list[str] | None = None, *,
     out_dir/plan.json + plan.md, and return (the config to run, the plan).
 
     plan.enforce=true (default): with plan.auto=true (default) the knob set the plan recommends for `stages`
-    (default cfg.stage) is applied to the returned config and printed when every knob of it is number-neutral
-    (placement, offload, a skipped report figure); a set holding a knob that changes the numbers (its `changes`:
-    calib.dtype=float32, calib.accumulate=device) raises PlanError naming the overrides to type, so one command
-    gives the same numbers on every node it fits; a stage that does not fit even so, or
-    whose estimate exceeds plan.max_hours, raises PlanError before anything loads. plan.auto=false: the
+    (default cfg.stage) is applied to the returned config and printed; every knob of the list is number-neutral
+    (placement, capture order, offload, checkpoint cadence, a skipped report figure), so one command gives the
+    same numbers on every node it runs on (a knob with `changes` set would still be refused here); a stage that
+    does not fit even so, or whose estimate exceeds plan.max_hours, raises PlanError before anything loads,
+    naming the smallest node preset that runs it. plan.auto=false: the
     config is run as typed and any stage that does not fit raises PlanError naming the knobs (the behaviour
     before plan.auto). plan.enforce=false: the config is run as typed whatever the plan says (a warning).
     Errors in planning propagate: a planner that cannot plan fails the run, it never turns enforcement off."""

@@ -1,11 +1,10 @@
-"""The plan figure and the plan README's generated numbers, from the committed plan.json files.
+"""The plan figure, from the committed plan.json files.
 
-    python3 results/plan/figure.py [--check]
+    python3 results/plan/figure.py
 
-figures/memory.png: planned GPU and host memory of every stage of the six paper pairs on each node shape,
-against the node's budget (one GPU; all GPUs; host). README.md's `key_numbers` block: the times the README's
-reading cites, read from the same plans (so the prose never retypes them). Reads only results/plan/*/*/plan.json
-(what make.py wrote); no planning is redone here. --check compares the README block only (exit 1 on a difference).
+figures/memory.png: planned GPU and host memory of every stage of the six paper pairs on each node preset,
+against the node's budget (one GPU; all GPUs; host). Reads only results/plan/*/*/plan.json (what make.py wrote);
+no planning is redone here. The numbers the docs quote are make.py's generated blocks.
 """
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from kvtransfer.report import readme  # noqa: E402
 
-NODE_DIRS = ("h200", "h200_fp32_device", "8xh100")
+NODE_DIRS = ("dgx-h200", "dgx-h100", "8xh100", "1xh200-cloud", "1xh100-cloud", "h200")
 STAGES = ("calibrate", "fit", "eval", "bench", "report")
 
 
@@ -27,36 +25,6 @@ def load_plans() -> dict[str, dict[str, dict]]:
     """{node dir: {pair: plan.json}} of every committed plan."""
     return {node: {p.parent.name: json.loads(p.read_text()) for p in sorted((HERE / node).glob("*/plan.json"))}
             for node in NODE_DIRS if (HERE / node).is_dir()}
-
-
-def duration(seconds: float) -> str:
-    """"43 min" under 90 minutes, else "8.5 h" (the plan's own rounding)."""
-    return f"{seconds / 60:.0f} min" if seconds < 90 * 60 else f"{seconds / 3600:.1f} h"
-
-
-def key_numbers(plans: dict) -> str:
-    """The numbers the README's reading cites, each with the plan it comes from (stage figures are with the
-    recommended knobs set; `as_typed` holds the figures of the config as typed). A set holding a knob that
-    changes the numbers is one the run refuses until the command types it (`how`)."""
-    h200, fp32, h100 = plans["h200"], plans["h200_fp32_device"], plans["8xh100"]
-    q, ll = "qwen3_14b_32b", "llama31_8b_70b"
-    cal = h200[q]["stages"]["calibrate"]
-
-    def how(plan: dict) -> str:
-        changing = [e["set"] for e in plan["applied"] if e.get("changes")]
-        if changing:
-            return f"with `{plan['overrides']}` typed (the run refuses until it is: {' '.join(changing)} changes the numbers)"
-        return f"with `{plan['overrides']}`, which the run applies itself" if plan["applied"] else "as typed"
-    lines = [
-        f"- Qwen3-14B → 32B calibrate on 1 x H200: {duration(fp32[q]['stages']['calibrate']['seconds'])} with "
-        f"`calib.dtype=float32 calib.accumulate=device` (`h200_fp32_device/`); {how(h200[q])} it takes "
-        f"{duration(cal['seconds'])} (`h200/`; as typed it does not fit).",
-        f"- Qwen3-14B → 32B calibrate + fit on 8 x H100: {duration(h100[q]['stages']['calibrate']['seconds'])} + "
-        f"{duration(h100[q]['stages']['fit']['seconds'])} (`8xh100/`, {how(h100[q])}).",
-        f"- Llama-3.1-8B → 70B eval on 8 x H100 {how(h100[ll])}: "
-        f"{duration(h100[ll]['stages']['eval']['seconds'])} (`8xh100/`).",
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def memory_figure(plans: dict, path: Path) -> None:
@@ -98,17 +66,9 @@ def memory_figure(plans: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args()
-    plans = load_plans()
-    want = {"key_numbers": key_numbers(plans)}
-    if args.check:
-        have = readme.blocks((HERE / "README.md").read_text())
-        raise SystemExit(int(have.get("key_numbers") != want["key_numbers"]))
-    memory_figure(plans, HERE / "figures" / "memory.png")
-    readme.rewrite(HERE / "README.md", want)
-    print("wrote results/plan/figures/memory.png and README.md's key_numbers block")
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    memory_figure(load_plans(), HERE / "figures" / "memory.png")
+    print("wrote results/plan/figures/memory.png")
 
 
 if __name__ == "__main__":

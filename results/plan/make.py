@@ -1,9 +1,13 @@
-"""Regenerate results/plan/: the resource plan of the six paper pairs at the paper's protocol
-(500 x 1,024 tokens, stride 4, k as in the paper; every other key at its conf/ default) on the two
-node shapes of issue 10. No weights, no hub, no GPU: shapes come from the real transformers config
-classes (kvtransfer/resources/model_configs.py), rates from the device table in kvtransfer/plan/rates.py.
+"""Regenerate results/plan/: the resource plan of the six paper pairs at the paper's protocol (500 x 1,024 tokens,
+stride 4, k as in the paper; every other key at its conf/ default) on every node preset of kvtransfer/plan/node.py.
+No weights, no hub, no GPU: shapes come from the real transformers config classes
+(kvtransfer/resources/model_configs.py), rates from the device table in kvtransfer/plan/rates.py.
 
     python3 results/plan/make.py
+
+Writes <preset>/<pair>/plan.json + plan.md, summary.md (the pair x preset table), and the generated `plan_table` /
+`plan_verdicts` blocks of results/plan/README.md, docs/running.md and README.md (every resource number the
+docs quote comes from here; tests/test_results_plan.py reruns this and compares byte for byte).
 """
 from __future__ import annotations
 
@@ -14,82 +18,106 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
 
 from kvtransfer import plan as P  # noqa: E402
+from kvtransfer.report import readme  # noqa: E402
 
 PAIRS = ("qwen3_14b_32b", "qwen3_8b_32b", "llama31_8b_70b", "ministral3_3b_8b", "ministral3_3b_14b",
          "ministral3_8b_14b")
-NODES = ("h200", "8xh100")
-# issue 10 §2's device accumulation, planned next to the defaults: (node, overrides, folder suffix, title)
-VARIANTS = [(node, [], "", "") for node in NODES] + [
-    ("h200", ["calib.dtype=float32", "calib.accumulate=device"], "_fp32_device",
-     " -- with `calib.dtype=float32 calib.accumulate=device` (train moments on the GPU, merged in place)")]
+PRESETS = ("dgx-h200", "dgx-h100", "8xh100", "1xh200-cloud", "1xh100-cloud", "h200")
+DOCS = {"README.md": ("plan_verdicts",), "docs/running.md": ("plan_nodes", "plan_verdicts", "plan_table"),
+        "results/plan/README.md": ("plan_nodes", "plan_verdicts", "plan_table")}
 
 
-def cell(plan: dict, stage: dict) -> str:
-    """One stage, with the knobs set: yes, refused (over plan.max_hours) or no (over budget)."""
-    if stage["fits"] and not stage["over_time"]:
-        return "yes"
-    if stage["fits"]:
-        return f"**refused**: ~{stage['seconds'] / 3600:.0f} h > plan.max_hours={plan['max_hours']:g}"
-    return f"**no** ({'/'.join(stage['over'])}) with every knob"
+def plans(root: Path = HERE) -> dict[str, dict[str, dict]]:
+    """{preset: {pair: plan}}: each plan made by the CLI (as a user types it) and written under root."""
+    out: dict = {}
+    for node in PRESETS:
+        for pair in PAIRS:
+            where = root / node / pair
+            with contextlib.redirect_stdout(io.StringIO()):
+                P.main([f"pair={pair}", "--node", node, "--out", str(where)])
+            out.setdefault(node, {})[pair] = json.loads((where / "plan.json").read_text())
+    return out
 
 
-def knobs(plan: dict) -> str:
-    """The recommended knob set, each as typed; bold where it changes the numbers (the run then refuses it)."""
-    return " ".join(f"**`{e['set']}`**" if e["changes"] else f"`{e['set']}`" for e in plan["applied"]) or "-"
+def load_plans(root: Path = HERE) -> dict[str, dict[str, dict]]:
+    """{preset: {pair: plan}} of the committed plan.json files (what `plans` wrote)."""
+    return {node: {pair: json.loads((root / node / pair / "plan.json").read_text()) for pair in PAIRS}
+            for node in PRESETS}
 
 
-def typed(plan: dict) -> str:
-    """The stages that do not fit as typed (what a run refused before plan.auto)."""
-    bad = [f"{name} ({'/'.join(st['as_typed']['over'])})" for name, st in plan["stages"].items()
-           if not st["as_typed"]["fits"]]
-    return ", ".join(bad) or "none"
+def doc_blocks(all_plans: dict) -> dict[Path, dict[str, str]]:
+    """{file: {block: text}} of every generated plan block the docs hold."""
+    made = blocks(all_plans)
+    return {ROOT / rel: {n: made[n] for n in names} for rel, names in DOCS.items()}
 
 
-def section(node: str, overrides: list, suffix: str, title: str) -> list[str]:
-    spec = P.NODES[node]
-    lines = [f"## {spec['name']}: {spec['gpus']} x {spec['gpu_gib']} GiB GPU, {spec['host_gib']:.0f} GiB host, "
-             f"{spec['disk_gib']:.0f} GiB disk{title}", "",
-             "| pair | k | train moments as typed, GiB | held-out rows, GiB | weights s + t | does not fit as typed | "
-             "knobs (**bold**: changes the numbers, so the run refuses until it is typed) | "
-             + " | ".join(P.STAGES) + " |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(P.STAGES)]
-    figures = ["", "With the knobs applied (estimated times):", "",
-               "| pair | " + " | ".join(f"{s} GPU / host / disk, time" for s in P.STAGES) + " |",
-               "|---|" + "---|" * len(P.STAGES)]
+def verdict(plan: dict) -> str:
+    if plan["verdict"] == "fits, as typed":
+        return "fits, as typed"
+    why = []
+    for name, reason in plan["refused"].items():
+        over = plan["stages"][name]
+        hours = f"~{over['seconds'] / 3600:.0f} h > {plan['max_hours']:g} h"
+        why.append(f"{name} ({'/'.join(over['over']) or hours})")
+    return f"refused: {', '.join(why)}; runs on `{plan['smallest_node']}`"
+
+
+def nodes_block() -> str:
+    lines = ["| preset | GPUs | host | local disk | from |", "|---|---|---|---|---|"]
+    for name in PRESETS:
+        n = P.NODES[name]
+        lines.append(f"| `{name}` | {n['gpus']} x {n['gpu']} {n['gpu_gib']:g} GiB | {n['host_gib']:g} GiB | "
+                     f"{n['disk_gib']:,.0f} GiB | {n['source']} |")
+    return "\n".join(lines) + "\n"
+
+
+def verdicts_block(all_plans: dict) -> str:
+    """pair x preset: 'fits, as typed' or the refusal with the smallest preset that runs it."""
+    lines = ["| pair | " + " | ".join(f"`{n}`" for n in PRESETS) + " |", "|---|" + "---|" * len(PRESETS)]
     for pair in PAIRS:
-        out = HERE / f"{node}{suffix}" / pair
-        with contextlib.redirect_stdout(io.StringIO()):
-            P.main([f"pair={pair}", *overrides, "--node", node, "--out", str(out)])
-        plan = json.loads((out / "plan.json").read_text())
-        pr, st = plan["protocol"], plan["stages"]
-        as_typed = P.make_plan(P.cli.compose_config([f"pair={pair}", *overrides]), P.Node(**spec), knobs=False)
-        moments = as_typed["protocol"]["moments_split_gib"]
-        lines.append(f"| {pair} | {pr['k']} | {moments:.1f} | {pr['heldout_observations']:,}, {pr['heldout_gib']:.1f} | "
-                     f"{pr['source_weights_gib']:.1f} + {pr['target_weights_gib']:.1f} | {typed(plan)} | "
-                     f"{knobs(plan)} | " + " | ".join(cell(plan, st[s]) for s in P.STAGES) + " |")
-        figures.append(f"| {pair} | " + " | ".join(
-            f"{st[s]['gpu_gib']:.0f} / {st[s]['host_gib']:.0f} / {st[s]['disk_gib']:.0f}, {P.dur(st[s]['seconds'])}"
-            for s in P.STAGES) + " |")
-    return lines + figures + [""]
+        lines.append(f"| {pair} | " + " | ".join(verdict(all_plans[n][pair]) for n in PRESETS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def table_block(all_plans: dict) -> str:
+    """pair x preset x stage: peak GPU (per GPU) / host / disk GiB and the estimated time, with the knobs applied."""
+    lines = ["Peak GPU (per GPU) / host / disk in GiB, estimated time; the knobs the run applies itself (none changes "
+             "a number); '(refused)' marks a stage the run refuses there (see the verdicts).", "",
+             "| pair | preset | knobs applied | " + " | ".join(P.STAGES) + " |", "|---|---|---|" + "---|" * len(P.STAGES)]
+    for pair in PAIRS:
+        for node in PRESETS:
+            plan = all_plans[node][pair]
+            st = plan["stages"]
+            knobs = " ".join(f"`{e['set']}`" for e in plan["applied"]) or "-"
+            cells = [f"{st[s]['gpu_gib']:.0f} / {st[s]['host_gib']:.0f} / {st[s]['disk_gib']:.0f}, {P.dur(st[s]['seconds'])}"
+                     + ("" if not st[s]["refused"] else " (refused)") for s in P.STAGES]
+            lines.append(f"| {pair} | `{node}` | {knobs} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def blocks(all_plans: dict) -> dict[str, str]:
+    return {"plan_nodes": nodes_block(), "plan_verdicts": verdicts_block(all_plans), "plan_table": table_block(all_plans)}
 
 
 def main() -> None:
-    lines = ["# Resource plan: the six paper pairs at the paper's protocol", "",
-             "Generated by `python3 results/plan/make.py` (see README.md). Per node: which stages do not fit with "
-             "the code and defaults of this commit as typed (`calib.dtype=float64` on the host, held-out as "
-             "`calib.heldout_observations` raw feature rows, co-resident capture, `device_map: null`, "
-             "`report.rotated_heatmap: true`), the knob set the plan recommends (the fixed, ordered list: "
-             "kvtransfer/plan/knobs.py; `plan.auto` applies it by itself only when every knob is number-neutral, and "
-             "refuses a set holding a knob that changes the numbers -- shown in bold -- until the command types it, "
-             "so one command gives one number on every node), and whether each stage runs with the set: yes, or "
-             "refused when its estimate exceeds `plan.max_hours` (48). Figures in GiB; full tables per pair in "
-             "`<node>/<pair>/plan.md`.", ""]
-    for variant in VARIANTS:
-        lines += section(*variant)
-    (HERE / "summary.md").write_text("\n".join(lines))
+    all_plans = plans()
+    made = blocks(all_plans)
+    summary = ["# Resource plan: the six paper pairs at the paper's protocol on every node preset", "",
+               "Generated by `python3 results/plan/make.py`. Every key at its default (two-level moments: float32 sums "
+               "on the device, float64 masters on the host); the run applies the listed number-neutral knobs itself, "
+               "and refuses a stage that fits no number-neutral layout, naming the smallest preset that runs it. "
+               "Times are estimates (datasheet rates x efficiency; the host side assumed). Full tables per pair in "
+               "`<preset>/<pair>/plan.md`.", "", "## Node presets", "", made["plan_nodes"], "## Verdicts", "",
+               made["plan_verdicts"], "## Per stage", "", made["plan_table"]]
+    (HERE / "summary.md").write_text("\n".join(summary))
+    for rel, names in DOCS.items():
+        path = ROOT / rel
+        if path.exists() and all(n in readme.blocks(path.read_text()) for n in names):
+            readme.rewrite(path, {n: made[n] for n in names})
     print((HERE / "summary.md").read_text())
 
 

@@ -122,8 +122,9 @@ def test_length_dependent_rope_is_refused():
 
 
 def test_a_model_that_ignores_the_cache_argument_is_an_error():
-    """transformers 5.19 (the serving environment's pin) takes the cache only as `past_key_values`: a forward that
-    drops `cache` would compute without the prefix and return numbers, so prefill / forward_on_cache refuse."""
+    """transformers before 5.24 (5.19: the serving environment's pin) takes the cache only as `past_key_values`: a
+    forward that drops `cache` would compute without the prefix and return numbers, so prefill / forward_on_cache
+    refuse, naming the release that takes it."""
     from kvtransfer.core.models import decoder
 
     model = tiny_model("qwen3")
@@ -135,8 +136,8 @@ def test_a_model_that_ignores_the_cache_argument_is_an_error():
         return lambda *a, cache=None, **k: forward(*a, **k)
 
     body.forward = drop_cache(body.forward)
-    with pytest.raises(RuntimeError, match="ignores the `cache` argument"):
+    with pytest.raises(RuntimeError, match="does not take the decoder.s `cache` argument"):
         prefill(model, ids)
     model.forward = drop_cache(full)
-    with pytest.raises(RuntimeError, match="ignores the `cache` argument"):
+    with pytest.raises(RuntimeError, match="does not take the decoder.s `cache` argument"):
         forward_on_cache(model, layers, None, ids[:, :2])

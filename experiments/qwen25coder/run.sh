@@ -2,7 +2,7 @@
 # The real pair end to end on a CPU: Qwen2.5-Coder-0.5B -> 1.5B (mismatched KV), the runs of results/qwen25coder/.
 #   bash experiments/qwen25coder/get_models.sh       # once: models + calibration text into ~/.cache/kvtransfer-real
 #   bash experiments/qwen25coder/run.sh              # every run below, recomputed into a fresh runs/qwen25coder/<time>
-#   python experiments/qwen25coder/collect.py --runs runs/qwen25coder/<time> --out runs/qwen25coder/<time>/collected
+#   python experiments/qwen25coder/collect.py --runs runs/qwen25coder/<time> --check   # do they reproduce the README?
 # Expected time on a 2-core CPU: about 15 hours for the whole set (the evaluations the committed summaries record
 # add up to ~12.6 h; each of the six calibrations takes 15-25 min). STEPS="name ..." runs a subset.
 # OUT=DIR writes the runs there instead; a run whose DIR/<name>/summary.json exists is skipped, so rerunning with the

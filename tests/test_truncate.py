@@ -16,6 +16,7 @@ from kvtransfer.eval.metrics import crossing, native_token_worth
 from kvtransfer.eval.repair import (parse_truncate_mode, truncate_mode, truncate_tokens_mode, truncation_curve,
                                     truncation_twins)
 from kvtransfer.core.recompute import choose_tokens, prefill_flops
+from test_runner import _tiny_cfg, tiny_pair_dirs  # noqa: F401 (the module fixture)
 from tolerance import assert_close
 
 
@@ -124,3 +125,55 @@ def test_context_timing_counts_tokens_and_flops(lm):
             assert_close(t["flops"], 5 * prefill_flops(cfg, start_len + read - 1), factor=10,
                          reason="float64 sums of 5 terms")
     assert lm.timing["contexts"] == 0  # every mode (copy) times its own contexts
+
+
+def test_tiny_pair_run_writes_truncation_twin_curve_seconds_and_worth(tiny_pair_dirs, tmp_path):  # noqa: F811
+    """The check of the issue: eval.recompute_fraction=[0.3] eval.recompute_select=[recent] writes truncate_0.3
+    beside recompute_recent_0.3 with measured seconds for both and for target, and the map's worth in native
+    tokens; truncate_0.3's numbers are predicted independently (the target scoring the truncated prompts)."""
+    from kvtransfer.eval.perplexity import draw_windows, prefix_pairs
+    from kvtransfer.eval.sources import ppl_pages
+    from kvtransfer.runner.pipeline import Run, execute
+
+    cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "stage=[calibrate,fit,eval]", "eval.limit=4", "eval.tasks=[tiny_cloze]",
+                    "eval.ppl.prefixes=[0,16]", "eval.ppl.continuation=8", "eval.ppl.windows=5",
+                    "eval.coqa.enabled=false", "eval.fidelity.enabled=false", "eval.bootstrap=50", "eval.controls=[]",
+                    "eval.modes=[target,transfer,no_context]", "eval.recompute_fraction=[0.3]",
+                    "eval.recompute_select=[recent]")
+    summary = execute(cfg, tmp_path / "eval")
+    row = {r["prefix"]: r for r in summary["ppl"]}[16]
+    for mode in ("truncate_0.3", "recompute_recent_0.3", "target", "transfer"):
+        assert row[f"{mode}_seconds"] > 0, mode   # measured, per context
+        assert row[f"{mode}_seconds_rel"] > 0, mode
+    assert row["no_context_seconds"] >= 0  # (0 where there are no start ids: a 1-token context has no prefix)
+    assert row["target_seconds_rel"] == 1.0 and row["target_flops_rel"] == 1.0
+    assert row["truncate_0.3_gap_closed_se"] is not None and row["recompute_recent_0.3_cost"] > 0
+    run = Run(cfg, tmp_path / "x")
+    target, tokenizer = run.model("target")
+    lm = KVTransferLM(target_model=target, tokenizer=tokenizer, mode="target", batch_size=16,
+                      context_start=run.context_start)
+    start = lm._start_ids
+    keep = round(0.3 * 15) + 1  # the tokens recent at 0.3 recomputes of the 16 - 1 cached ones, + the last one
+    # FLOPs: a prefill of start + keep - 1 tokens against one of start + 15
+    cfg_t = target.config
+    assert_close(row["truncate_0.3_flops_rel"],
+                 prefill_flops(cfg_t, len(start) + keep - 1) / prefill_flops(cfg_t, len(start) + 15),
+                 factor=10, reason="float64 ratio of sums of 5 equal terms")
+    worth = row["transfer_native_tokens"]
+    assert set(worth["curve"]) == {1, 4, 8} and worth["curve"][1] == 0.0  # m = 1 is the floor
+    gaps = [row[f"truncate_tokens_{m}_gap_closed"] for m in (1, 4, 8)]
+    want = crossing([1, 4, 8], gaps, row["transfer_gap_closed"])
+    if math.isfinite(want):
+        assert_close(worth["tokens"], want, factor=64, magnitude=8, reason="the same interpolation, float64")
+    else:
+        assert worth["tokens"] is None and (worth["above"] or worth["below"])
+    nll = json.loads((tmp_path / "eval" / summary["scores_file"]).read_text())["ppl_sets"]["wikitext2"]["window_nll"]
+    assert nll["16"]["truncate_tokens_1"] == nll["16"]["no_context"]  # the same tokens, one pass each
+    # independent prediction: the target scoring each window's prompt cut to start + the last round(0.3 x 15) + 1
+    ecfg = run.cfg["eval"]
+    windows = draw_windows(tokenizer, ppl_pages(ecfg, "wikitext2"), max_prefix=16, cont_len=8, n_windows=5, seed=0)
+    pairs = [(start + c[len(start):][-keep:], k)
+             for c, k in prefix_pairs(windows, 16, 16, lm.prefix_token_id, start)]
+    want = [-float(lp.sum()) / len(k) for (lp, _), (_, k) in zip(lm.score_tokens(pairs), pairs)]
+    assert nll["16"]["truncate_0.3"] == want
+    assert nll["16"]["truncate_0.3"] != nll["16"]["target"]

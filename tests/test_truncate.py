@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtransfer.eval import KVTransferLM
-from kvtransfer.eval.adapter import truncate_keep
+from kvtransfer.eval.truncate import truncate_keep
 from kvtransfer.eval.metrics import crossing, native_token_worth
 from kvtransfer.eval.repair import (parse_truncate_mode, truncate_mode, truncate_tokens_mode, truncation_curve,
                                     truncation_twins)

@@ -12,12 +12,8 @@ Modes (what builds the cache of context[:-1], and which model scores):
     no_context       the floor: the target reads only the context's start ids (see below) and its
                      last token, then the continuation -- what a mapped cache that carries nothing
                      would give. A transfer below this floor destroys the context.
-    truncate         the equal-cost baseline: the target reads the start ids, then only the last context
-                     tokens at positions 1.. (a truncated prompt; nothing mapped): `truncate_tokens=m` keeps the
-                     last m context tokens, `truncate_fraction=r` keeps the last round(r x (context - start ids
-                     - 1)) + 1, exactly the tokens `recompute_select=recent` at r recomputes (with the native sink
-                     on the start ids) plus the last token every split mode runs. m = 1 is `no_context`; m >= the
-                     context is `target`. Scored like `target` (one pass, or share_prefix's prefill).
+    truncate         the equal-cost baseline: the target reads the start ids and only the last context tokens
+                     (`truncate_tokens` / `truncate_fraction`; kvtransfer.eval.truncate), scored like `target`
 
 `wrong_context=True` (any mode; the content controls `target_wrong` / `transfer_wrong` of the eval stage)
 replaces each context by another item's of the same request set, cut or drawn to the same token length,
@@ -34,10 +30,7 @@ to the mapped KV of the rest. `gate=thresholds` (transfer mode; kvtransfer.core.
 decides map / recompute(thresholds' fraction) / the target's own prefill; `gate_signals` are recorded beside it. Both
 record per cached prefix in `events` (action, fraction, score, tokens recomputed, FLOPs / re-prefill, seconds).
 
-`time_contexts=True`: `timing` accumulates what reading the contexts cost the target, per mode (see `context_timing`):
-split modes time their prefix cache (the source's prefill apart, as `source_seconds`: a handoff finds it
-done), target / truncate with share_prefix their own prefill of context[:-1]; one-pass modes (target, truncate,
-no_context) run an extra, timed prefill of the context[:-1] they read (the numbers scored are not touched).
+`time_contexts=True`: `timing` accumulates what reading the contexts cost, per mode (kvtransfer.eval.truncate).
 
 `share_prefix=True`: target/source modes also prefill each context[:-1] once for all its continuations (equal to one
 pass up to float rounding; off by default: `target` equals stock lm-eval `hf` bit for bit). Tokenization and left-
@@ -47,11 +40,9 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from collections import defaultdict
 
 import torch
-from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
@@ -59,51 +50,21 @@ from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normali
 
 from ..core.context import check_mapper, check_policy, start_ids
 from ..maps.controls import wrong_contexts
-from ..core.cache import continuation_logprobs, forward_on_cache, prefill
+from ..core.cache import continuation_logprobs, forward_on_cache
 from ..core.mapper import MapperBase, load_mapper
 from ..core.models import check_same_tokenizer, kv_shape, load_model
 from ..core.gate import check_thresholds
 from ..core.signals import check_score, check_signals
 from ..core.recompute import choose_tokens
 from .decode import chunks as _chunks, greedy_decode, hit_stop as _hit_stop, pad as _pad
+from .hooks import SPLIT_MODES, loglikelihood_rolling, model_info
 from .prefix import build_prefix_cache
+from .truncate import (OWN_PREFILL_MODES, check_truncate, new_timing, time_one_pass, timed_prefix_cache,
+                       truncated_context)
 
 log = logging.getLogger(__name__)
 
 MODES = ("target", "source", "transfer", "native_injected", "identity", "no_context", "truncate")
-OWN_PREFILL_MODES = ("target", "source", "truncate")  # the scorer reads its own prefill of the context it keeps
-SPLIT_MODES = ("transfer", "native_injected", "identity")  # the cache is built apart from the scorer
-
-
-def check_truncate(tokens, fraction) -> None:
-    """ValueError naming the fix unless exactly one of truncate_tokens (>= 1) / truncate_fraction (in [0, 1])."""
-    if (tokens is None) == (fraction is None):
-        raise ValueError(f"mode=truncate needs exactly one of truncate_tokens (got {tokens}) and truncate_fraction "
-                         f"(got {fraction})")
-    if tokens is not None and int(tokens) < 1:
-        raise ValueError(f"truncate_tokens={tokens}: the target reads at least the last context token (1 = no_context)")
-    if fraction is not None and not 0.0 <= float(fraction) <= 1.0:
-        raise ValueError(f"truncate_fraction={fraction} must be in [0, 1]")
-
-
-def truncate_keep(n_body: int, *, tokens: int | None = None, fraction: float | None = None) -> int:
-    """Context tokens (after the start ids) the truncate mode keeps of `n_body`: min(tokens, n_body), or
-    round(fraction x (n_body - 1)) + 1 -- the count `recompute_select=recent` at that fraction recomputes of a
-    prefix whose native sink is the start ids, plus the last context token (at least 1, at most n_body)."""
-    check_truncate(tokens, fraction)
-    if n_body <= 0:
-        return 0
-    keep = int(tokens) if tokens is not None else int(round(float(fraction) * (n_body - 1))) + 1
-    return max(1, min(keep, n_body))
-
-
-def new_timing() -> dict:
-    """A mode's context-timing accumulator (KVTransferLM.timing): seconds the target spent reading contexts
-    (map + repair in split modes; its own prefill in target / truncate / no_context), source_seconds (the
-    source's prefill, split modes), contexts, tokens read, reference_tokens / reference_flops (a re-prefill of
-    every whole context[:-1]), flops (own-prefill modes' target FLOPs), map_flops (transfer: the map's)."""
-    return {"seconds": 0.0, "source_seconds": 0.0, "contexts": 0, "tokens": 0, "reference_tokens": 0,
-            "reference_flops": 0.0, "flops": 0.0, "map_flops": 0.0}
 
 
 @register_model("kvtransfer")
@@ -126,8 +87,7 @@ class KVTransferLM(TemplateLM):
                  wrong_context: bool = False, wrong_context_seed: int = 0, progress: bool = False,
                  recompute_fraction: float = 0.0, recompute_select: str = "deviation", recompute_seed: int = 0,
                  gate: dict | None = None, gate_tail: int = 8, gate_score: str = "tail_kv", gate_signals=None,
-                 truncate_tokens: int | None = None, truncate_fraction: float | None = None,
-                 time_contexts: bool = False,
+                 truncate_tokens: int | None = None, truncate_fraction: float | None = None, time_contexts=False,
                  batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  device: str | None = None, dtype="auto", add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, trust_remote_code: bool = False, **unused) -> None:
@@ -199,8 +159,7 @@ class KVTransferLM(TemplateLM):
         self.gate_score, self.gate_signals = check_score(gate_score), check_signals(gate_signals)
         self.repair = self.gate is not None or self.recompute_fraction > 0  # True: records events even at r = 0
         self.events: list[dict] = []
-        self.truncate_tokens = None if truncate_tokens is None else int(truncate_tokens)
-        self.truncate_fraction = None if truncate_fraction is None else float(truncate_fraction)
+        self.truncate_tokens, self.truncate_fraction = truncate_tokens, truncate_fraction
         self.time_contexts = str(time_contexts).lower() in ("true", "1", "yes")
         self.timing = new_timing()
         self.batch_size_per_gpu = int(batch_size)
@@ -296,17 +255,8 @@ class KVTransferLM(TemplateLM):
             if t is not None:
                 return t
 
-    def get_model_info(self) -> dict:
-        """Run metadata for lm-eval's results: mode, model ids, mapper pair and k."""
-        ident = lambda m: None if m is None else str(getattr(m, "name_or_path", ""))  # noqa: E731
-        info = {"kvtransfer_mode": self.mode, "wrong_context": self.wrong_context,
-                "source": ident(self.source_model), "target": ident(self.target_model),
-                "native_sink": self.native_sink, "native_tail": self.native_tail, "max_length": self.max_length,
-                "context_start": self.context_start}
-        if self.mapper is not None:
-            info["mapper"] = {"k": self.mapper.k, "key_space": self.mapper.key_space, "lambda": self.mapper.lam,
-                              "source": self.mapper.source.get("model_id"), "target": self.mapper.target.get("model_id")}
-        return info
+    # lm-eval hooks kept in kvtransfer.eval.hooks: run metadata, rolling log-likelihood (target / source only)
+    get_model_info, loglikelihood_rolling = model_info, loglikelihood_rolling
 
     # ------------------------------------------------------------------ tokenization
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None,
@@ -384,13 +334,8 @@ class KVTransferLM(TemplateLM):
         return self.mode in SPLIT_MODES or (self.share_prefix and self.mode in OWN_PREFILL_MODES)
 
     def truncated_context(self, ctx: list[int]) -> list[int]:
-        """truncate mode: the start ids, then the last `truncate_tokens` context tokens (or the count
-        `truncate_fraction` gives, see the module doc); the context itself when it is not longer."""
-        check_truncate(self.truncate_tokens, self.truncate_fraction)
-        has_start = ctx[:len(self._start_ids)] == self._start_ids
-        body = ctx[len(self._start_ids):] if has_start else ctx
-        keep = truncate_keep(len(body), tokens=self.truncate_tokens, fraction=self.truncate_fraction)
-        return (self._start_ids if has_start else []) + body[len(body) - keep:]
+        """truncate mode: the context cut as kvtransfer.eval.truncate.truncated_context cuts it."""
+        return truncated_context(ctx, self._start_ids, self.truncate_tokens, self.truncate_fraction)
 
     def _floor_context(self, ctx: list[int]) -> list[int]:
         """no_context mode: the start ids and the last context token (the context itself if shorter)."""
@@ -420,7 +365,7 @@ class KVTransferLM(TemplateLM):
             runs.append(run)
             reference[tuple(prefix)] = min(len(ctx), self.max_length + 1 - len(cont)) - 1
         if self.time_contexts and not self._cached_prefix():
-            self._time_one_pass(pairs)
+            time_one_pass(self, pairs)
         n_long = sum(1 for c, k in pairs if len(c) + len(k) > self.max_length + 1)
         if n_long:
             log.warning("%d request(s) exceed max_length=%d; left-truncated like HFLM", n_long, self.max_length)
@@ -436,64 +381,13 @@ class KVTransferLM(TemplateLM):
                     bar.update(len(chunk))
                 continue
             for gchunk in _chunks(part, self.batch_size):
-                layers, pmask = self._timed_prefix_cache([list(k) for k in gchunk], [reference[k] for k in gchunk])
+                layers, pmask = timed_prefix_cache(self, [list(k) for k in gchunk], [reference[k] for k in gchunk])
                 rows = [(g, i) for g, k in enumerate(gchunk) for i in groups[k]]
                 for chunk in _chunks(rows, self.batch_size):
                     self._score_batch(layers, pmask, [g for g, _ in chunk], [i for _, i in chunk], runs, pairs, out)
                     bar.update(len(chunk))
         bar.close()
         return out
-
-    def _timed_prefix_cache(self, prefixes: list[list[int]], reference: list[int]):
-        """prefix_cache, timed into `timing` when time_contexts (the source's prefill apart: build_prefix_cache
-        adds it to source_seconds); reference: tokens of each context's full re-prefill (context[:-1])."""
-        if not self.time_contexts:
-            return self.prefix_cache(prefixes)
-        source_before = self.timing["source_seconds"]
-        started = time.perf_counter()
-        out = self.prefix_cache(prefixes)
-        seconds = time.perf_counter() - started - (self.timing["source_seconds"] - source_before)
-        own = self.mode in OWN_PREFILL_MODES
-        self._add_timing(seconds, [len(p) for p in prefixes], reference, own=own)
-        return out
-
-    def _time_one_pass(self, pairs) -> None:
-        """One-pass modes: an extra prefill of the context[:-1] each distinct context has the scorer read, timed
-        (batched as the scoring is); nothing it computes is scored."""
-        read: dict[tuple, list[int]] = {}
-        for ctx, cont in pairs:
-            ctx = list(ctx)[-max(1, self.max_length + 1 - len(cont)):]
-            used = self._floor_context(ctx) if self.mode == "no_context" else \
-                self.truncated_context(ctx) if self.mode == "truncate" else ctx
-            read.setdefault(tuple(ctx), used)
-        rows = sorted(read.items(), key=lambda kv: -len(kv[1]))
-        for part in ([r for r in rows if len(r[1]) > 1], [r for r in rows if len(r[1]) <= 1]):
-            for chunk in _chunks(part, self.batch_size):
-                prefixes = [used[:-1] for _, used in chunk]
-                seconds = 0.0
-                if prefixes[0]:  # a 1-token context has no prefix to prefill
-                    ids, mask = _pad(prefixes, self.pad_token_id, "left", self.scoring_model.device)
-                    started = time.perf_counter()
-                    prefill(self.scoring_model, ids, mask)
-                    seconds = time.perf_counter() - started
-                self._add_timing(seconds, [len(p) for p in prefixes], [len(c) - 1 for c, _ in chunk], own=True)
-
-    def _add_timing(self, seconds: float, tokens: list[int], reference: list[int], *, own: bool) -> None:
-        """Accumulate one timed batch: seconds, contexts, tokens read, and the target FLOPs of reading them
-        (own prefill modes) against those of re-prefilling every whole context[:-1]."""
-        from ..core.recompute import prefill_flops
-
-        cfg = self.target_model.config
-        t = self.timing
-        t["seconds"] += float(seconds)
-        t["contexts"] += len(tokens)
-        t["tokens"] += int(sum(tokens))
-        t["reference_tokens"] += int(sum(reference))
-        t["reference_flops"] += float(sum(prefill_flops(cfg, n) for n in reference))
-        if own:
-            t["flops"] += float(sum(prefill_flops(cfg, n) for n in tokens if n > 0))
-        elif self.mapper is not None and self.mode == "transfer":
-            t["map_flops"] += float(self.mapper.apply_flops_per_token) * int(sum(tokens))
 
     def _bar(self, total: int, desc: str, disable: bool):
         """A tqdm bar over `total` requests, or a no-op one when progress is off (or lm-eval disables it)."""
@@ -534,23 +428,6 @@ class KVTransferLM(TemplateLM):
             results.append(answer)
         return results
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Rolling-window log-likelihood; only in `target` / `source` mode (see the PPL protocol)."""
-        if self.mode in SPLIT_MODES:
-            raise NotImplementedError(
-                "loglikelihood_rolling gives every window a 1-token context, so through a transferred cache it "
-                "silently becomes native perplexity. Use kvtransfer.eval.perplexity.prefix_conditioned_ppl "
-                "(the source prefills P tokens, the target scores a fixed continuation).")
-        results = []
-        for (string,) in [req.args for req in requests]:
-            windows = [lm_utils.make_disjoint_window(w) for w in lm_utils.get_rolling_token_windows(
-                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                max_seq_len=self.max_length, context_len=1)]
-            total = float(sum(lp.sum() for lp, _ in self.score_tokens(windows)))
-            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
-            results.append(total)
-        return results
-
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate_tokens(self, contexts: list[list[int]], *, until: list[str], max_gen_toks: int,
@@ -587,7 +464,7 @@ class KVTransferLM(TemplateLM):
             ctxs = [self.truncated_context(c) for c in ctxs]
         if self._cached_prefix():
             cuts = [self.cut(c) for c in ctxs]
-            layers, pmask = self._timed_prefix_cache([prefix for prefix, _ in cuts],
+            layers, pmask = timed_prefix_cache(self, [prefix for prefix, _ in cuts],
                                                      [len(c) - 1 for c in ctxs])
             ids, mask = _pad([tail for _, tail in cuts], self.pad_token_id, "left", model.device)
         else:

@@ -29,11 +29,9 @@ from ..eval.repair import (REPAIR_PREFIX, TRUNCATE_TOKENS_PREFIX, is_truncate_mo
                            parse_truncate_mode, repair_modes, truncation_curve, truncation_twins)
 from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl, prefix_pairs
-from ..core.gate import action_counts
 from ..core.signals import DEFAULT_SCORE, check_score, check_signals
 from ..maps.controls import CONTROLS, calibration_means, control_applies, mean_map, random_map, with_controls
-from ..eval.metrics import (CONTROL_MODES, control_statistics, log_ppl_gap_closed, native_token_worth,
-                            paired_difference, ppl_gap_closed)
+from ..eval.metrics import CONTROL_MODES, control_statistics, paired_difference
 from ..eval.retention import CHANCE, per_item_scores, retention_table
 from ..eval.sources import coqa_docs, ppl_pages, ppl_set_names
 from ..eval.tasks import PAPER_TASKS, task_manager
@@ -43,6 +41,7 @@ from ..core import io
 from ..core.io import atomic_write_json
 from ..core.models import kv_shape
 from . import gate_stage
+from .eval_rows import gate_summary, ppl_rows as _ppl_rows, timing_columns as _timing_columns
 
 
 def _task_setup(ecfg: dict, work_dir: Path):
@@ -367,16 +366,6 @@ def gated_label(run) -> str:
     return f"gated-{run.key('gate')[:16]}" + (f"-signals-{artifact_key(signals)[:8]}" if signals else "")
 
 
-def gate_summary(events: list[dict]) -> dict:
-    """What the gate (or a fixed recompute) did over a part's cached prefixes: kvtransfer.core.gate.action_counts
-    plus the mean cost (FLOPs as a fraction of a re-prefill, the gate's score included) and seconds per prefix."""
-    out = action_counts(events)
-    n = max(1, len(events))
-    out["cost"] = float(sum(e["cost"] for e in events) / n)
-    out["seconds_per_prefix"] = float(sum(e["seconds"] for e in events) / n)
-    return out
-
-
 def write_scores(path: Path, per_mode: dict) -> None:
     """The per-item / per-window scores behind a summary, next to it (small JSON), so paired SEs and
     paired differences between runs can be recomputed from committed files: {"tasks": {task: {mode:
@@ -466,82 +455,6 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
         out["drift_summary"] = [_finite({"protocol": protocol, **drift_summary(
             per_mode["target"]["coqa"][protocol], mapped, n_boot=ecfg.get("bootstrap", 1000), seed=seed)})
             for protocol, mapped in per_mode["transfer"]["coqa"].items()]
-    return out
-
-
-def _ppl_rows(per_mode: dict, set_name: str, ecfg: dict, seed: int) -> list[dict]:
-    """Summary rows of one perplexity set: per prefix P, each mode's perplexity, the log-ppl gap closed with a
-    paired bootstrap SE over windows (= over documents under eval.ppl.draw=per_document), the controls'
-    content share and gap closed above each control, the window and document counts."""
-    parts = {m: r["ppl_sets"][set_name] for m, r in per_mode.items() if set_name in (r.get("ppl_sets") or {})}
-    prefixes = sorted({int(p) for part in parts.values() for p in part["ppl"]})
-    windows = {m: part.get("windows") for m, part in parts.items()}
-    docs = next((part.get("docs") for part in parts.values() if part.get("docs") is not None), None)
-    rows = []
-    for p in prefixes:
-        row = {"prefix": p, **({"set": set_name} if set_name else {}),
-               **{m: part["ppl"].get(str(p)) for m, part in parts.items()}}
-        per_window = {m: w[str(p)] for m, w in windows.items() if w and str(p) in w}
-        if docs is not None:
-            row["windows"], row["documents"] = len(docs), len(set(docs))
-        # gap_closed on log-perplexity (kvtransfer.eval.metrics): a paired bootstrap SE over windows when every
-        # mode kept its per-window NLLs, else the point value with SE None (results cached before they were kept)
-        if p > 0 and all(m in per_window for m in ("target", "transfer", "no_context")):
-            gap = ppl_gap_closed(per_window, n_boot=ecfg.get("bootstrap", 1000), seed=seed)
-            row["transfer_gap_closed"], row["transfer_gap_closed_se"] = gap["gap_closed"], gap["gap_closed_se"]
-        elif p > 0 and None not in (row.get("transfer"), row.get("target"), row.get("no_context")):
-            row["transfer_gap_closed"] = float(log_ppl_gap_closed(row["transfer"], row["target"], row["no_context"]))
-            row["transfer_gap_closed_se"] = None
-        for m in [m for m in per_window if m == "gated" or m.startswith(REPAIR_PREFIX) or is_truncate_mode(m)]:
-            if p > 0 and all(x in per_window for x in ("target", "no_context")):
-                gap = ppl_gap_closed({"target": per_window["target"], "transfer": per_window[m],
-                                      "no_context": per_window["no_context"]}, n_boot=ecfg.get("bootstrap", 1000), seed=seed)
-                row[f"{m}_gap_closed"], row[f"{m}_gap_closed_se"] = gap["gap_closed"], gap["gap_closed_se"]
-            events = [e for e in ((parts[m].get("events") or {}).get(str(p)) or []) if e]
-            if events:
-                summary = gate_summary(events)
-                row[f"{m}_cost"], row[f"{m}_recompute_rate"] = summary["cost"], summary["recompute_rate"]
-                if m == "gated":
-                    row["gated_actions"] = {a: summary[a] for a in ("map", "recompute", "full")}
-        row.update(_timing_columns({m: (part.get("timing") or {}).get(str(p)) for m, part in parts.items()}))
-        curve = {int(m[len(TRUNCATE_TOKENS_PREFIX):]): w for m, w in per_window.items()
-                 if m.startswith(TRUNCATE_TOKENS_PREFIX)}
-        if p > 0 and curve and all(x in per_window for x in ("target", "no_context")):
-            # the map's worth in native tokens: where the truncation curve reaches each mapped mode's gap closed
-            # (curve points m >= P are the target itself and are left out)
-            curve = {m: w for m, w in curve.items() if m < p}
-            for m in [m for m in per_window if m == "transfer" or m.startswith(REPAIR_PREFIX) or m == "gated"]:
-                if curve:
-                    row[f"{m}_native_tokens"] = native_token_worth(
-                        {"target": per_window["target"], "no_context": per_window["no_context"], m: per_window[m]},
-                        curve, mode=m, n_boot=ecfg.get("bootstrap", 1000), seed=seed)
-        if p > 0 and "target" in per_window and "transfer" in per_window and \
-                any(m in per_window for m in CONTROL_MODES):
-            row.update(control_statistics(per_window, n_boot=ecfg.get("bootstrap", 1000), seed=seed))
-        rows.append(_finite(row))
-    return rows
-
-
-def _timing_columns(timing: dict) -> dict:
-    """Row columns of each mode's context timing (KVTransferLM.timing) at one perplexity prefix or task:
-    <mode>_seconds (per context: what reading it cost the target; map + repair in mapped modes, the source's
-    prefill apart), <mode>_seconds_rel (against `target`'s re-prefill of the same contexts in the same run),
-    <mode>_flops_rel (target FLOPs of reading them against a re-prefill's; the map's own as <mode>_map_flops_rel)."""
-    out = {}
-    ref = timing.get("target")
-    for m, t in timing.items():
-        if not t or not t.get("contexts"):
-            continue
-        out[f"{m}_seconds"] = t["seconds"] / t["contexts"]
-        if t.get("source_seconds"):
-            out[f"{m}_source_seconds"] = t["source_seconds"] / t["contexts"]
-        if ref and ref.get("seconds") and ref.get("contexts") == t["contexts"]:
-            out[f"{m}_seconds_rel"] = t["seconds"] / ref["seconds"]
-        if t.get("reference_flops"):
-            if t.get("flops") or m in ("target", "no_context") or is_truncate_mode(m):
-                out[f"{m}_flops_rel"] = t["flops"] / t["reference_flops"]
-            if t.get("map_flops"):
-                out[f"{m}_map_flops_rel"] = t["map_flops"] / t["reference_flops"]
     return out
 
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Equal-cost baselines: is the map worth its cost against the target reading a truncated prompt? results/baselines/.
+#   bash experiments/baselines/run.sh          # every run below; rerun to resume (each mode's result is cached)
+#   python experiments/baselines/collect.py    # results/baselines/README.md, tables and the cost figure
+# Each run writes results/baselines/runs/<name>/ and is skipped once its summary exists. The real-pair runs read the
+# main configuration's calibration and map (conf/experiment/baselines_cpu.yaml pins every setting) from CACHE (any
+# cache_dir works: it calibrates and fits on first use, ~20 min on 2 cores). STEPS="name ..." runs a subset.
+# The selection / confirmation split of WikiText-2's articles is experiments/baselines/split.yaml (fixed before any
+# run); collect.py chooses the repair on the selection half only and reports the confirmation half.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=results/baselines/runs
+CACHE=${KVT_BASELINES_CACHE:-artifacts/qwen25coder}
+mkdir -p "$OUT"
+
+run() {  # run NAME OVERRIDES...
+  local name=$1; shift
+  if [[ -n "${STEPS:-}" && " $STEPS " != *" $name "* ]]; then return; fi
+  if [[ -f "$OUT/$name/summary.json" ]]; then echo "[$name] done"; return; fi
+  rm -rf "$OUT/$name"
+  echo "[$name] $(date -u +%H:%M:%S) start: $*"
+  python run.py progress=false out_dir="$OUT/$name" "$@"
+  echo "[$name] $(date -u +%H:%M:%S) done"
+}
+
+# 1. the check on the tiny trained pair (models/tiny): truncate_0.3 beside recompute_recent_0.3, measured seconds
+#    of both and of target, the truncation curve and the map's worth in native tokens; a few minutes on 2 cores
+run tiny_check stage=[calibrate,fit,eval] cache_dir=artifacts/baselines_tiny eval.tasks=[] eval.controls=[] \
+  eval.coqa.enabled=false eval.fidelity.enabled=false "eval.modes=[target,transfer,no_context]" \
+  "eval.ppl.prefixes=[0,128,256]" "eval.recompute_fraction=[0.3]" "eval.recompute_select=[recent]"
+
+# 2. the real pair on WikiText-2 at P = 256: every article long enough (one window each, both halves of the split),
+#    64 scored tokens per window. Modes in eval.modes run in that order: the baselines, the truncation curve, then
+#    map + recent recompute and its truncation twin per r (r = 0.3 first: the cost bound of the earlier results)
+CURVE="truncate_tokens_1,truncate_tokens_4,truncate_tokens_8,truncate_tokens_16,truncate_tokens_32,truncate_tokens_64,truncate_tokens_128"
+REPAIR="recompute_recent_0.3,truncate_0.3,recompute_recent_0.15,truncate_0.15,recompute_recent_0.05,truncate_0.05"
+REAL="+experiment=baselines_cpu cache_dir=$CACHE stage=[calibrate,fit,eval]"
+run real_wikitext2_p256 $REAL "eval.modes=[no_context,transfer,target,$CURVE,$REPAIR]"
+# 3. the Python stdlib set at P = 256 (never used for selection): the same modes on one window per module
+run real_stdlib_p256 $REAL "eval.ppl.sets=[python_stdlib]" "eval.modes=[no_context,transfer,target,$CURVE,$REPAIR]"
+# 4. P = 1,024 on WikiText-2 (does the map's worth grow with the prefix?), the curve extended to 512
+CURVE_L="$CURVE,truncate_tokens_256,truncate_tokens_512"
+run real_wikitext2_p1024 $REAL "eval.ppl.prefixes=[1024]" "eval.modes=[no_context,transfer,target,$CURVE_L,recompute_recent_0.3,truncate_0.3]"

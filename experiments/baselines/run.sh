@@ -30,14 +30,22 @@ run tiny_check stage=[calibrate,fit,eval] cache_dir=artifacts/baselines_tiny eva
   "eval.ppl.prefixes=[0,128,256]" "eval.recompute_fraction=[0.3]" "eval.recompute_select=[recent]"
 
 # 2. the real pair on WikiText-2 at P = 256: every article long enough (one window each, both halves of the split),
-#    64 scored tokens per window. Modes in eval.modes run in that order: the baselines, the truncation curve, then
-#    map + recent recompute and its truncation twin per r (r = 0.3 first: the cost bound of the earlier results)
-CURVE="truncate_tokens_1,truncate_tokens_4,truncate_tokens_8,truncate_tokens_16,truncate_tokens_32,truncate_tokens_64,truncate_tokens_128"
-REPAIR="recompute_recent_0.3,truncate_0.3,recompute_recent_0.15,truncate_0.15,recompute_recent_0.05,truncate_0.05"
+#    64 scored tokens per window. Three runs, each with the baselines (cached after the first), so each writes its
+#    own summary and an interrupted one loses only its own modes: (a) map + recent recompute at r = 0.3 and its
+#    truncation twin, (b) the truncation curve, (c) r = 0.15 and 0.05 with their twins
 REAL="+experiment=baselines_cpu cache_dir=$CACHE stage=[calibrate,fit,eval]"
-run real_wikitext2_p256 $REAL "eval.modes=[no_context,transfer,target,$CURVE,$REPAIR]"
-# 3. the Python stdlib set at P = 256 (never used for selection): the same modes on one window per module
-run real_stdlib_p256 $REAL "eval.ppl.sets=[python_stdlib]" "eval.modes=[no_context,transfer,target,$CURVE,$REPAIR]"
+BASE="no_context,transfer,target"
+CURVE="truncate_tokens_1,truncate_tokens_4,truncate_tokens_8,truncate_tokens_16,truncate_tokens_32,truncate_tokens_64,truncate_tokens_128"
+NOCURVE="eval.truncate.curve=[]"
+run real_wikitext2_a $REAL $NOCURVE "eval.recompute_fraction=[0.3]" "eval.modes=[$BASE,recompute_recent_0.3,truncate_0.3]"
+run real_wikitext2_b $REAL "eval.recompute_fraction=[]" "eval.modes=[$BASE,$CURVE]"
+run real_wikitext2_c $REAL $NOCURVE "eval.recompute_fraction=[0.15,0.05]" \
+  "eval.modes=[$BASE,recompute_recent_0.15,truncate_0.15,recompute_recent_0.05,truncate_0.05]"
+# 3. the Python stdlib set at P = 256 (never used for selection): one window per module long enough
+STDLIB="eval.ppl.sets=[python_stdlib]"
+run real_stdlib_a $REAL $STDLIB $NOCURVE "eval.recompute_fraction=[0.3]" "eval.modes=[$BASE,recompute_recent_0.3,truncate_0.3]"
+run real_stdlib_b $REAL $STDLIB "eval.recompute_fraction=[]" "eval.modes=[$BASE,$CURVE]"
 # 4. P = 1,024 on WikiText-2 (does the map's worth grow with the prefix?), the curve extended to 512
-CURVE_L="$CURVE,truncate_tokens_256,truncate_tokens_512"
-run real_wikitext2_p1024 $REAL "eval.ppl.prefixes=[1024]" "eval.modes=[no_context,transfer,target,$CURVE_L,recompute_recent_0.3,truncate_0.3]"
+LONG="eval.ppl.prefixes=[1024]"
+run real_wikitext2_1024_b $REAL $LONG "eval.recompute_fraction=[]" \
+  "eval.modes=[$BASE,$CURVE,truncate_tokens_256,truncate_tokens_512]"

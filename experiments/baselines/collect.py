@@ -49,7 +49,8 @@ def load_runs(runs: Path = RUNS) -> dict:
     out = {}
     for d in sorted(p for p in runs.glob("*") if (p / "summary.json").exists() and (p / "scores.json").exists()):
         out[d.name] = {"summary": json.loads((d / "summary.json").read_text()),
-                       "scores": json.loads((d / "scores.json").read_text())}
+                       "scores": json.loads((d / "scores.json").read_text()),
+                       "config": json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}}
     return out
 
 
@@ -203,7 +204,8 @@ def choose(results: dict) -> str | None:
 def _pct(x, se=None, d=1):
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
-    return f"{100 * x:.{d}f} ± {100 * se:.{d}f} %" if se is not None else f"{100 * x:.{d}f} %"
+    x = 100 * x + 0.0  # no "-0.0"
+    return f"{x:.{d}f} ± {100 * se + 0.0:.{d}f} %" if se is not None else f"{x:.{d}f} %"
 
 
 def _num(x, d=3):
@@ -253,9 +255,32 @@ def table(res: dict) -> list[str]:
     return lines
 
 
+def tiny_panels(runs: dict) -> dict:
+    """The tiny-pair check's rows as figure panels {("tiny", P, "all"): {"modes": {mode: gap, se, seconds_rel}}}."""
+    r = runs.get("tiny_check")
+    out = {}
+    for row in (r["summary"].get("ppl") or []) if r else []:
+        if row["prefix"] == 0:
+            continue
+        modes = {}
+        for k in row:
+            if k.endswith("_seconds_rel"):
+                mode = k[:-len("_seconds_rel")]
+                g = row.get("transfer_gap_closed" if mode == "transfer" else f"{mode}_gap_closed")
+                if g is not None:
+                    se = row.get("transfer_gap_closed_se" if mode == "transfer" else f"{mode}_gap_closed_se")
+                    flops = row.get(f"{mode}_cost") if mode.startswith("recompute_") else \
+                        0.0 if mode == "transfer" else row.get(f"{mode}_flops_rel")
+                    modes[mode] = {"gap": g, "se": se, "seconds_rel": row[k], "flops_rel": flops}
+        out[("tiny pair", row["prefix"], "all")] = {"set": "tiny pair", "prefix": row["prefix"], "half": "all",
+                                                    "windows": row.get("windows"), "modes": modes}
+    return out
+
+
 def figure(results: dict, path: Path) -> bool:
-    """Gap closed against measured cost, one curve per rule (truncation, map + recent), the map alone and the
-    target, ± SE, one panel per (set, P, half) at P = 256 and 1,024; False when matplotlib or data are missing."""
+    """Gap closed against cost, one curve per rule (truncation in m order, map + recent in r order), the map alone and
+    the target, ± SE; one column per (set, P, half), measured seconds (top) and target FLOPs (bottom, exact), both
+    as a fraction of the target's re-prefill; False when matplotlib or data are missing."""
     panels = [r for r in results.values() if r["modes"]]
     if not panels:
         return False
@@ -265,34 +290,36 @@ def figure(results: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
-    for ax, res in zip(axes[0], panels):
-        series = {"truncation (curve)": [m for m in res["modes"] if m.startswith(CURVE)],
-                  "truncation twin": [m for m in res["modes"] if m.startswith("truncate_") and not m.startswith(CURVE)],
-                  "map + recent recompute": [m for m in res["modes"] if m.startswith("recompute_recent_")],
-                  "map + deviation": [m for m in res["modes"] if m.startswith("recompute_") and
-                                      m.count("_") == 1],
-                  "map + random": [m for m in res["modes"] if m.startswith("recompute_random_")],
+
+    def key(mode):
+        return int(mode[len(CURVE):]) if mode.startswith(CURVE) else float(mode.rpartition("_")[2])
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7.2), squeeze=False)
+    for col, res in enumerate(panels):
+        series = {"truncation (last m tokens)": [m for m in res["modes"] if m.startswith(CURVE)],
+                  "truncation twin of r": [m for m in res["modes"] if m.startswith("truncate_") and not m.startswith(CURVE)],
+                  "map + recent recompute r": [m for m in res["modes"] if m.startswith("recompute_recent_")],
                   "map alone": ["transfer"] if "transfer" in res["modes"] else []}
-        for label, modes in series.items():
-            pts = sorted((res["modes"][m]["seconds_rel"], 100 * res["modes"][m]["gap"], 100 * (res["modes"][m]["se"] or 0))
-                         for m in modes if res["modes"][m]["seconds_rel"] is not None)
-            if pts:
-                x, y, e = zip(*pts)
-                ax.errorbar(x, y, yerr=e, marker="o", ms=4, capsize=2, label=label,
-                            linestyle="-" if len(pts) > 1 else "none")
-        ax.errorbar([1.0], [100.0], marker="*", ms=9, linestyle="none", label="target (re-prefill)", color="k")
-        ax.set_xscale("log")
-        ax.set_xlabel("measured cost (x the target's re-prefill)")
-        ax.set_ylabel("log-ppl gap closed (%)")
-        ax.set_title(f"{SET_NAMES.get(res['set'], res['set'])} P={res['prefix']} {res['half']} (n={res['windows']})",
-                     fontsize=9)
-        ax.grid(alpha=0.3)
+        for row, (field, label) in enumerate((("seconds_rel", "measured seconds"), ("flops_rel", "target FLOPs"))):
+            ax = axes[row][col]
+            for name, modes in series.items():
+                pts = [(res["modes"][m].get(field), 100 * res["modes"][m]["gap"], 100 * (res["modes"][m]["se"] or 0))
+                       for m in sorted(modes, key=lambda m: 0 if m == "transfer" else key(m))]
+                pts = [p for p in pts if p[0] is not None]
+                if pts:
+                    x, y, e = zip(*pts)
+                    ax.errorbar(x, y, yerr=e, marker="o", ms=4, capsize=2, label=name,
+                                linestyle="-" if len(pts) > 1 else "none")
+            ax.errorbar([1.0], [100.0], marker="*", ms=9, linestyle="none", label="target (re-prefill)", color="k")
+            ax.set_xlabel(f"{label} (x the target's re-prefill)")
+            ax.set_ylabel("log-ppl gap closed (%)")
+            ax.set_title(f"{SET_NAMES.get(res['set'], res['set'])} P={res['prefix']} {res['half']} "
+                         f"(n={res['windows']})", fontsize=9)
+            ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
     tmp.replace(path)
     plt.close(fig)
     return True
@@ -302,8 +329,9 @@ def headline(results: dict, chosen: str | None) -> str:
     """The top README's sentence: does the map beat truncation at equal cost (confirmation half, P = 256)?"""
     conf = results.get(("wikitext2", 256, "confirmation"))
     if not conf or "transfer" not in conf["modes"]:
-        return ("the equal-cost comparison on the real pair (map against truncation, experiments/baselines) has not "
-                "been run yet; its tiny-pair check is in results/baselines.")
+        return ("not yet measured on the real pair: none of the 6 real-pair runs of experiments/baselines/run.sh has "
+                "finished (on 2 shared CPU cores they did not fit the time this was made in); the modes, timing and "
+                "worth are checked on the tiny pair (results/baselines).")
     parts = []
     w = (conf.get("worth") or {}).get("transfer")
     eq = (conf.get("equal_cost") or {}).get("transfer")
@@ -340,10 +368,14 @@ def tiny_lines(runs: dict) -> list[str]:
     if not r:
         return ["The tiny-pair check (`tiny_check`) has not been run.", ""]
     env = r["summary"].get("environment") or {}
+    rows0 = [row for row in r["summary"].get("ppl") or [] if row["prefix"] > 0]
+    windows = rows0[0].get("windows") if rows0 else "?"
+    cont = ((r.get("config") or {}).get("eval") or {}).get("ppl", {}).get("continuation", "?")
     out = [f"### Tiny-pair check (`tiny_check`, commit `{str(env.get('commit'))[:7]}`"
            f"{', dirty tree' if env.get('dirty') else ''})", "",
-           "The embedded tiny pair (models/tiny), 24 windows of its own text, 64 scored tokens; every mode's measured "
-           "seconds per context and relative to `target`'s re-prefill in the same run:", ""]
+           f"The embedded tiny pair (models/tiny), {windows} windows of its own text (one per document), "
+           f"{cont} scored tokens each; every mode's measured seconds per context and relative to `target`'s "
+           "re-prefill in the same run, and the truncation curve (gap closed at m native tokens):", ""]
     rows = []
     for row in r["summary"].get("ppl") or []:
         if row["prefix"] == 0:
@@ -357,6 +389,11 @@ def tiny_lines(runs: dict) -> list[str]:
                          _worth(row.get(f"{mode}_native_tokens")) if mode in ("transfer", "recompute_recent_0.3") else ""])
     out += [readme.md_table(["P", "mode", "gap closed", "seconds per context", "x target's", "target FLOPs x re-prefill",
                              "worth in native tokens [95 %]"], rows).rstrip("\n"), ""]
+    for row in rows0:
+        ms = sorted(int(k[len(CURVE):-len("_gap_closed")]) for k in row if k.startswith(CURVE) and k.endswith("_gap_closed"))
+        out += [f"Truncation curve at P = {row['prefix']}: " + ", ".join(
+            f"m = {m}: {_pct(row[f'{CURVE}{m}_gap_closed'], row.get(f'{CURVE}{m}_gap_closed_se'))} "
+            f"(x {_num(row.get(f'{CURVE}{m}_seconds_rel'))})" for m in ms) + ".", ""]
     return out
 
 
@@ -397,7 +434,7 @@ def main() -> None:
     doc = README_HEAD + __doc__.split("\n\n", 2)[2].strip() + "\n\n## Timing\n\n" + TIMING_NOTE + "\n\n" + \
         readme.begin("baselines") + "\n" + body["baselines"].rstrip("\n") + "\n" + readme.end("baselines") + "\n"
     atomic_write_bytes(OUT / "README.md", doc.encode())
-    figure(analyse(merge(runs)), OUT / "figures" / "cost.png")
+    figure({**analyse(merge(runs)), **tiny_panels(runs)}, OUT / "figures" / "cost.png")
     readme.rewrite(ROOT / "README.md", top)
     print(doc)
     print(top["baselines_headline"])

@@ -39,8 +39,8 @@ def timing_columns(timing: dict) -> dict:
         out[f"{m}_seconds"] = t["seconds"] / t["contexts"]
         if t.get("source_seconds"):
             out[f"{m}_source_seconds"] = t["source_seconds"] / t["contexts"]
-        if ref and ref.get("seconds") and ref.get("contexts") == t["contexts"]:
-            out[f"{m}_seconds_rel"] = t["seconds"] / ref["seconds"]
+        if ref and ref.get("seconds") and ref.get("contexts"):  # per context (distinct prefixes may differ in count)
+            out[f"{m}_seconds_rel"] = (t["seconds"] / t["contexts"]) / (ref["seconds"] / ref["contexts"])
         if t.get("reference_flops"):
             if t.get("flops") or m in ("target", "no_context") or is_truncate_mode(m):
                 out[f"{m}_flops_rel"] = t["flops"] / t["reference_flops"]

@@ -29,7 +29,16 @@ run tiny_check stage=[calibrate,fit,eval] cache_dir=artifacts/baselines_tiny eva
   eval.coqa.enabled=false eval.fidelity.enabled=false "eval.modes=[target,transfer,no_context]" \
   "eval.ppl.prefixes=[0,128,256]" "eval.recompute_fraction=[0.3]" "eval.recompute_select=[recent]"
 
-# 2. the real pair on WikiText-2 at P = 256: every article long enough (one window each, both halves of the split),
+# 2. without a calibration (the target alone): the truncation curve on the windows of results/qwen25coder's
+#    controls_ppl run (the same draw: 62 per-document windows of each set at P = 256, 64 scored tokens), whose
+#    transfer / target / no_context NLLs collect.py reads beside it; then target and no_context again, timed
+CURVE6="truncate_tokens_1,truncate_tokens_4,truncate_tokens_8,truncate_tokens_16,truncate_tokens_32,truncate_tokens_64"
+TONLY="+experiment=baselines_cpu cache_dir=$CACHE stage=[eval] eval.recompute_fraction=[] eval.truncate.curve=[]"
+run real_trunc_wikitext2 $TONLY "eval.ppl.sets=[wikitext2]" "eval.modes=[$CURVE6]"
+run real_trunc_stdlib $TONLY "eval.ppl.sets=[python_stdlib]" "eval.modes=[$CURVE6]"
+run real_trunc_timed $TONLY "eval.ppl.sets=[wikitext2]" "eval.modes=[$CURVE6,no_context,target]"
+
+# 3. the real pair on WikiText-2 at P = 256: every article long enough (one window each, both halves of the split),
 #    64 scored tokens per window. Three runs, each with the baselines (cached after the first), so each writes its
 #    own summary and an interrupted one loses only its own modes: (a) map + recent recompute at r = 0.3 and its
 #    truncation twin, (b) the truncation curve, (c) r = 0.15 and 0.05 with their twins
@@ -41,11 +50,11 @@ run real_wikitext2_a $REAL $NOCURVE "eval.recompute_fraction=[0.3]" "eval.modes=
 run real_wikitext2_b $REAL "eval.recompute_fraction=[]" "eval.modes=[$BASE,$CURVE]"
 run real_wikitext2_c $REAL $NOCURVE "eval.recompute_fraction=[0.15,0.05]" \
   "eval.modes=[$BASE,recompute_recent_0.15,truncate_0.15,recompute_recent_0.05,truncate_0.05]"
-# 3. the Python stdlib set at P = 256 (never used for selection): one window per module long enough
+# 4. the Python stdlib set at P = 256 (never used for selection): one window per module long enough
 STDLIB="eval.ppl.sets=[python_stdlib]"
 run real_stdlib_a $REAL $STDLIB $NOCURVE "eval.recompute_fraction=[0.3]" "eval.modes=[$BASE,recompute_recent_0.3,truncate_0.3]"
 run real_stdlib_b $REAL $STDLIB "eval.recompute_fraction=[]" "eval.modes=[$BASE,$CURVE]"
-# 4. P = 1,024 on WikiText-2 (does the map's worth grow with the prefix?), the curve extended to 512
+# 5. P = 1,024 on WikiText-2 (does the map's worth grow with the prefix?), the curve extended to 512
 LONG="eval.ppl.prefixes=[1024]"
 run real_wikitext2_1024_b $REAL $LONG "eval.recompute_fraction=[]" \
   "eval.modes=[$BASE,$CURVE,truncate_tokens_256,truncate_tokens_512]"

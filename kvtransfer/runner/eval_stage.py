@@ -249,8 +249,9 @@ def evaluate(run, on_compute=None) -> dict:
     seed = run.cfg.get("seed", 0)
     dirs = {part: result_dirs(run, part) for part in PARTS}
     modes = run_modes(ecfg)
-    source, tokenizer = run.model("source")
-    target, _ = run.model("target")
+    # the source is loaded only when a mode reads it (target-only runs: the baselines and truncation, one model)
+    target, tokenizer = run.model("target")
+    source = run.model("source")[0] if any(not is_baseline(m) or m == "source" for m in modes) else None
     if "identity" in modes and kv_shape(source) != kv_shape(target):
         warnings.warn("eval mode 'identity' skipped: source and target caches differ in shape", stacklevel=2)
         modes.remove("identity")

@@ -34,9 +34,12 @@ def _runs(flip: bool = True):
     cost = {"transfer": 0.1, "truncate_tokens_1": 0.01, "truncate_tokens_4": 0.05, "truncate_tokens_16": 0.15,
             "truncate_tokens_64": 0.4, "target": 1.0}
 
+    flops = {"truncate_tokens_1": 0.0, "truncate_tokens_4": 0.01, "truncate_tokens_16": 0.05, "truncate_tokens_64": 0.25}
+
     def run(nll):
         row = {"prefix": 256, **{f"{m}_seconds_rel": c for m, c in cost.items() if m in nll},
-               **{f"{m}_seconds": c for m, c in cost.items() if m in nll}}
+               **{f"{m}_seconds": c for m, c in cost.items() if m in nll},
+               **{f"{m}_flops_rel": c for m, c in flops.items() if m in nll}, "transfer_map_flops_rel": 0.03}
         return {"summary": {"ppl_sets": {"wikitext2": [row]}, "environment": {"commit": "abcdef0", "dirty": False}},
                 "scores": {"ppl_sets": {"wikitext2": {"window_doc": docs, "window_nll": {"256": nll}}}}}
     return {"real_a": run(nll_a), "real_b": run(nll_b)}, sel
@@ -68,7 +71,11 @@ def test_worth_and_equal_cost_truncation():
     assert eq["between"] == (4, 16)
     assert_close(eq["truncation"], 0.3, factor=64, magnitude=1, reason=reason)
     assert_close(eq["difference"], 0.0, factor=64, magnitude=1, reason=reason)
-    assert res["modes"]["transfer"]["seconds_rel"] == 0.1 and res["modes"]["transfer"]["flops_rel"] == 0.0
+    assert res["modes"]["transfer"]["seconds_rel"] == 0.1 and res["modes"]["transfer"]["flops_rel"] == 0.03
+    # at the map's FLOPs 0.03 (between m = 4 at 0.01 and m = 16 at 0.05, halfway) truncation closes 0.3 too
+    ef = res["equal_flops"]["transfer"]
+    assert ef["between"] == (4, 16)
+    assert_close(ef["truncation"], 0.3, factor=64, magnitude=1, reason=reason)
     line = collect.headline(collect.analyse(collect.merge(runs)), "recompute_recent_0.3")
     assert "does not separate from truncation" in line and "8.0" in line
 

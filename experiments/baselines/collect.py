@@ -54,13 +54,31 @@ def load_runs(runs: Path = RUNS) -> dict:
     return out
 
 
-def merge(runs: dict) -> dict:
+# committed runs whose mapped and baseline NLLs the target-only truncation runs (real_trunc_*) sit beside: the same
+# draw (62 per-document windows of each set at P = 256, 64 scored tokens, seed 0), checked window by window
+BASE_RUNS = {"results/qwen25coder/runs/controls_ppl": ("transfer", "target", "no_context")}
+
+
+def load_base(root: Path = ROOT) -> dict:
+    """{path: {"summary", "scores", "modes"}} of BASE_RUNS that exist."""
+    out = {}
+    for rel, modes in BASE_RUNS.items():
+        d = root / rel
+        if (d / "summary.json").exists() and (d / "scores.json").exists():
+            out[rel] = {"summary": json.loads((d / "summary.json").read_text()),
+                        "scores": json.loads((d / "scores.json").read_text()), "modes": modes}
+    return out
+
+
+def merge(runs: dict, base: dict | None = None) -> dict:
     """{(set, P): {"nll": {mode: [per window]}, "docs": [...], "rows": {mode: timing/cost columns}, "runs": [...],
     "commits": {...}, "pair": ..}} over the real-pair runs; a mode two runs share must agree window for window (the
     same cached file), else ValueError."""
     merged: dict = {}
-    for name, r in runs.items():
-        if not name.startswith("real_"):
+    base = {} if base is None else base
+    order = [(rel, {**b, "base": True}) for rel, b in base.items()] + [(n, r) for n, r in runs.items()]
+    for name, r in order:
+        if not (name.startswith("real_") or r.get("base")):
             continue
         s, sc = r["summary"], r["scores"]
         env = s.get("environment") or {}
@@ -71,10 +89,19 @@ def merge(runs: dict) -> dict:
                     continue
                 key = (st, int(p))
                 m = merged.setdefault(key, {"nll": {}, "docs": part.get("window_doc"), "rows": {}, "runs": [],
-                                            "commits": {}})
+                                            "commits": {}, "reproduced": {}, "base": {}})
                 if m["docs"] != part.get("window_doc"):
                     raise ValueError(f"{name}: {st} P={p} windows differ from another run's: not one draw")
+                if r.get("base"):
+                    by_mode = {k: v for k, v in by_mode.items() if k in r["modes"]}
+                    m["base"].update({k: name for k in by_mode})
+                    flops = (s.get("mapper") or {}).get("apply_flops_per_token")
+                    if flops:
+                        m["map_flops_per_token"] = flops
                 for mode, nll in by_mode.items():
+                    if mode in m["base"] and not r.get("base"):  # a committed base's NLLs stay; how far this is
+                        m["reproduced"][mode] = max(abs(a - b) for a, b in zip(nll, m["nll"][mode]))
+                        continue
                     if mode in m["nll"] and m["nll"][mode] != nll:
                         raise ValueError(f"{name}: {st} P={p} mode {mode} differs from another run's")
                     m["nll"][mode] = nll
@@ -85,9 +112,26 @@ def merge(runs: dict) -> dict:
                                                   "source_seconds")}
                     if cols:
                         m["rows"].setdefault(mode, {}).update(cols)
+                timing = ((s.get("eval_timing") or {}).get("target") or {}).get(f"ppl.{st}", {}).get(str(p))
+                if timing and timing.get("contexts"):  # a re-prefill's FLOPs per context (the map's FLOPs beside it)
+                    m["reference_flops"] = timing["reference_flops"] / timing["contexts"]
+                    m["reference_tokens"] = timing["reference_tokens"] / timing["contexts"]
+                for t in ((s.get("eval_timing") or {}).values()):
+                    tt = (t.get(f"ppl.{st}") or {}).get(str(p))
+                    if tt and tt.get("contexts") and "reference_flops" not in m:
+                        m["reference_flops"] = tt["reference_flops"] / tt["contexts"]
+                        m["reference_tokens"] = tt["reference_tokens"] / tt["contexts"]
                 m["runs"].append(name)
                 m["commits"][name] = f"{str(env.get('commit'))[:7]}{', dirty' if env.get('dirty') else ''}"
     return merged
+
+
+def map_flops_rel(m: dict) -> float | None:
+    """The map's FLOPs over a re-prefill's: apply FLOPs per token x the tokens of each cached prefix (context[:-1],
+    start id included) over the target's prefill FLOPs of them (from the truncation runs' timing records)."""
+    if m.get("map_flops_per_token") and m.get("reference_flops"):
+        return m["map_flops_per_token"] * m["reference_tokens"] / m["reference_flops"]
+    return (m["rows"].get("transfer") or {}).get("map_flops_rel")
 
 
 def split_halves() -> dict:
@@ -108,24 +152,28 @@ def _take(nll: dict, idx: list[int]) -> dict:
     return {m: [v[i] for i in idx] for m, v in nll.items()}
 
 
-def cost_of(mode: str, cols: dict) -> tuple[float | None, float | None]:
-    """(measured seconds / target's, target FLOPs / a re-prefill's) of a mode's columns."""
-    flops = cols.get("cost") if mode.startswith("recompute_") else cols.get("flops_rel")
+def cost_of(mode: str, cols: dict, map_flops: float | None) -> tuple[float | None, float | None]:
+    """(measured seconds / target's, FLOPs / a re-prefill's) of a mode's columns; mapped modes count the map's FLOPs
+    (`map_flops`) beside the target's."""
     if mode == "transfer":
-        flops = 0.0
-    return cols.get("seconds_rel"), flops
+        return cols.get("seconds_rel"), map_flops
+    if mode.startswith("recompute_"):
+        cost = cols.get("cost")
+        return cols.get("seconds_rel"), None if cost is None or map_flops is None else cost + map_flops
+    return cols.get("seconds_rel"), cols.get("flops_rel")
 
 
 def curve_points(nll: dict) -> list[int]:
     return sorted(int(m[len(CURVE):]) for m in nll if m.startswith(CURVE))
 
 
-def equal_cost(nll: dict, rows: dict, mode: str) -> dict | None:
-    """The mapped mode against the truncation curve at its own measured cost: the curve's gap closed interpolated
-    linearly in measured cost (seconds_rel of each m) at the mode's seconds_rel; difference ± paired bootstrap SE."""
+def equal_cost(nll: dict, costs: dict, mode: str) -> dict | None:
+    """The mapped mode against the truncation curve at its own cost (`costs` {mode: cost}, measured seconds or FLOPs
+    as a fraction of a re-prefill): the curve's gap closed interpolated linearly in cost at the mode's; difference ±
+    paired bootstrap SE over windows (the costs held fixed)."""
     ms = curve_points(nll)
-    x = rows.get(mode, {}).get("seconds_rel")
-    pts = [(rows.get(f"{CURVE}{m}", {}).get("seconds_rel"), m) for m in ms]
+    x = costs.get(mode)
+    pts = [(costs.get(f"{CURVE}{m}"), m) for m in ms]
     pts = sorted((c, m) for c, m in pts if c is not None)
     if x is None or len(pts) < 2 or not pts[0][0] <= x <= pts[-1][0]:
         return None
@@ -169,11 +217,14 @@ def analyse(merged: dict) -> dict:
                 continue
             res = {"set": st, "prefix": p, "half": half, "windows": len(idx), "modes": {}, "twins": {},
                    "runs": m["runs"], "commits": m["commits"]}
+            mf = map_flops_rel(m)
+            res["reproduced"] = m.get("reproduced") or {}
+            res["base"] = sorted(set((m.get("base") or {}).values()))
             for mode in sorted(nll):
                 if mode in ("target", "no_context"):
                     continue
                 g, se = gap(nll, mode)
-                sec, flops = cost_of(mode, m["rows"].get(mode, {}))
+                sec, flops = cost_of(mode, m["rows"].get(mode, {}), mf)
                 res["modes"][mode] = {"gap": g, "se": se, "seconds_rel": sec, "flops_rel": flops,
                                       "seconds": m["rows"].get(mode, {}).get("seconds"),
                                       "map_flops_rel": m["rows"].get(mode, {}).get("map_flops_rel")}
@@ -187,8 +238,10 @@ def analyse(merged: dict) -> dict:
                 res["worth"] = {mode: native_token_worth(nll, {k: nll[f"{CURVE}{k}"] for k in ms}, mode=mode,
                                                          n_boot=N_BOOT, seed=SEED)
                                 for mode in nll if mode == "transfer" or mode.startswith("recompute_")}
-                res["equal_cost"] = {mode: e for mode in nll if (mode == "transfer" or mode.startswith("recompute_"))
-                                     and (e := equal_cost(nll, m["rows"], mode)) is not None}
+                for field, name in (("seconds_rel", "equal_cost"), ("flops_rel", "equal_flops")):
+                    costs = {k: v[field] for k, v in res["modes"].items() if v.get(field) is not None}
+                    res[name] = {mode: e for mode in nll if (mode == "transfer" or mode.startswith("recompute_"))
+                                 and (e := equal_cost(nll, costs, mode)) is not None}
             out[(st, p, half)] = res
     return out
 
@@ -241,17 +294,26 @@ def table(res: dict) -> list[str]:
         v = res["modes"][mode]
         twin = res["twins"].get(mode)
         eq = (res.get("equal_cost") or {}).get(mode)
+        ef = (res.get("equal_flops") or {}).get(mode)
         rows.append([f"`{mode}`", _pct(v["gap"], v["se"]), _num(v["seconds_rel"]), _num(v["flops_rel"]),
                      _pct(*twin) if twin else "–", _worth((res.get("worth") or {}).get(mode)),
-                     (f"{_pct(eq['truncation'])} (cost {eq['cost']:.3f}); mapped - truncation {_pct(eq['difference'], eq['difference_se'])}"
-                      if eq else "–")])
+                     (f"{_pct(eq['truncation'])} (at {eq['cost']:.3f}); mapped - truncation {_pct(eq['difference'], eq['difference_se'])}"
+                      if eq else "–"),
+                     (f"{_pct(ef['truncation'])} (at {ef['cost']:.4f}); mapped - truncation {_pct(ef['difference'], ef['difference_se'])}"
+                      if ef else "–")])
     target = res.get("target_seconds")
     lines = [head, "", readme.md_table(
-        ["mode", "gap closed", "measured cost (x target's re-prefill)", "target FLOPs (x re-prefill)",
-         "minus its truncation twin", "worth in native tokens [95 % interval]", "truncation at the same measured cost"],
+        ["mode", "gap closed", "measured seconds (x target's re-prefill)", "FLOPs (x re-prefill; mapped: + the map's)",
+         "minus its truncation twin", "worth in native tokens [95 % interval]", "truncation at the same measured seconds",
+         "truncation at the same FLOPs"],
         rows).rstrip("\n"), "",
         f"target's re-prefill: {_num(target, 2)} s per context; runs: "
-        + ", ".join(f"`{r}` ({c})" for r, c in res["commits"].items()) + ".", ""]
+        + ", ".join(f"`{r}` ({c})" for r, c in res["commits"].items()) + "."
+        + (f" transfer / target / no_context NLLs from the committed {', '.join(f'`{b}`' for b in res['base'])}"
+           " (the same windows)" if res.get("base") else "")
+        + ("; this page's own runs reproduce them within " + ", ".join(
+            f"{k} {v:.1e} nats" for k, v in sorted(res["reproduced"].items())) if res.get("reproduced") else "")
+        + ".", ""]
     return lines
 
 
@@ -340,11 +402,14 @@ def headline(results: dict, chosen: str | None) -> str:
          f"{_pct(t['gap'], t['se'])} of the log-perplexity gap")
     if w:
         s += f", as much as the target reading its last {_worth(w)} tokens itself"
-    if eq:
-        verdict = "beats" if eq["difference"] - 2 * eq["difference_se"] > 0 else \
-            "loses to" if eq["difference"] + 2 * eq["difference_se"] < 0 else "does not separate from"
-        s += (f"; at its measured cost ({eq['cost']:.3f} of a re-prefill, the source's prefill not counted) it "
-              f"{verdict} truncation ({_pct(eq['truncation'])}; difference {_pct(eq['difference'], eq['difference_se'])})")
+    ef = (conf.get("equal_flops") or {}).get("transfer")
+    for e, what in ((eq, "measured cost"), (ef, "FLOPs")):
+        if not e:
+            continue
+        verdict = "beats" if e["difference"] - 2 * e["difference_se"] > 0 else \
+            "loses to" if e["difference"] + 2 * e["difference_se"] < 0 else "does not separate from"
+        s += (f"; at its {what} ({e['cost']:.3g} of a re-prefill, the source's prefill not counted) it "
+              f"{verdict} truncation ({_pct(e['truncation'])}; difference {_pct(e['difference'], e['difference_se'])})")
     parts.append(s)
     if chosen and chosen in conf["twins"]:
         d, se = conf["twins"][chosen]
@@ -399,7 +464,7 @@ def tiny_lines(runs: dict) -> list[str]:
 
 def blocks(runs: dict) -> tuple[dict, dict, str | None]:
     """({"baselines": the results README block}, {"baselines_headline": the top README line}, chosen repair)."""
-    results = analyse(merge(runs))
+    results = analyse(merge(runs, load_base()))
     chosen = choose(results)
     body = ["## The check on the tiny pair", ""] + tiny_lines(runs)
     body += ["## The real pair (Qwen2.5-Coder 0.5B -> 1.5B, CPU)", ""]
@@ -434,7 +499,7 @@ def main() -> None:
     doc = README_HEAD + __doc__.split("\n\n", 2)[2].strip() + "\n\n## Timing\n\n" + TIMING_NOTE + "\n\n" + \
         readme.begin("baselines") + "\n" + body["baselines"].rstrip("\n") + "\n" + readme.end("baselines") + "\n"
     atomic_write_bytes(OUT / "README.md", doc.encode())
-    figure({**analyse(merge(runs)), **tiny_panels(runs)}, OUT / "figures" / "cost.png")
+    figure({**analyse(merge(runs, load_base())), **tiny_panels(runs)}, OUT / "figures" / "cost.png")
     readme.rewrite(ROOT / "README.md", top)
     print(doc)
     print(top["baselines_headline"])

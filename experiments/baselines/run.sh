@@ -32,11 +32,12 @@ run tiny_check stage=[calibrate,fit,eval] cache_dir=artifacts/baselines_tiny eva
 # 2. without a calibration (the target alone): the truncation curve on the windows of results/qwen25coder's
 #    controls_ppl run (the same draw: 62 per-document windows of each set at P = 256, 64 scored tokens), whose
 #    transfer / target / no_context NLLs collect.py reads beside it; then target and no_context again, timed
-CURVE6="truncate_tokens_1,truncate_tokens_4,truncate_tokens_8,truncate_tokens_16,truncate_tokens_32,truncate_tokens_64"
+#    (m = 1 is no_context, which the committed run holds; the timed run computes it again as a check)
+CURVE5="truncate_tokens_4,truncate_tokens_8,truncate_tokens_16,truncate_tokens_32,truncate_tokens_64"
 TONLY="+experiment=baselines_cpu cache_dir=$CACHE stage=[eval] eval.recompute_fraction=[] eval.truncate.curve=[]"
-run real_trunc_wikitext2 $TONLY "eval.ppl.sets=[wikitext2]" "eval.modes=[$CURVE6]"
-run real_trunc_stdlib $TONLY "eval.ppl.sets=[python_stdlib]" "eval.modes=[$CURVE6]"
-run real_trunc_timed $TONLY "eval.ppl.sets=[wikitext2]" "eval.modes=[$CURVE6,no_context,target]"
+run real_trunc_wikitext2 $TONLY "eval.ppl.sets=[wikitext2]" "eval.modes=[$CURVE5]"
+run real_trunc_stdlib $TONLY "eval.ppl.sets=[python_stdlib]" "eval.modes=[$CURVE5]"
+run real_trunc_timed $TONLY "eval.ppl.sets=[wikitext2]" "eval.modes=[$CURVE5,truncate_tokens_1,no_context,target]"
 
 # 3. the real pair on WikiText-2 at P = 256: every article long enough (one window each, both halves of the split),
 #    64 scored tokens per window. Three runs, each with the baselines (cached after the first), so each writes its

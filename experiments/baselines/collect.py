@@ -175,11 +175,12 @@ def equal_cost(nll: dict, costs: dict, mode: str) -> dict | None:
     x = costs.get(mode)
     pts = [(costs.get(f"{CURVE}{m}"), m) for m in ms]
     pts = sorted((c, m) for c, m in pts if c is not None)
-    if x is None or len(pts) < 2 or not pts[0][0] <= x <= pts[-1][0]:
+    if x is None or len(pts) < 2 or x > pts[-1][0]:
         return None
-    j = next(i for i in range(len(pts) - 1) if pts[i][0] <= x <= pts[i + 1][0])
+    below = x < pts[0][0]  # the mode costs less than the curve's first point: compared with that (dearer) point
+    j = 0 if below else next(i for i in range(len(pts) - 1) if pts[i][0] <= x <= pts[i + 1][0])
     (c0, m0), (c1, m1) = pts[j], pts[j + 1]
-    w = 0.0 if c1 == c0 else (x - c0) / (c1 - c0)
+    w = 0.0 if below or c1 == c0 else (x - c0) / (c1 - c0)
     items = {"t": nll["target"], "f": nll["no_context"], "a": nll[mode], "m0": nll[f"{CURVE}{m0}"],
              "m1": nll[f"{CURVE}{m1}"]}
 
@@ -191,7 +192,8 @@ def equal_cost(nll: dict, costs: dict, mode: str) -> dict | None:
     idx = np.random.default_rng(SEED).integers(0, len(nll["target"]), size=(N_BOOT, len(nll["target"])))
     boot = stat({k: np.asarray(v)[idx].mean(-1) for k, v in items.items()})
     return {"cost": x, "between": (m0, m1), "truncation": float(point[1]), "difference": float(point[0]),
-            "difference_se": float(np.nanstd(boot[0], ddof=1))}
+            "difference_se": float(np.nanstd(boot[0], ddof=1)), "below_curve": below,
+            "curve_cost": c0 if below else None, "curve_m": m0 if below else None}
 
 
 def twin_difference(nll: dict, repair: str, twin: str) -> tuple[float, float]:
@@ -277,6 +279,14 @@ def _worth(w: dict | None) -> str:
     return f"{w['tokens']:.1f} [{lo}, {hi}]"
 
 
+def _eq_cell(e: dict | None, d: int) -> str:
+    if not e:
+        return "–"
+    where = (f"m = {e['curve_m']} at {e['curve_cost']:.{d}f}, dearer than the mode's {e['cost']:.{d}f}"
+             if e.get("below_curve") else f"at {e['cost']:.{d}f}")
+    return f"{_pct(e['truncation'])} ({where}); mapped - truncation {_pct(e['difference'], e['difference_se'])}"
+
+
 def table(res: dict) -> list[str]:
     """One (set, P, half) table: mode, gap closed ± SE, measured cost, FLOPs, vs twin, worth, equal-cost."""
     head = f"### {SET_NAMES.get(res['set'], res['set'])}, P = {res['prefix']}, {res['half']} ({res['windows']} windows, one per document)"
@@ -297,10 +307,8 @@ def table(res: dict) -> list[str]:
         ef = (res.get("equal_flops") or {}).get(mode)
         rows.append([f"`{mode}`", _pct(v["gap"], v["se"]), _num(v["seconds_rel"]), _num(v["flops_rel"]),
                      _pct(*twin) if twin else "–", _worth((res.get("worth") or {}).get(mode)),
-                     (f"{_pct(eq['truncation'])} (at {eq['cost']:.3f}); mapped - truncation {_pct(eq['difference'], eq['difference_se'])}"
-                      if eq else "–"),
-                     (f"{_pct(ef['truncation'])} (at {ef['cost']:.4f}); mapped - truncation {_pct(ef['difference'], ef['difference_se'])}"
-                      if ef else "–")])
+                     _eq_cell(eq, 3),
+                     _eq_cell(ef, 4)])
     target = res.get("target_seconds")
     lines = [head, "", readme.md_table(
         ["mode", "gap closed", "measured seconds (x target's re-prefill)", "FLOPs (x re-prefill; mapped: + the map's)",
@@ -408,8 +416,10 @@ def headline(results: dict, chosen: str | None) -> str:
             continue
         verdict = "beats" if e["difference"] - 2 * e["difference_se"] > 0 else \
             "loses to" if e["difference"] + 2 * e["difference_se"] < 0 else "does not separate from"
+        given = (f"the target reading its last {e['curve_m']} tokens, which costs more ({e['curve_cost']:.3g})"
+                 if e.get("below_curve") else "truncation")
         s += (f"; at its {what} ({e['cost']:.3g} of a re-prefill, the source's prefill not counted) it "
-              f"{verdict} truncation ({_pct(e['truncation'])}; difference {_pct(e['difference'], e['difference_se'])})")
+              f"{verdict} {given} ({_pct(e['truncation'])}; difference {_pct(e['difference'], e['difference_se'])})")
     parts.append(s)
     if chosen and chosen in conf["twins"]:
         d, se = conf["twins"][chosen]

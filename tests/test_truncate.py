@@ -177,3 +177,20 @@ def test_tiny_pair_run_writes_truncation_twin_curve_seconds_and_worth(tiny_pair_
     want = [-float(lp.sum()) / len(k) for (lp, _), (_, k) in zip(lm.score_tokens(pairs), pairs)]
     assert nll["16"]["truncate_0.3"] == want
     assert nll["16"]["truncate_0.3"] != nll["16"]["target"]
+
+
+def test_a_target_only_evaluation_needs_no_calibration(tiny_pair_dirs, tmp_path):  # noqa: F811
+    """Every mode a baseline (the target alone, truncation) and no fidelity: no map is built, so nothing calibrates
+    (the cache holds no moments or mapper), and the source model is never loaded."""
+    from kvtransfer.runner.pipeline import execute
+
+    cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "stage=[eval]", "eval.tasks=[]", "eval.ppl.prefixes=[16]",
+                    "eval.ppl.continuation=8", "eval.ppl.windows=4", "eval.coqa.enabled=false",
+                    "eval.fidelity.enabled=false", "eval.bootstrap=20", "eval.controls=[]",
+                    "eval.modes=[target,no_context,truncate_tokens_4]")
+    summary = execute(cfg, tmp_path / "eval")
+    row = summary["ppl"][0]
+    assert row["truncate_tokens_4"] > 0 and row["truncate_tokens_4_seconds"] > 0
+    assert "transfer" not in row and "path" not in summary["mapper"]
+    cache = tmp_path / "artifacts"
+    assert not (cache / "moments").exists() and not (cache / "mappers").exists()

@@ -263,6 +263,11 @@ def _pct(x, se=None, d=1):
     return f"{x:.{d}f} ± {100 * se + 0.0:.{d}f} %" if se is not None else f"{x:.{d}f} %"
 
 
+def _pp(x, se, d=1):
+    """A difference of two gap-closed shares, in percentage points."""
+    return f"{100 * x + 0.0:+.{d}f} ± {100 * se:.{d}f} points"
+
+
 def _num(x, d=3):
     return "–" if x is None else f"{x:.{d}f}"
 
@@ -284,7 +289,7 @@ def _eq_cell(e: dict | None, d: int) -> str:
         return "–"
     where = (f"m = {e['curve_m']} at {e['curve_cost']:.{d}f}, dearer than the mode's {e['cost']:.{d}f}"
              if e.get("below_curve") else f"at {e['cost']:.{d}f}")
-    return f"{_pct(e['truncation'])} ({where}); mapped - truncation {_pct(e['difference'], e['difference_se'])}"
+    return f"{_pct(e['truncation'])} ({where}); mapped - truncation {_pp(e['difference'], e['difference_se'])}"
 
 
 def table(res: dict) -> list[str]:
@@ -419,7 +424,7 @@ def headline(results: dict, chosen: str | None) -> str:
         given = (f"the target reading its last {e['curve_m']} tokens, which costs more ({e['curve_cost']:.3g})"
                  if e.get("below_curve") else "truncation")
         s += (f"; at its {what} ({e['cost']:.3g} of a re-prefill, the source's prefill not counted) it "
-              f"{verdict} {given} ({_pct(e['truncation'])}; difference {_pct(e['difference'], e['difference_se'])})")
+              f"{verdict} {given} ({_pct(e['truncation'])}; difference {_pp(e['difference'], e['difference_se'])})")
     parts.append(s)
     if chosen and chosen in conf["twins"]:
         d, se = conf["twins"][chosen]

@@ -67,6 +67,12 @@ def _handoff() -> dict[Path, dict[str, str]]:
     return {ROOT / "results/handoff/README.md": c.readme_blocks()}
 
 
+def _baselines() -> dict[Path, dict[str, str]]:
+    c = _module("experiments/baselines/collect.py")
+    body, top, _ = c.blocks(c.load_runs(ROOT / "results/baselines/runs"))
+    return {ROOT / "results/baselines/README.md": body, ROOT / "README.md": top}
+
+
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory) -> dict[Path, dict[str, str]]:
     import os
@@ -75,7 +81,7 @@ def generated(tmp_path_factory) -> dict[Path, dict[str, str]]:
     os.chdir(ROOT)  # the collect scripts' default paths are relative to the repository root
     try:
         out: dict[Path, dict[str, str]] = {}
-        for make in (_qwen25coder, _maps, _tiny, _bench_cpu, _serve, _maps_trained, _plan, _handoff):
+        for make in (_qwen25coder, _maps, _tiny, _bench_cpu, _serve, _maps_trained, _plan, _handoff, _baselines):
             for path, blocks in make().items():
                 out.setdefault(path, {}).update(blocks)
         return out

@@ -12,6 +12,8 @@ Modes (what builds the cache of context[:-1], and which model scores):
     no_context       the floor: the target reads only the context's start ids (see below) and its
                      last token, then the continuation -- what a mapped cache that carries nothing
                      would give. A transfer below this floor destroys the context.
+    truncate         the equal-cost baseline: the target reads the start ids and only the last context tokens
+                     (`truncate_tokens` / `truncate_fraction`; kvtransfer.eval.truncate), scored like `target`
 
 `wrong_context=True` (any mode; the content controls `target_wrong` / `transfer_wrong` of the eval stage)
 replaces each context by another item's of the same request set, cut or drawn to the same token length,
@@ -28,6 +30,8 @@ to the mapped KV of the rest. `gate=thresholds` (transfer mode; kvtransfer.core.
 decides map / recompute(thresholds' fraction) / the target's own prefill; `gate_signals` are recorded beside it. Both
 record per cached prefix in `events` (action, fraction, score, tokens recomputed, FLOPs / re-prefill, seconds).
 
+`time_contexts=True`: `timing` accumulates what reading the contexts cost, per mode (kvtransfer.eval.truncate).
+
 `share_prefix=True`: target/source modes also prefill each context[:-1] once for all its continuations (equal to one
 pass up to float rounding; off by default: `target` equals stock lm-eval `hf` bit for bit). Tokenization and left-
 truncation are lm-eval's / HFLM's; requests grouped by cached prefix (one source prefill + map each: eval.prefix).
@@ -39,7 +43,6 @@ import logging
 from collections import defaultdict
 
 import torch
-from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
@@ -54,12 +57,14 @@ from ..core.gate import check_thresholds
 from ..core.signals import check_score, check_signals
 from ..core.recompute import choose_tokens
 from .decode import chunks as _chunks, greedy_decode, hit_stop as _hit_stop, pad as _pad
+from .hooks import SPLIT_MODES, loglikelihood_rolling, model_info
 from .prefix import build_prefix_cache
+from .truncate import (OWN_PREFILL_MODES, check_truncate, new_timing, time_one_pass, timed_prefix_cache,
+                       truncated_context)
 
 log = logging.getLogger(__name__)
 
-MODES = ("target", "source", "transfer", "native_injected", "identity", "no_context")
-SPLIT_MODES = ("transfer", "native_injected", "identity")  # the cache is built apart from the scorer
+MODES = ("target", "source", "transfer", "native_injected", "identity", "no_context", "truncate")
 
 
 @register_model("kvtransfer")
@@ -82,6 +87,7 @@ class KVTransferLM(TemplateLM):
                  wrong_context: bool = False, wrong_context_seed: int = 0, progress: bool = False,
                  recompute_fraction: float = 0.0, recompute_select: str = "deviation", recompute_seed: int = 0,
                  gate: dict | None = None, gate_tail: int = 8, gate_score: str = "tail_kv", gate_signals=None,
+                 truncate_tokens: int | None = None, truncate_fraction: float | None = None, time_contexts=False,
                  batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  device: str | None = None, dtype="auto", add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, trust_remote_code: bool = False, **unused) -> None:
@@ -153,6 +159,9 @@ class KVTransferLM(TemplateLM):
         self.gate_score, self.gate_signals = check_score(gate_score), check_signals(gate_signals)
         self.repair = self.gate is not None or self.recompute_fraction > 0  # True: records events even at r = 0
         self.events: list[dict] = []
+        self.truncate_tokens, self.truncate_fraction = truncate_tokens, truncate_fraction
+        self.time_contexts = str(time_contexts).lower() in ("true", "1", "yes")
+        self.timing = new_timing()
         self.batch_size_per_gpu = int(batch_size)
         self._max_length = int(max_length) if max_length else None
         self.add_bos_token = add_bos_token
@@ -174,8 +183,11 @@ class KVTransferLM(TemplateLM):
             raise ValueError("mode=identity needs equal cache shapes; use mode=transfer with a fitted mapper")
         other = copy.copy(self)
         other.mode = mode
+        other.timing = new_timing()  # each mode (copy) times its own contexts
         for k, v in changes.items():
             setattr(other, k, v)
+        if other.mode == "truncate":
+            check_truncate(other.truncate_tokens, other.truncate_fraction)
         if "mapper" in changes and "native_sink" not in changes and other.mapper is not None:
             other.native_sink = other.mapper.native_sink  # a map comes with its sink
         if other.mode == "transfer":
@@ -243,17 +255,8 @@ class KVTransferLM(TemplateLM):
             if t is not None:
                 return t
 
-    def get_model_info(self) -> dict:
-        """Run metadata for lm-eval's results: mode, model ids, mapper pair and k."""
-        ident = lambda m: None if m is None else str(getattr(m, "name_or_path", ""))  # noqa: E731
-        info = {"kvtransfer_mode": self.mode, "wrong_context": self.wrong_context,
-                "source": ident(self.source_model), "target": ident(self.target_model),
-                "native_sink": self.native_sink, "native_tail": self.native_tail, "max_length": self.max_length,
-                "context_start": self.context_start}
-        if self.mapper is not None:
-            info["mapper"] = {"k": self.mapper.k, "key_space": self.mapper.key_space, "lambda": self.mapper.lam,
-                              "source": self.mapper.source.get("model_id"), "target": self.mapper.target.get("model_id")}
-        return info
+    # lm-eval hooks kept in kvtransfer.eval.hooks: run metadata, rolling log-likelihood (target / source only)
+    get_model_info, loglikelihood_rolling = model_info, loglikelihood_rolling
 
     # ------------------------------------------------------------------ tokenization
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None,
@@ -317,6 +320,9 @@ class KVTransferLM(TemplateLM):
         ctx = full[:len(full) - len(continuation)]
         if self.mode == "no_context":
             return [], (self._floor_context(ctx) + continuation)[:-1]
+        if self.mode == "truncate":
+            ctx = self.truncated_context(ctx)
+            full = ctx + continuation
         if self._cached_prefix():
             prefix, tail = self.cut(ctx)
             return prefix, tail + continuation[:-1]
@@ -325,7 +331,11 @@ class KVTransferLM(TemplateLM):
     def _cached_prefix(self) -> bool:
         """Whether context[:-1] goes through a prefix cache: split modes always; target/source with
         share_prefix (one prefill per shared context; equal to one pass up to float rounding)."""
-        return self.mode in SPLIT_MODES or (self.share_prefix and self.mode in ("target", "source"))
+        return self.mode in SPLIT_MODES or (self.share_prefix and self.mode in OWN_PREFILL_MODES)
+
+    def truncated_context(self, ctx: list[int]) -> list[int]:
+        """truncate mode: the context cut as kvtransfer.eval.truncate.truncated_context cuts it."""
+        return truncated_context(ctx, self._start_ids, self.truncate_tokens, self.truncate_fraction)
 
     def _floor_context(self, ctx: list[int]) -> list[int]:
         """no_context mode: the start ids and the last context token (the context itself if shorter)."""
@@ -348,10 +358,14 @@ class KVTransferLM(TemplateLM):
             pairs = self.swap_contexts(pairs)
         groups: dict[tuple, list[int]] = defaultdict(list)
         runs = []
+        reference: dict[tuple, int] = {}  # cached prefix -> tokens of a re-prefill of its whole context[:-1]
         for i, (ctx, cont) in enumerate(pairs):
             prefix, run = self.split(list(ctx), list(cont))
             groups[tuple(prefix)].append(i)
             runs.append(run)
+            reference[tuple(prefix)] = min(len(ctx), self.max_length + 1 - len(cont)) - 1
+        if self.time_contexts and not self._cached_prefix():
+            time_one_pass(self, pairs)
         n_long = sum(1 for c, k in pairs if len(c) + len(k) > self.max_length + 1)
         if n_long:
             log.warning("%d request(s) exceed max_length=%d; left-truncated like HFLM", n_long, self.max_length)
@@ -367,7 +381,7 @@ class KVTransferLM(TemplateLM):
                     bar.update(len(chunk))
                 continue
             for gchunk in _chunks(part, self.batch_size):
-                layers, pmask = self.prefix_cache([list(k) for k in gchunk])
+                layers, pmask = timed_prefix_cache(self, [list(k) for k in gchunk], [reference[k] for k in gchunk])
                 rows = [(g, i) for g, k in enumerate(gchunk) for i in groups[k]]
                 for chunk in _chunks(rows, self.batch_size):
                     self._score_batch(layers, pmask, [g for g, _ in chunk], [i for _, i in chunk], runs, pairs, out)
@@ -414,23 +428,6 @@ class KVTransferLM(TemplateLM):
             results.append(answer)
         return results
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Rolling-window log-likelihood; only in `target` / `source` mode (see the PPL protocol)."""
-        if self.mode in SPLIT_MODES:
-            raise NotImplementedError(
-                "loglikelihood_rolling gives every window a 1-token context, so through a transferred cache it "
-                "silently becomes native perplexity. Use kvtransfer.eval.perplexity.prefix_conditioned_ppl "
-                "(the source prefills P tokens, the target scores a fixed continuation).")
-        results = []
-        for (string,) in [req.args for req in requests]:
-            windows = [lm_utils.make_disjoint_window(w) for w in lm_utils.get_rolling_token_windows(
-                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                max_seq_len=self.max_length, context_len=1)]
-            total = float(sum(lp.sum() for lp, _ in self.score_tokens(windows)))
-            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
-            results.append(total)
-        return results
-
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate_tokens(self, contexts: list[list[int]], *, until: list[str], max_gen_toks: int,
@@ -463,9 +460,12 @@ class KVTransferLM(TemplateLM):
 
     def _generate_batch(self, ctxs: list[list[int]], until: list[str], max_gen_toks: int) -> list[list[int]]:
         model = self.scoring_model
+        if self.mode == "truncate":
+            ctxs = [self.truncated_context(c) for c in ctxs]
         if self._cached_prefix():
             cuts = [self.cut(c) for c in ctxs]
-            layers, pmask = self.prefix_cache([prefix for prefix, _ in cuts])
+            layers, pmask = timed_prefix_cache(self, [prefix for prefix, _ in cuts],
+                                                     [len(c) - 1 for c in ctxs])
             ids, mask = _pad([tail for _, tail in cuts], self.pad_token_id, "left", model.device)
         else:
             layers, pmask = None, None

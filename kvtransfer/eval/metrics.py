@@ -212,6 +212,71 @@ def ppl_gap_closed(window_nll: Mapping[str, Sequence[float]], *, n_boot: int = 1
     return {"gap_closed": point, "gap_closed_se": se, "windows": int(x["target"].size), "gap_closed_se_dropped": dropped}
 
 
+def crossing(tokens: Sequence[float], curve, level):
+    """The token count at which a truncation curve (gap closed at each of `tokens`, ascending; arrays [..., len(tokens)]
+    or floats) first reaches `level` (array [...] or float), linearly interpolated in log(tokens) between the two
+    points around its first upward crossing; -inf where `level` is below the curve's first point, +inf where the
+    curve never reaches it, NaN where level or the curve is undefined."""
+    m = np.log(np.asarray(tokens, dtype=np.float64))
+    g = np.asarray(curve, dtype=np.float64)
+    lv = np.asarray(level, dtype=np.float64)
+    g, lv = np.broadcast_arrays(g, lv[..., None])
+    lv = lv[..., 0]
+    out = np.full(lv.shape, np.inf)
+    done = np.zeros(lv.shape, dtype=bool)
+    bad = np.isnan(lv) | np.isnan(g).any(-1)
+    below = lv < g[..., 0]
+    out[below], done[below] = -np.inf, True
+    for i in range(g.shape[-1] - 1):
+        lo, hi = g[..., i], g[..., i + 1]
+        hit = ~done & (lo <= lv) & (lv <= hi)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(hi > lo, (lv - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0)
+        out = np.where(hit, np.exp(m[i] + t * (m[i + 1] - m[i])), out)
+        done |= hit
+    out[bad] = np.nan
+    return float(out) if out.ndim == 0 else out
+
+
+def native_token_worth(window_nll: Mapping[str, Sequence[float]], curve: Mapping[int, Sequence[float]], *,
+                       mode: str = "transfer", n_boot: int = 1000, seed: int = 0) -> dict:
+    """The map's worth in native tokens: the m at which the target reading only the last m context tokens
+    (truncation, nothing mapped; `curve` {m: [mean NLL per window]}) closes as much of the log-perplexity gap as
+    `mode` does (`window_nll` {"target", "no_context", mode: [...]}, the same windows in one order), interpolated in
+    log m on the curve (`crossing`), with a paired bootstrap over windows (one shared resample for every mode and m).
+
+    Returns {"tokens": point m (None where undefined), "lo", "hi": the 2.5 / 97.5 % bootstrap percentiles,
+    "below": the point is below the curve's first m, "above": beyond its last (a bound, not a value), "curve":
+    {m: gap closed}, "gap_closed": the mode's, "windows", "boot_above": share of replicates beyond the last m}."""
+    ms = sorted(int(m) for m in curve)
+    if not ms:
+        raise ValueError("native_token_worth needs a truncation curve (eval.truncate.curve)")
+    arrays = {k: np.asarray(window_nll[k], dtype=np.float64) for k in ("target", "no_context", mode)}
+    arrays.update({f"m{m}": np.asarray(curve[m], dtype=np.float64) for m in ms})
+    n = {len(v) for v in arrays.values()}
+    if len(n) != 1 or min(n) < 2:
+        raise ValueError(f"native_token_worth needs >= 2 windows, the same in every mode: { {k: len(v) for k, v in arrays.items()} }")
+    n = n.pop()
+
+    def stat(means):
+        level = gap_closed(means[mode], means["target"], means["no_context"])
+        pts = np.stack([np.asarray(gap_closed(means[f"m{m}"], means["target"], means["no_context"])) for m in ms], -1)
+        return level, pts
+
+    level, pts = stat({k: v.mean() for k, v in arrays.items()})
+    point = crossing(ms, pts, level)
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    b_level, b_pts = stat({k: v[idx].mean(-1) for k, v in arrays.items()})
+    boot = crossing(ms, b_pts, b_level)
+    finite = boot[~np.isnan(boot)]
+    lo, hi = (np.percentile(finite, [2.5, 97.5], method="inverted_cdf") if finite.size else (np.nan, np.nan))
+    clean = lambda x: None if x is None or not np.isfinite(x) else float(x)  # noqa: E731
+    return {"tokens": clean(point), "lo": clean(lo), "hi": clean(hi), "below": bool(point == -np.inf),
+            "above": bool(point == np.inf), "hi_above": bool(hi == np.inf), "lo_below": bool(lo == -np.inf),
+            "curve": {m: as_float(g) for m, g in zip(ms, pts)}, "gap_closed": as_float(level), "windows": int(n),
+            "boot_above": float(np.mean(boot == np.inf)) if boot.size else None}
+
+
 # task-row fields of schema 1 -> their schema-2 names (the SE of each is stderr_<name>)
 _RENAMED_V1 = (("gap_closed", "gap_closed_vs_source"), ("context_gap_closed", "gap_closed"),
                ("floor_normalized", "retention_vs_chance"))

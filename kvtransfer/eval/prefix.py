@@ -30,19 +30,22 @@ def build_prefix_cache(lm, prefixes: list[list[int]]):
     if min(len(p) for p in prefixes) == 0:
         raise ValueError("prefix_cache: mix of empty and non-empty prefixes; batch them separately")
     ids, mask = pad(prefixes, lm.pad_token_id, "left", lm.scoring_model.device)
-    if lm.mode in ("target", "source"):
+    if lm.mode in ("target", "source", "truncate"):  # the scorer's own prefill (truncate: of the context it keeps)
         return prefill(lm.scoring_model, ids, mask), mask
     if lm.mode == "native_injected":
         layers = prefill(lm.target_model, ids, mask)
         return cache_to_layers(layers_to_cache(layers, lm.target_model.config)), mask
     src_ids, src_mask = ids.to(lm.source_model.device), mask.to(lm.source_model.device)
     hidden = None
+    started = time.perf_counter()
     if lm.mode == "transfer" and getattr(lm.mapper, "needs_hidden", False):
         # a hidden-state map (kvtransfer.core.hidden) also reads the source's normed layer inputs: the same prefill
         src, hidden = prefill_with_hidden(lm.source_model, src_ids, src_mask,
                                           layers=used_layers(lm.mapper.selected_layers))
     else:
         src = prefill(lm.source_model, src_ids, src_mask)
+    if getattr(lm, "timing", None) is not None:  # the source's prefill: done already when a handoff maps its cache
+        lm.timing["source_seconds"] += time.perf_counter() - started
     if lm.mode == "identity":
         dev, dt = lm.target_model.device, lm.target_model.dtype
         return [(k.to(dev, dt), v.to(dev, dt)) for k, v in src], mask

@@ -40,3 +40,53 @@ def parse_repair_mode(mode: str) -> tuple[float, str]:
     body = mode[len(REPAIR_PREFIX):]
     select, _, r = body.rpartition("_")
     return float(r), select or "deviation"
+
+
+# Equal-cost baselines: the target reads a truncated prompt, nothing mapped (KVTransferLM mode `truncate`).
+TRUNCATE_PREFIX = "truncate_"         # truncate_<r>: the twin of recompute_<rule>_<r> (the tokens recent at r recomputes)
+TRUNCATE_TOKENS_PREFIX = "truncate_tokens_"   # truncate_tokens_<m>: the last m context tokens (the truncation curve)
+
+
+def truncate_mode(fraction: float) -> str:
+    """Mode name of the truncation twin of recompute fraction r: truncate_0.3."""
+    return f"{TRUNCATE_PREFIX}{float(fraction):g}"
+
+
+def truncate_tokens_mode(tokens: int) -> str:
+    """Mode name of the truncation curve's point m: truncate_tokens_16."""
+    return f"{TRUNCATE_TOKENS_PREFIX}{int(tokens)}"
+
+
+def is_truncate_mode(mode: str) -> bool:
+    """Whether `mode` is a truncation baseline (truncate_<r> or truncate_tokens_<m>)."""
+    return mode.startswith(TRUNCATE_PREFIX)
+
+
+def parse_truncate_mode(mode: str) -> dict:
+    """{"truncate_tokens": m} or {"truncate_fraction": r} of a truncation mode name."""
+    if mode.startswith(TRUNCATE_TOKENS_PREFIX):
+        return {"truncate_tokens": int(mode[len(TRUNCATE_TOKENS_PREFIX):])}
+    return {"truncate_fraction": float(mode[len(TRUNCATE_PREFIX):])}
+
+
+def truncation_twins(ecfg: dict) -> list[str]:
+    """truncate_<r> for each fraction r of eval.recompute_fraction (when eval.truncate.twins, default on):
+    beside every recompute_<rule>_<r> the target reading the same count of most recent tokens, nothing mapped."""
+    tcfg = ecfg.get("truncate") or {}
+    if not tcfg.get("twins", True):
+        return []
+    return list(dict.fromkeys(truncate_mode(float(f)) for f in (ecfg.get("recompute_fraction") or [])))
+
+
+def truncation_curve(ecfg: dict, *, repair: bool) -> list[str]:
+    """truncate_tokens_<m> for m of eval.truncate.curve below the largest perplexity prefix (m >= P is the target
+    itself), run on the perplexity sets when repair modes run or eval.truncate.always; [] when perplexity is off."""
+    tcfg = ecfg.get("truncate") or {}
+    ppl = ecfg.get("ppl") or {}
+    if not ppl.get("enabled") or not (repair or tcfg.get("always", False)):
+        return []
+    top = max(ppl.get("prefixes") or [0])
+    bad = [m for m in tcfg.get("curve") or [] if not isinstance(m, int) or m < 1]
+    if bad:
+        raise ValueError(f"eval.truncate.curve={tcfg.get('curve')}: {bad} are not token counts >= 1; e.g. [1,4,16,64]")
+    return [truncate_tokens_mode(m) for m in sorted(set(tcfg.get("curve") or [])) if m < top]

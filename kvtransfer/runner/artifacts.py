@@ -180,6 +180,11 @@ NOT_INPUTS: dict[str, str] = {
                      "file is keyed through the ppl_data identity)",
     "eval.recompute_fraction": "selects which recompute mode files are computed (the mode name carries r)",
     "eval.recompute_select": "selects which recompute mode files are computed (the mode name carries the rule)",
+    "eval.truncate.twins": "selects which truncation mode files are computed (the mode name carries r)",
+    "eval.truncate.curve": "selects which truncation-curve mode files are computed (the mode name carries m)",
+    "eval.truncate.always": "selects whether the truncation-curve mode files are computed",
+    "eval.time_contexts": "records seconds and FLOPs of reading the contexts beside each result (records only, no "
+                          "number scored moves; a file cached without them reports no timing)",
     "eval.gate.enabled": "selects whether the gated mode runs (its files carry the gate artifact's key)",
     "eval.gate.signals": "which per-request signals the gated mode records beside its decision (records only, no number "
                          "moves; its file names carry a digest of the list: eval_stage.gated_label)",

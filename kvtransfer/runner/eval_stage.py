@@ -23,16 +23,15 @@ import time
 import warnings
 from pathlib import Path
 
-from ..eval.adapter import KVTransferLM
+from ..eval.adapter import KVTransferLM, new_timing
 from ..eval.items import attach_events, item_records
-from ..eval.repair import REPAIR_PREFIX, parse_repair_mode, repair_modes
+from ..eval.repair import (REPAIR_PREFIX, TRUNCATE_TOKENS_PREFIX, is_truncate_mode, parse_repair_mode,
+                           parse_truncate_mode, repair_modes, truncation_curve, truncation_twins)
 from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl, prefix_pairs
-from ..core.gate import action_counts
 from ..core.signals import DEFAULT_SCORE, check_score, check_signals
 from ..maps.controls import CONTROLS, calibration_means, control_applies, mean_map, random_map, with_controls
-from ..eval.metrics import (CONTROL_MODES, control_statistics, log_ppl_gap_closed, paired_difference,
-                            ppl_gap_closed)
+from ..eval.metrics import CONTROL_MODES, control_statistics, paired_difference
 from ..eval.retention import CHANCE, per_item_scores, retention_table
 from ..eval.sources import coqa_docs, ppl_pages, ppl_set_names
 from ..eval.tasks import PAPER_TASKS, task_manager
@@ -42,6 +41,7 @@ from ..core import io
 from ..core.io import atomic_write_json
 from ..core.models import kv_shape
 from . import gate_stage
+from .eval_rows import gate_summary, ppl_rows as _ppl_rows, timing_columns as _timing_columns
 
 
 def _task_setup(ecfg: dict, work_dir: Path):
@@ -79,17 +79,22 @@ def _task_setup(ecfg: dict, work_dir: Path):
     return manager, spec
 
 
-def _benchmarks(lm: KVTransferLM, mode: str, ecfg: dict, seed: int, items: dict | None = None) -> dict:
+def _benchmarks(lm: KVTransferLM, mode: str, ecfg: dict, seed: int, items: dict | None = None,
+                timing: dict | None = None) -> dict:
     """{task: per-item scores} for one mode through lm-eval's simple_evaluate; `items` (a dict) also gets
-    {task: per-item records} of multiple-choice tasks (kvtransfer.eval.items)."""
+    {task: per-item records} of multiple-choice tasks (kvtransfer.eval.items), `timing` (a dict) {task: the mode's
+    context timing (KVTransferLM.timing)}."""
     from lm_eval import simple_evaluate
 
+    model = lm.with_mode(mode)
     with tempfile.TemporaryDirectory(prefix="kvtransfer_eval_") as tmp, data_access():
         manager, spec = _task_setup(ecfg, Path(tmp))
-        results = simple_evaluate(model=lm.with_mode(mode), tasks=[name for name, _, _ in spec.values()],
+        results = simple_evaluate(model=model, tasks=[name for name, _, _ in spec.values()],
                                   task_manager=manager, limit=ecfg.get("limit"), num_fewshot=ecfg.get("num_fewshot"),
                                   log_samples=True, bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
                                   torch_random_seed=seed, fewshot_random_seed=seed, gen_kwargs=_gen_kwargs(ecfg))
+    if timing is not None and model.time_contexts:
+        timing.update({task: dict(model.timing) for task in spec})
     if items is not None:
         items.update({task: item_records(results, name, metric, lm.with_mode(mode))
                       for task, (name, metric, _) in spec.items() if metric in ("acc", "acc_norm")})
@@ -114,20 +119,26 @@ def _ppl(lm: KVTransferLM, mode: str, ecfg: dict, seed: int, ppl_set: str = "wik
                                  return_docs=True)
     other = lm.with_mode(mode)
     prefixes = list(pcfg["prefixes"])
-    if not getattr(other, "repair", False):
-        result, events = prefix_conditioned_ppl(other, windows, prefixes), None
-    else:  # one P at a time, so each window's record (kvtransfer.eval.adapter events) is known per P
-        result, events = {}, {}
-        for p in prefixes:
-            del other.events[:]
-            result.update(prefix_conditioned_ppl(other, windows, [p], max_prefix=max(prefixes)))
+    repair = getattr(other, "repair", False)
+    # one P at a time (the same computation as all at once: each P scores on its own), so each window's repair
+    # record (kvtransfer.eval.adapter events) and the mode's context timing are known per P
+    result, events, timing = {}, {}, {}
+    for p in prefixes:
+        del other.events[:]
+        other.timing = new_timing()
+        result.update(prefix_conditioned_ppl(other, windows, [p], max_prefix=max(prefixes)))
+        if other.time_contexts:
+            timing[str(p)] = dict(other.timing)
+        if repair:
             by_key = {e["key"]: {k: v for k, v in e.items() if k != "key"} for e in other.events}
             pairs = prefix_pairs(windows, p, max(prefixes), other.prefix_token_id, other._start_ids)
             events[str(p)] = [by_key.get(hash(tuple(other.split(list(c), list(k))[0]))) for c, k in pairs]
     out = {**{str(p): r["ppl"] for p, r in result.items()},
            "window_nll": {str(p): r["window_nll"] for p, r in result.items()}, "window_doc": docs}
-    if events is not None:
+    if repair:
         out["events"] = events  # {P: [record per window, None where nothing was cached (P = 0)]}
+    if timing:
+        out["timing"] = timing  # {P: KVTransferLM.timing of this mode at P}
     return out
 
 
@@ -163,10 +174,23 @@ BASELINE_MODES = ("target", "source", "native_injected", "no_context", "target_w
 assert tuple(CONTROLS) == CONTROL_MODES  # one vocabulary: the modes kvtransfer.maps.controls builds, metrics reads
 
 
+def is_baseline(mode: str) -> bool:
+    """Whether `mode` never reads a mapped cache (cached once per models and data: cache_dir/eval/baseline)."""
+    return mode in BASELINE_MODES or is_truncate_mode(mode)
+
+
 def run_modes(ecfg: dict) -> list[str]:
-    """eval.modes, then each of eval.controls not already there when `transfer` runs (the controls read it)."""
+    """eval.modes, then each of eval.controls not already there when `transfer` runs (the controls read it), the
+    repair modes, their truncation twins and (perplexity only) the truncation curve (kvtransfer.eval.repair)."""
     modes = with_controls(ecfg["modes"], ecfg.get("controls"))
-    return modes + [m for m in repair_modes(ecfg) if m not in modes]
+    repair = repair_modes(ecfg)
+    extra = repair + truncation_twins(ecfg) + truncation_curve(ecfg, repair=bool(repair))
+    return modes + [m for m in dict.fromkeys(extra) if m not in modes]
+
+
+def curve_mode(mode: str) -> bool:
+    """A truncation-curve point: computed on the perplexity sets only."""
+    return mode.startswith(TRUNCATE_TOKENS_PREFIX)
 
 
 def control_lm(lm: KVTransferLM, mode: str, run, seed: int) -> tuple[KVTransferLM, str]:
@@ -175,6 +199,8 @@ def control_lm(lm: KVTransferLM, mode: str, run, seed: int) -> tuple[KVTransferL
         fraction, select = parse_repair_mode(mode)
         return lm.with_mode("transfer", recompute_fraction=fraction, recompute_select=select, recompute_seed=seed,
                             gate=None, repair=True, events=[]), "transfer"
+    if is_truncate_mode(mode):
+        return lm.with_mode("truncate", **parse_truncate_mode(mode), events=[]), "truncate"
     if mode == "gated":
         gcfg, artifact = run.cfg["eval"]["gate"], gate_stage.gate(run)
         # the gate decides by the artifact's score (kvtransfer.core.signals; an artifact without one: tail_kv)
@@ -226,12 +252,13 @@ def evaluate(run, on_compute=None) -> dict:
     seed = run.cfg.get("seed", 0)
     dirs = {part: result_dirs(run, part) for part in PARTS}
     modes = run_modes(ecfg)
-    source, tokenizer = run.model("source")
-    target, _ = run.model("target")
+    # the source is loaded only when a mode reads it (target-only runs: the baselines and truncation, one model)
+    target, tokenizer = run.model("target")
+    source = run.model("source")[0] if any(not is_baseline(m) or m == "source" for m in modes) else None
     if "identity" in modes and kv_shape(source) != kv_shape(target):
         warnings.warn("eval mode 'identity' skipped: source and target caches differ in shape", stacklevel=2)
         modes.remove("identity")
-    mapper = run.mapper() if any(m not in BASELINE_MODES for m in modes) else None
+    mapper = run.mapper() if any(not is_baseline(m) for m in modes) else None
     for mode in [m for m in modes if m in CONTROLS and mapper is not None and not control_applies(mapper, m)]:
         warnings.warn(f"eval control {mode!r} skipped: it is not defined for a {mapper.kind!r} map "
                       "(kvtransfer.maps.controls.control_applies)", stacklevel=2)
@@ -242,25 +269,26 @@ def evaluate(run, on_compute=None) -> dict:
                       native_tail=ecfg.get("native_tail", 1), rope_at_inference=run.rope_at_inference,
                       context_start=run.context_start, share_prefix=ecfg.get("share_prefix", False),
                       allow_context_start_mismatch=ecfg.get("allow_context_start_mismatch", False),
-                      progress=run.progress is not None)
+                      progress=run.progress is not None, time_contexts=ecfg.get("time_contexts", True))
     per_mode = {}
     ppl_sets = ppl_set_names(ecfg) if ecfg["ppl"].get("enabled") else []
     for mode in modes:
-        kind = "native" if mode == "native_injected" else "baseline" if mode in BASELINE_MODES else "mapped"
+        kind = "native" if mode == "native_injected" else "baseline" if is_baseline(mode) else "mapped"
         limits = ecfg.get("limits") or {}
         moded: list = []  # the control's LM, built on first use (mean/random maps read the calibration moments)
         side: dict = {}  # per-item records of the task just computed (kvtransfer.eval.items)
+        timed: dict = {}  # the context timing of the task just computed (KVTransferLM.timing)
 
         def mode_lm(mode=mode, moded=moded):
             if not moded:
                 moded.extend(control_lm(lm, mode, run, seed))
             return moded
         parts = {f"task.{t}": (lambda t=t: _benchmarks(*mode_lm(), dict(ecfg, tasks=[t], limit=limits.get(t, ecfg.get("limit"))),
-                                                       seed, side)[t])
-                 for t in ecfg["tasks"]}
+                                                       seed, side, timed)[t])
+                 for t in ([] if curve_mode(mode) else ecfg["tasks"])}
         for name in ppl_sets:
             parts[f"ppl.{name}"] = lambda name=name: _ppl(*mode_lm(), ecfg, seed, name)
-        if ecfg["coqa"].get("enabled") and mode in ("target", "transfer"):
+        if ecfg["coqa"].get("enabled") and mode in ("target", "transfer") and not curve_mode(mode):
             parts["coqa"] = lambda: _coqa(lm, mode, ecfg)
         result: dict = {"tasks": {}}
         announced = False
@@ -282,6 +310,8 @@ def evaluate(run, on_compute=None) -> dict:
                 record = {"value": value, "seconds": round(time.perf_counter() - started, 2)}
                 if moded and moded[0].events and not name.startswith("ppl."):
                     record["gate"] = gate_summary(moded[0].events)
+                if name.startswith("task.") and name[5:] in timed:  # what reading the contexts cost (seconds, FLOPs)
+                    record["timing"] = timed.pop(name[5:])
                 if name[5:] in side:  # per item: doc id, correctness, gold margin, and the gate's event
                     record["items"] = [{k: v for k, v in r.items() if k != "prefixes"} for r in
                                        attach_events(side.pop(name[5:]), moded[0].events if moded else [])]
@@ -294,6 +324,10 @@ def evaluate(run, on_compute=None) -> dict:
             run.note(artifact, path, record.get("produced_by"))
             if record.get("gate"):
                 result.setdefault("gate", {})[name] = record["gate"]
+            if record.get("timing"):
+                result.setdefault("timing", {})[name] = record["timing"]
+            elif name.startswith("ppl.") and isinstance(record["value"], dict) and record["value"].get("timing"):
+                result.setdefault("timing", {})[name] = record["value"]["timing"]
             if name.startswith("task."):
                 result["tasks"][name[5:]] = record["value"]
                 if record.get("items"):
@@ -302,7 +336,8 @@ def evaluate(run, on_compute=None) -> dict:
                 set_name = name[4:]
                 value = record["value"]
                 result.setdefault("ppl_sets", {})[set_name] = {
-                    "ppl": {p: v for p, v in value.items() if p not in ("window_nll", "window_doc", "events")},
+                    "ppl": {p: v for p, v in value.items() if p not in ("window_nll", "window_doc", "events", "timing")},
+                    **({"timing": value["timing"]} if value.get("timing") else {}),
                     "windows": value.get("window_nll"), "docs": value.get("window_doc"),
                     **({"events": value["events"]} if value.get("events") else {})}
                 if set_name == ppl_sets[0]:  # the first set is the run's `ppl` (the rows every table reads)
@@ -318,6 +353,7 @@ def evaluate(run, on_compute=None) -> dict:
     out["scores_file"] = SCORES_FILE
     out["native_tail"] = lm.native_tail
     out["eval_seconds"] = {mode: r.get("seconds", {}) for mode, r in per_mode.items()}
+    out["eval_timing"] = {mode: r["timing"] for mode, r in per_mode.items() if r.get("timing")}
     return out
 
 
@@ -332,16 +368,6 @@ def gated_label(run) -> str:
 
     signals = check_signals((run.cfg["eval"].get("gate") or {}).get("signals"))
     return f"gated-{run.key('gate')[:16]}" + (f"-signals-{artifact_key(signals)[:8]}" if signals else "")
-
-
-def gate_summary(events: list[dict]) -> dict:
-    """What the gate (or a fixed recompute) did over a part's cached prefixes: kvtransfer.core.gate.action_counts
-    plus the mean cost (FLOPs as a fraction of a re-prefill, the gate's score included) and seconds per prefix."""
-    out = action_counts(events)
-    n = max(1, len(events))
-    out["cost"] = float(sum(e["cost"] for e in events) / n)
-    out["seconds_per_prefix"] = float(sum(e["seconds"] for e in events) / n)
-    return out
 
 
 def write_scores(path: Path, per_mode: dict) -> None:
@@ -411,7 +437,8 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
     if gate:
         out["gate"] = gate
     for t, row in (out.get("tasks") or {}).items():  # repair modes beside transfer (kvtransfer.core.recompute / gate)
-        for m in [m for m in per_item[t] if m == "gated" or m.startswith(REPAIR_PREFIX)]:
+        row.update(_timing_columns({m: r.get("timing", {}).get(f"task.{t}") for m, r in per_mode.items()}))
+        for m in [m for m in per_item[t] if m == "gated" or m.startswith(REPAIR_PREFIX) or is_truncate_mode(m)]:
             items = per_item[t][m]
             row[m] = float(sum(items) / len(items)) if items else None
             if "no_context" in per_item[t] and len(items) >= 2 and len(items) == len(per_item[t]["no_context"]):
@@ -433,47 +460,6 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
             per_mode["target"]["coqa"][protocol], mapped, n_boot=ecfg.get("bootstrap", 1000), seed=seed)})
             for protocol, mapped in per_mode["transfer"]["coqa"].items()]
     return out
-
-
-def _ppl_rows(per_mode: dict, set_name: str, ecfg: dict, seed: int) -> list[dict]:
-    """Summary rows of one perplexity set: per prefix P, each mode's perplexity, the log-ppl gap closed with a
-    paired bootstrap SE over windows (= over documents under eval.ppl.draw=per_document), the controls'
-    content share and gap closed above each control, the window and document counts."""
-    parts = {m: r["ppl_sets"][set_name] for m, r in per_mode.items() if set_name in (r.get("ppl_sets") or {})}
-    prefixes = sorted({int(p) for part in parts.values() for p in part["ppl"]})
-    windows = {m: part.get("windows") for m, part in parts.items()}
-    docs = next((part.get("docs") for part in parts.values() if part.get("docs") is not None), None)
-    rows = []
-    for p in prefixes:
-        row = {"prefix": p, **({"set": set_name} if set_name else {}),
-               **{m: part["ppl"].get(str(p)) for m, part in parts.items()}}
-        per_window = {m: w[str(p)] for m, w in windows.items() if w and str(p) in w}
-        if docs is not None:
-            row["windows"], row["documents"] = len(docs), len(set(docs))
-        # gap_closed on log-perplexity (kvtransfer.eval.metrics): a paired bootstrap SE over windows when every
-        # mode kept its per-window NLLs, else the point value with SE None (results cached before they were kept)
-        if p > 0 and all(m in per_window for m in ("target", "transfer", "no_context")):
-            gap = ppl_gap_closed(per_window, n_boot=ecfg.get("bootstrap", 1000), seed=seed)
-            row["transfer_gap_closed"], row["transfer_gap_closed_se"] = gap["gap_closed"], gap["gap_closed_se"]
-        elif p > 0 and None not in (row.get("transfer"), row.get("target"), row.get("no_context")):
-            row["transfer_gap_closed"] = float(log_ppl_gap_closed(row["transfer"], row["target"], row["no_context"]))
-            row["transfer_gap_closed_se"] = None
-        for m in [m for m in per_window if m == "gated" or m.startswith(REPAIR_PREFIX)]:
-            if p > 0 and all(x in per_window for x in ("target", "no_context")):
-                gap = ppl_gap_closed({"target": per_window["target"], "transfer": per_window[m],
-                                      "no_context": per_window["no_context"]}, n_boot=ecfg.get("bootstrap", 1000), seed=seed)
-                row[f"{m}_gap_closed"], row[f"{m}_gap_closed_se"] = gap["gap_closed"], gap["gap_closed_se"]
-            events = [e for e in ((parts[m].get("events") or {}).get(str(p)) or []) if e]
-            if events:
-                summary = gate_summary(events)
-                row[f"{m}_cost"], row[f"{m}_recompute_rate"] = summary["cost"], summary["recompute_rate"]
-                if m == "gated":
-                    row["gated_actions"] = {a: summary[a] for a in ("map", "recompute", "full")}
-        if p > 0 and "target" in per_window and "transfer" in per_window and \
-                any(m in per_window for m in CONTROL_MODES):
-            row.update(control_statistics(per_window, n_boot=ecfg.get("bootstrap", 1000), seed=seed))
-        rows.append(_finite(row))
-    return rows
 
 
 def floor_warnings(summary: dict) -> list[str]:

@@ -108,7 +108,7 @@ def execute(cfg: dict, out_dir: str | Path, *, plan: dict | None = None) -> dict
                 other = "rotated" if run.key_space == "stripped" else "stripped"
                 r2_figure[f"{other} keys"] = run.r2(other)["train"]
                 run.release_moments()
-    if any(s in stages for s in ("fit", "eval", "report")):
+    if "fit" in stages or "report" in stages or ("eval" in stages and _eval_reads_map(cfg)):
         mapper = run.mapper()
         run.release_moments()
         summary["mapper"] = {"kind": mapper.kind, "k": mapper.k, "lambda": mapper.lam,
@@ -146,3 +146,12 @@ def execute(cfg: dict, out_dir: str | Path, *, plan: dict | None = None) -> dict
     summary["producers"] = summarize_producers(run.producers)  # what made each cached artifact this run read
     atomic_write_json(out_dir / "summary.json", summary)
     return summary
+
+
+def _eval_reads_map(cfg) -> bool:
+    """Whether the eval stage reads the map: a mode that is not a baseline (kvtransfer.runner.eval_stage.is_baseline)
+    or the fidelity check. A target-only evaluation (the baselines, truncation) needs no calibration."""
+    from .eval_stage import is_baseline, run_modes
+
+    ecfg = cfg["eval"]
+    return bool((ecfg.get("fidelity") or {}).get("enabled", True)) or any(not is_baseline(m) for m in run_modes(ecfg))

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Equal-cost baselines: is the map worth its cost against the target reading a truncated prompt? results/baselines/.
+#   bash experiments/baselines/run.sh          # every run below; rerun to resume (each mode's result is cached)
+#   python experiments/baselines/collect.py    # results/baselines/README.md, tables and the cost figure
+# Each run writes results/baselines/runs/<name>/ and is skipped once its summary exists. The real-pair runs read the
+# main configuration's calibration and map (conf/experiment/baselines_cpu.yaml pins every setting) from CACHE (any
+# cache_dir works: it calibrates and fits on first use, ~20 min on 2 cores). STEPS="name ..." runs a subset.
+# The selection / confirmation split of WikiText-2's articles is experiments/baselines/split.yaml (fixed before any
+# run); collect.py chooses the repair on the selection half only and reports the confirmation half.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=results/baselines/runs
+CACHE=${KVT_BASELINES_CACHE:-artifacts/qwen25coder}
+mkdir -p "$OUT"
+
+run() {  # run NAME OVERRIDES...
+  local name=$1; shift
+  if [[ -n "${STEPS:-}" && " $STEPS " != *" $name "* ]]; then return; fi
+  if [[ -f "$OUT/$name/summary.json" ]]; then echo "[$name] done"; return; fi
+  rm -rf "$OUT/$name"
+  echo "[$name] $(date -u +%H:%M:%S) start: $*"
+  python run.py progress=false out_dir="$OUT/$name" "$@"
+  echo "[$name] $(date -u +%H:%M:%S) done"
+}
+
+# 1. the check on the tiny trained pair (models/tiny): truncate_0.3 beside recompute_recent_0.3, measured seconds
+#    of both and of target, the truncation curve and the map's worth in native tokens; a few minutes on 2 cores
+run tiny_check stage=[calibrate,fit,eval] cache_dir=artifacts/baselines_tiny eval.tasks=[] eval.controls=[] \
+  eval.coqa.enabled=false eval.fidelity.enabled=false "eval.modes=[target,transfer,no_context]" \
+  "eval.ppl.prefixes=[0,128,256]" "eval.recompute_fraction=[0.3]" "eval.recompute_select=[recent]"
+
+# 2. without a calibration (the target alone): the truncation curve on the windows of results/qwen25coder's
+#    controls_ppl run (the same draw: 62 per-document windows of each set at P = 256, 64 scored tokens), whose
+#    transfer / target / no_context NLLs collect.py reads beside it; then target and no_context again, timed
+#    (m = 1 is no_context, which the committed run holds; the timed run computes it again as a check)
+CURVE5="truncate_tokens_4,truncate_tokens_8,truncate_tokens_16,truncate_tokens_32,truncate_tokens_64"
+TONLY="+experiment=baselines_cpu cache_dir=$CACHE stage=[eval] eval.recompute_fraction=[] eval.truncate.curve=[]"
+run real_trunc_wikitext2 $TONLY "eval.ppl.sets=[wikitext2]" "eval.modes=[$CURVE5]"
+run real_trunc_stdlib $TONLY "eval.ppl.sets=[python_stdlib]" "eval.modes=[$CURVE5]"
+run real_trunc_timed $TONLY "eval.ppl.sets=[wikitext2]" "eval.modes=[$CURVE5,truncate_tokens_1,no_context,target]"
+
+# 3. the real pair on WikiText-2 at P = 256: every article long enough (one window each, both halves of the split),
+#    64 scored tokens per window. Three runs, each with the baselines (cached after the first), so each writes its
+#    own summary and an interrupted one loses only its own modes: (a) map + recent recompute at r = 0.3 and its
+#    truncation twin, (b) the truncation curve, (c) r = 0.15 and 0.05 with their twins
+REAL="+experiment=baselines_cpu cache_dir=$CACHE stage=[calibrate,fit,eval]"
+BASE="no_context,transfer,target"
+CURVE="truncate_tokens_1,truncate_tokens_4,truncate_tokens_8,truncate_tokens_16,truncate_tokens_32,truncate_tokens_64,truncate_tokens_128"
+NOCURVE="eval.truncate.curve=[]"
+run real_wikitext2_a $REAL $NOCURVE "eval.recompute_fraction=[0.3]" "eval.modes=[$BASE,recompute_recent_0.3,truncate_0.3]"
+run real_wikitext2_b $REAL "eval.recompute_fraction=[]" "eval.modes=[$BASE,$CURVE]"
+run real_wikitext2_c $REAL $NOCURVE "eval.recompute_fraction=[0.15,0.05]" \
+  "eval.modes=[$BASE,recompute_recent_0.15,truncate_0.15,recompute_recent_0.05,truncate_0.05]"
+# 4. the Python stdlib set at P = 256 (never used for selection): one window per module long enough
+STDLIB="eval.ppl.sets=[python_stdlib]"
+run real_stdlib_a $REAL $STDLIB $NOCURVE "eval.recompute_fraction=[0.3]" "eval.modes=[$BASE,recompute_recent_0.3,truncate_0.3]"
+run real_stdlib_b $REAL $STDLIB "eval.recompute_fraction=[]" "eval.modes=[$BASE,$CURVE]"
+# 5. P = 1,024 on WikiText-2 (does the map's worth grow with the prefix?), the curve extended to 512
+LONG="eval.ppl.prefixes=[1024]"
+run real_wikitext2_1024_b $REAL $LONG "eval.recompute_fraction=[]" \
+  "eval.modes=[$BASE,$CURVE,truncate_tokens_256,truncate_tokens_512]"

@@ -1,0 +1,87 @@
+"""experiments/baselines/collect.py on synthetic runs with known answers: the repair is chosen on WikiText-2's
+selection half only, each half's gap closed is that half's windows' alone, the equal-cost truncation is the curve
+interpolated at the mapped mode's measured cost, and two runs' shared modes must agree."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scripts import load_script
+from tolerance import assert_close
+
+collect = load_script("experiments/baselines/collect.py")
+
+
+def _runs(flip: bool = True):
+    """Two runs over one draw of 62 windows (one per article): run a has the baselines and r = 0.15 / 0.3 with their
+    twins; run b the baselines and the truncation curve. On the selection half recent_0.3 leads its twin by 0.2 and
+    recent_0.15 by 0.1 of the gap; on the confirmation half (flip) the other way round."""
+    halves = collect.split_halves()
+    docs = list(range(62))
+    rng = np.random.default_rng(0)
+    target = rng.normal(2.0, 0.2, 62)
+    floor = target + 1.0
+    sel = np.isin(docs, halves["selection"])
+
+    def at(frac):  # an NLL closing `frac` of each window's gap
+        return list(floor - (floor - target) * frac)
+    lead3, lead15 = np.where(sel | (not flip), 0.2, 0.1), np.where(sel | (not flip), 0.1, 0.2)
+    nll_a = {"target": list(target), "no_context": list(floor), "transfer": at(0.3),
+             "truncate_0.3": at(0.5), "recompute_recent_0.3": at(0.5 + lead3),
+             "truncate_0.15": at(0.4), "recompute_recent_0.15": at(0.4 + lead15)}
+    nll_b = {"target": list(target), "no_context": list(floor), "transfer": at(0.3),
+             **{f"truncate_tokens_{m}": at(frac) for m, frac in ((1, 0.0), (4, 0.2), (16, 0.4), (64, 0.8))}}
+    cost = {"transfer": 0.1, "truncate_tokens_1": 0.01, "truncate_tokens_4": 0.05, "truncate_tokens_16": 0.15,
+            "truncate_tokens_64": 0.4, "target": 1.0}
+
+    flops = {"truncate_tokens_1": 0.0, "truncate_tokens_4": 0.01, "truncate_tokens_16": 0.05, "truncate_tokens_64": 0.25}
+
+    def run(nll):
+        row = {"prefix": 256, **{f"{m}_seconds_rel": c for m, c in cost.items() if m in nll},
+               **{f"{m}_seconds": c for m, c in cost.items() if m in nll},
+               **{f"{m}_flops_rel": c for m, c in flops.items() if m in nll}, "transfer_map_flops_rel": 0.03}
+        return {"summary": {"ppl_sets": {"wikitext2": [row]}, "environment": {"commit": "abcdef0", "dirty": False}},
+                "scores": {"ppl_sets": {"wikitext2": {"window_doc": docs, "window_nll": {"256": nll}}}}}
+    return {"real_a": run(nll_a), "real_b": run(nll_b)}, sel
+
+
+def test_the_repair_is_chosen_on_the_selection_half_only():
+    runs, sel = _runs()
+    results = collect.analyse(collect.merge(runs))
+    assert collect.choose(results) == "recompute_recent_0.3"   # the selection half's winner ...
+    conf = results[("wikitext2", 256, "confirmation")]
+    assert conf["twins"]["recompute_recent_0.15"][0] > conf["twins"]["recompute_recent_0.3"][0]  # ... not confirmation's
+    assert conf["windows"] == int((~sel).sum()) == 31
+    reason = "ratios of float64 means of 31 windows (a few roundings each)"
+    assert_close(conf["twins"]["recompute_recent_0.3"][0], 0.1, factor=64, magnitude=1, reason=reason)
+    assert_close(results[("wikitext2", 256, "selection")]["twins"]["recompute_recent_0.3"][0], 0.2, factor=64,
+                 magnitude=1, reason=reason)
+    flipped = collect.analyse(collect.merge(_runs(flip=False)[0]))
+    assert collect.choose(flipped) == "recompute_recent_0.3"
+
+
+def test_worth_and_equal_cost_truncation():
+    runs, _ = _runs()
+    res = collect.analyse(collect.merge(runs))[("wikitext2", 256, "confirmation")]
+    reason = "float64 log-linear interpolation of ratios of means (a few roundings)"
+    # the map closes 0.3: between m = 4 (0.2) and 16 (0.4), halfway in log m -> m = 8
+    assert_close(res["worth"]["transfer"]["tokens"], 8.0, factor=64, magnitude=8, reason=reason)
+    # at the map's measured cost 0.1 (between m = 4 at 0.05 and m = 16 at 0.15, halfway) truncation closes 0.3
+    eq = res["equal_cost"]["transfer"]
+    assert eq["between"] == (4, 16)
+    assert_close(eq["truncation"], 0.3, factor=64, magnitude=1, reason=reason)
+    assert_close(eq["difference"], 0.0, factor=64, magnitude=1, reason=reason)
+    assert res["modes"]["transfer"]["seconds_rel"] == 0.1 and res["modes"]["transfer"]["flops_rel"] == 0.03
+    # at the map's FLOPs 0.03 (between m = 4 at 0.01 and m = 16 at 0.05, halfway) truncation closes 0.3 too
+    ef = res["equal_flops"]["transfer"]
+    assert ef["between"] == (4, 16)
+    assert_close(ef["truncation"], 0.3, factor=64, magnitude=1, reason=reason)
+    line = collect.headline(collect.analyse(collect.merge(runs)), "recompute_recent_0.3")
+    assert "does not separate from truncation" in line and "8.0" in line
+
+
+def test_runs_must_share_their_windows_and_cached_modes():
+    runs, _ = _runs()
+    runs["real_b"]["scores"]["ppl_sets"]["wikitext2"]["window_nll"]["256"]["transfer"][0] += 1e-3
+    with pytest.raises(ValueError, match="differs"):
+        collect.merge(runs)

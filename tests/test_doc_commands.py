@@ -39,6 +39,11 @@ RULES = [
     (r"^bash experiments/qwen25coder/get_models\.sh", "not run", "downloads ~1.8 GB of models and text"),
     (r"^bash experiments/\S+/run\.sh", "not run", "the real-pair runs: hours on a CPU"),
     (r"^python experiments/gpu_bench\.py", "not run", "needs a GPU"),
+    (r"^(PYTHONUNBUFFERED=1 )?python3? experiments/gpu_check\.py", "not run", "needs a GPU (the device check)"),
+    (r"^python3? results/plan/make\.py", "not run", "rewrites results/plan; tests/test_results_plan.py reruns it"),
+    (r"^python3? results/precision/make\.py", "not run", "calibrates twice: minutes (tiny) to hours (real pair)"),
+    (r"^python3? experiments/\S+/collect\.py", "not run", "rewrites a results README from committed runs "
+                                                        "(tests/test_readme_numbers.py checks the blocks)"),
     (r"^python -m kvtransfer\.bench ", "parse", "minutes of CPU at full depth (tests/test_bench.py runs small shapes)"),
     (r"^python -m kvtransfer\.serve\.proxy ", "parse", "needs two running vLLM servers (tests/test_proxy.py fakes them)"),
     (r"^(\.venv-serve/bin/)?python -m kvtransfer\.serve\.launch ", "parse",

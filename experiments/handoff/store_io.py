@@ -40,6 +40,9 @@ def main() -> None:
     if Path(args.out).exists():
         raise SystemExit(f"{args.out} exists: pick a new name")
     root = Path(args.dir)
+    from kvtransfer.config.provenance import json_provenance
+
+    provenance = json_provenance()  # the tree measured, before anything can change it
     rows = []
     for n in args.tokens:
         ids = list(range(n))
@@ -77,11 +80,11 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     shutil.rmtree(root, ignore_errors=True)
-    from kvtransfer.config.provenance import json_provenance
+    from kvtransfer.config.provenance import cpu_model, json_provenance
     from kvtransfer.core.io import atomic_write_json
 
     atomic_write_json(Path(args.out), {"rows": rows, "repeats": args.repeats, "shape": IDENT, "dtype": "bfloat16",
-                                       "provenance": json_provenance()})
+                                       "provenance": {**provenance, "cpus": os.cpu_count(), "cpu": cpu_model()}})
 
 
 if __name__ == "__main__":

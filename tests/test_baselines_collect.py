@@ -65,7 +65,8 @@ def test_worth_and_equal_cost_truncation():
     res = collect.analyse(collect.merge(runs))[("wikitext2", 256, "confirmation")]
     reason = "float64 log-linear interpolation of ratios of means (a few roundings)"
     # the map closes 0.3: between m = 4 (0.2) and 16 (0.4), halfway in log m -> m = 8
-    assert_close(res["worth"]["transfer"]["tokens"], 8.0, factor=64, magnitude=8, reason=reason)
+    assert_close(res["worth"]["transfer"]["tokens"], 8.0, factor=1024, magnitude=8,
+                 reason=reason + "; exp of the interpolated log m multiplies the log's rounding by m: hundreds of ulps")
     # at the map's measured cost 0.1 (between m = 4 at 0.05 and m = 16 at 0.15, halfway) truncation closes 0.3
     eq = res["equal_cost"]["transfer"]
     assert eq["between"] == (4, 16)

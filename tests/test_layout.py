@@ -179,6 +179,12 @@ LONG_MODULE = 500
 ONE_JOB: dict[str, str] = {
     "kvtransfer.eval.adapter": "the lm-eval model: the request types lm-eval calls, each through the same per-mode "
                                "prefix cache",
+    "kvtransfer.serve.store": "the block store's format: keys, write, lookup, verified read, and the eviction, "
+                              "retention and deletion that keep its chains whole",
+    "kvtransfer.serve.connector": "vLLM's KV-connector hooks, scheduler and worker side, each turning any fault into a "
+                                  "counted fallback",
+    "kvtransfer.serve.proxy": "the proxy's routing of one request: source turn, switch or later turn, and its "
+                              "fallbacks (session state and wire formats live in proxy_state / proxy_wire)",
 }
 
 

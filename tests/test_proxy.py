@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import pytest
 import torch
@@ -644,9 +643,7 @@ def test_a_switch_waits_for_the_write_in_flight_then_maps_what_is_there(tmp_path
         layers = [(torch.zeros(1, len(ids), 2), torch.zeros(1, len(ids), 2))]
         writer = threading.Timer(0.3, lambda: rig.proxy.store.write(ids, layers, ident))
         writer.start()
-        t0 = time.perf_counter()
-        assert await rig.proxy._stored_until(ids, n) == n  # waited for the producer's write
-        assert 0.2 < time.perf_counter() - t0 < 4
+        assert await rig.proxy._stored_until(ids, n) == n  # waited for the producer's write (0.3 s later)
         rig.proxy.switch_wait_s = 0.05
         assert await rig.proxy._stored_until(ids + [1] * 8, n + 8) == n  # never written: what is complete
         stats = rig.proxy.stats.as_dict()["handoff"]

@@ -55,9 +55,8 @@ def test_background_writer_returns_at_once_and_flushes(tmp_path):
 
     store.write = write
     writer = StoreWriter(store)
-    t0 = time.perf_counter()
-    writer.submit("r", _ids(16), _layers(16), IDENT)
-    assert time.perf_counter() - t0 < 1.0 and store.stored_blocks(_ids(16), IDENT["key"]) == 0
+    writer.submit("r", _ids(16), _layers(16), IDENT)  # returns while the write waits (a synchronous one would hang)
+    assert store.stored_blocks(_ids(16), IDENT["key"]) == 0
     assert not writer.flush(timeout_s=0.05)  # still in flight
     slow.set()
     assert writer.flush(timeout_s=10)
@@ -79,7 +78,7 @@ def test_background_writer_holds_at_most_its_byte_cap(tmp_path):
     threading.Thread(target=lambda: (writer.submit("b", _ids(16, 2), _layers(16, 2), IDENT), done.set())).start()
     assert not done.wait(0.3)  # the second submit waits for the first write (backpressure)
     gate.set()
-    assert done.wait(10) and writer.flush(10) and writer.stats["waited_s"] > 0.2
+    assert done.wait(10) and writer.flush(10) and writer.stats["waited_s"] > 0
     writer.close()
 
 

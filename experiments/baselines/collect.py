@@ -521,7 +521,7 @@ def main() -> None:
 
 
 TIMING_NOTE = ("Seconds are wall time of each mode's context work in the process that computed that mode's cached "
-               "file, on a 2-core CPU shared with other jobs; modes computed in different runs (the baselines are "
+               "file, on a 2-core CPU loaded by other processes; modes computed in different runs (the baselines are "
                "cached once) were timed at different loads. They carry no SE: one aggregate per mode and prefix. "
                "FLOPs are exact counts. On the tiny pair a context takes milliseconds, so its seconds are mostly "
                "noise (a curve point that reads the whole context, the target's own work, is timed well away from "

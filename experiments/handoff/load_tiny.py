@@ -62,19 +62,10 @@ def start_engine(port: int, kvcfg: str, log: Path) -> subprocess.Popen:
 
 
 def wait_up(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
-    import httpx
+    """Wait until an engine or the proxy answers /health (kvtransfer.serve.launch.wait_healthy)."""
+    from kvtransfer.serve.launch import wait_healthy
 
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(url)
+    wait_healthy(url, proc, time.time() + timeout)
 
 
 def kill(proc: subprocess.Popen) -> None:

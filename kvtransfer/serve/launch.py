@@ -101,7 +101,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _wait(url: str, proc: subprocess.Popen, deadline: float) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, deadline: float) -> None:
+    """Return once `url`/health answers 200; RuntimeError if `proc` exits first, TimeoutError at `deadline`
+    (time.time() seconds)."""
     import httpx
 
     while time.time() < deadline:
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"started {name}: {' '.join(cmd[:4])} ... (log: {store / 'logs' / f'{name}.log'})", flush=True)
         deadline = time.time() + args.timeout
         for name, port in (("source", args.port + 1), ("target", args.port + 2), ("proxy", args.port)):
-            _wait(f"http://127.0.0.1:{port}", procs[name], deadline)
+            wait_healthy(f"http://127.0.0.1:{port}", procs[name], deadline)
             print(f"{name} is up on port {port}", flush=True)
         print("\nThe handoff proxy is ready. A client:\n")
         print(client_snippet(args.host, args.port, args.source_name, args.target_name), flush=True)

@@ -16,7 +16,7 @@ BANNED = [
     ("words about how the work was organised",
      r"\bcoordinator\b|\bdev (EPYC|machine|box)\b|\b(this|the previous|an earlier|a later|earlier) sessions?\b"
      r"|\bsession's commits\b|\bworktree\b|\bengineers?\b|\bthe lead\b|\bother jobs\b|\bbranch's commits\b"
-     r"|\bhidden-features branch\b"),
+     r"|\bhidden-features branch\b|\bagents?'? (jobs?|runs?)\b|\bother agents?\b|\bhelper agents?\b"),
 ]
 # Run names that only mean something to whoever launched them: not in the README or docs/ (a results folder names
 # its own run directories, which it ships).

@@ -172,15 +172,23 @@ async def faults(run: Run, producer: subprocess.Popen, consumer: subprocess.Pope
     notes = {}
 
     async def handoff_then_spoil(name, spoil):
+        from kvtransfer.serve.store import KVStore
+
         ids = body(200)
-        before = entry_paths(run.store)
         save = await run.client.post(source_url + "/v1/completions",
                                      json={"model": "tiny-8101", "prompt": ids, "max_tokens": 1})
         assert save.status_code == 200, save.text
-        deadline = time.time() + 30  # the producer writes in the background
-        while len(entry_paths(run.store) - before) < 200 // 16 and time.time() < deadline:
+        # the producer writes in the background, and may still be writing an earlier session's blocks: find this
+        # prompt's own chain by its hashes (not by which files are new) and wait for its last full block
+        store = KVStore(run.store)
+        full = len(ids) // store.block_size * store.block_size
+        deadline = time.time() + 60
+        while ((tip := store.tip(ids)) is None or tip[2] < full) and time.time() < deadline:
             await asyncio.sleep(0.1)
-        spoil(max(entry_paths(run.store) - before, key=block_index))  # the prompt's last stored block
+        assert tip is not None and tip[2] == full, f"the producer stored {tip} of {full} tokens within 60 s"
+        last = store.block_path(tip[0], tip[1])
+        assert block_index(last) == full // store.block_size - 1, last
+        spoil(last)  # the prompt's last stored block
         # the proxy hands over again (the producer rewrites nothing: entries are never overwritten)
         rec = await run.turn(ids, f"fault-{name}", True, f"fault:{name}")
         good = await run.turn(body(150), f"fault-{name}-after", True, f"after:{name}")

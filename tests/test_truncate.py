@@ -194,3 +194,60 @@ def test_a_target_only_evaluation_needs_no_calibration(tiny_pair_dirs, tmp_path)
     assert "transfer" not in row and "path" not in summary["mapper"]
     cache = tmp_path / "artifacts"
     assert not (cache / "moments").exists() and not (cache / "mappers").exists()
+
+
+def test_coqa_twin_is_the_target_reading_the_last_tokens(tiny_pair_dirs, tmp_path):  # noqa: F811
+    """CoQA's equal-cost twin (eval.coqa.truncate): every turn, the target answers from the start ids + the last m
+    tokens of the turn's prompt (predicted here by the target generating on prompts cut by hand); with the story cached
+    once, m beyond every story is exactly the target; the summary pairs each twin with the map over conversations."""
+    from kvtransfer.eval.coqa import UNTIL, coqa_f1, encode_segments, turn_golds, turn_segments, _answer
+    from kvtransfer.eval.sources import coqa_docs
+    from kvtransfer.runner.pipeline import Run, execute
+
+    cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "stage=[calibrate,fit,eval]", "eval.tasks=[]", "eval.ppl.enabled=false",
+                    "eval.fidelity.enabled=false", "eval.bootstrap=50", "eval.controls=[]",
+                    "eval.modes=[target,transfer]", "eval.coqa.conversations=3", "eval.coqa.turns=3",
+                    "eval.coqa.truncate=[8,100000]")
+    summary = execute(cfg, tmp_path / "eval")
+    scores = json.loads((tmp_path / "eval" / summary["scores_file"]).read_text())["coqa"]
+    rows = {(r["protocol"], r["tokens"]): r for r in summary["coqa_twins"]}
+    assert set(rows) == {(p, m) for p in ("every_turn", "once") for m in (8, 100000)}
+    assert {r["series"] for r in summary["drift"]} >= {"truncate_tokens_8 (every_turn)", "truncate_tokens_8 (once)"}
+
+    def answers(mode):  # {protocol: [[answer per turn] per conversation]} from the mode's cached CoQA file
+        [path] = (tmp_path / "artifacts" / "eval").rglob(f"{mode}.coqa.json")
+        return {p: [[t["pred"] for t in conv] for conv in convs]
+                for p, convs in json.loads(path.read_text())["value"].items()}
+
+    eight, everything, target = answers("truncate_tokens_8"), answers("truncate_tokens_100000"), answers("target")
+    # the story cached once, a twin longer than any story reads it all: the target's own answers
+    assert everything["once"] == target["once"] and scores["once"]["truncate_tokens_100000"] == scores["once"]["target"]
+    assert eight["once"] != target["once"]  # the story's last 8 tokens are not the story
+    # every turn, m = 8: the target generating on each turn's prompt cut to the start ids + its last 8 tokens
+    run = Run(cfg, tmp_path / "x")
+    target_model, tokenizer = run.model("target")
+    lm = KVTransferLM(target_model=target_model, tokenizer=tokenizer, mode="target", batch_size=16,
+                      context_start=run.context_start)
+    ecfg = run.cfg["eval"]
+    docs = coqa_docs(ecfg)
+    jobs = [(c, t) for c in range(len(docs)) for t in range(min(3, len(docs[c]["questions"]["input_text"])))]
+    start = lm._start_ids
+    cut = []
+    for c, t in jobs:
+        ids = encode_segments(lm, turn_segments(docs[c], t))
+        body = ids[len(start):] if ids[:len(start)] == start else ids
+        cut.append((start if ids[:len(start)] == start else []) + body[-8:])
+    gens = lm.generate_tokens(cut, until=UNTIL, max_gen_toks=ecfg["coqa"]["max_gen_toks"])
+    want, want_f1 = [[] for _ in docs], [[] for _ in docs]
+    for (c, t), toks in zip(jobs, gens):
+        want[c].append(_answer(lm, toks))
+        want_f1[c].append(coqa_f1(want[c][-1], turn_golds(docs[c], t)))
+    assert eight["every_turn"] == want and scores["every_turn"]["truncate_tokens_8"] == want_f1
+    assert eight["every_turn"] != target["every_turn"]  # it read less
+    r = rows[("every_turn", 8)]
+    f1 = [x for conv in want_f1 for x in conv]
+    # F1 is in [0, 1]: the means' scale is 1 (the tiny model's answers may all score 0)
+    assert_close(r["twin_f1"], sum(f1) / len(f1), factor=10, magnitude=1, reason="float64 mean of a few F1s")
+    mapped = [x for conv in scores["every_turn"]["transfer"] for x in conv]
+    assert_close(r["transfer_minus_twin"], sum(mapped) / len(mapped) - sum(f1) / len(f1), factor=10, magnitude=1,
+                 reason="float64 means of a few F1s")

@@ -7,6 +7,8 @@ segment (first segment with special tokens), so both protocols see identical tok
       LM's mode (transfer: the source prefills, the mapper maps) and the target answers.
   (b) `transfer_once`: the cache is built once after the story; the scoring model then extends its
       own cache with each question, answers, and appends the gold answer (native continuation).
+The equal-cost twin (LM mode `truncate`, kvtransfer.eval.truncate) reads, in (a), only the start ids and the
+last m tokens of each turn's prompt and, in (b), only the story's last m tokens before the native turns.
 Answers are greedy, stopped at "\\nQ:" / max_gen_toks, post-processed like lm-eval (strip, first
 line). F1 is the official CoQA score (normalize; token-overlap F1; with several gold answers, the
 average over leave-one-out maxima).
@@ -130,6 +132,8 @@ def transfer_once(lm, docs: list[dict], *, max_turns: int | None = 10, max_gen_t
         if hasattr(lm, "_bar") else None
     for doc in docs:
         story = lm.tok_encode(doc["story"] + "\n\n")
+        if lm.mode == "truncate":  # the equal-cost twin: the target reads only the story's last tokens
+            story = lm.truncated_context(story)
         prefix, pending = lm.cut(story)  # pending: tokens not yet in the cache
         layers, pmask = lm.prefix_cache([prefix])
         turns = []

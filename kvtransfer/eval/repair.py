@@ -78,6 +78,19 @@ def truncation_twins(ecfg: dict) -> list[str]:
     return list(dict.fromkeys(truncate_mode(float(f)) for f in (ecfg.get("recompute_fraction") or [])))
 
 
+def coqa_twins(ecfg: dict) -> list[str]:
+    """truncate_tokens_<m> for each m of eval.coqa.truncate when CoQA runs: the conversation's equal-cost twins (the
+    target reads only the last m tokens of each turn's prompt / of the story; kvtransfer.eval.coqa)."""
+    ccfg = ecfg.get("coqa") or {}
+    if not ccfg.get("enabled"):
+        return []
+    tokens = ccfg.get("truncate") or []
+    bad = [m for m in tokens if not isinstance(m, int) or isinstance(m, bool) or m < 1]
+    if bad:
+        raise ValueError(f"eval.coqa.truncate={tokens}: {bad} are not token counts >= 1; e.g. [32, 128] or []")
+    return [truncate_tokens_mode(m) for m in sorted(set(tokens))]
+
+
 def truncation_curve(ecfg: dict, *, repair: bool) -> list[str]:
     """truncate_tokens_<m> for m of eval.truncate.curve below the largest perplexity prefix (m >= P is the target
     itself), run on the perplexity sets when repair modes run or eval.truncate.always; [] when perplexity is off."""

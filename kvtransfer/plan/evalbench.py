@@ -164,6 +164,10 @@ def _count_coqa(out: dict, coqa: dict, modes: list) -> None:
             out["target"] += n * COQA_CONTEXT
         out["decode_single_target"] += n * gen
         out["passes_target"] += n * (1 + gen)
+    for m in coqa.get("truncate") or []:   # the equal-cost twins: the target reads the last m tokens, both protocols
+        out["target"] += n_all * min(int(m), COQA_CONTEXT)
+        out["decode_single_target"] += n_all * gen
+        out["passes_target"] += n_all * (1 + gen)
 
 
 def eval_tokens(s: Setup) -> dict:

@@ -21,6 +21,7 @@ def write_outputs(cfg: dict, summary: dict, out_dir: Path, r2_matrices: dict | N
               "speed": tables.speed_table(summary),
               "ppl": tables.ppl_table(summary),
               "drift": tables.drift_table(summary),
+              "coqa_twins": tables.coqa_twin_table(summary),
               "fidelity_positions": tables.fidelity_table(summary)}
     for name, df in frames.items():
         if df is not None and len(df):

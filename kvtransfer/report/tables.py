@@ -110,6 +110,12 @@ def drift_table(summary: dict) -> pd.DataFrame:
     return pd.DataFrame(summary.get("drift", []))
 
 
+def coqa_twin_table(summary: dict) -> pd.DataFrame:
+    """CoQA against its equal-cost twins: per protocol and m, the target reading only the last m tokens (its F1) beside
+    the map's F1, and transfer - twin with a paired SE over conversations."""
+    return pd.DataFrame(summary.get("coqa_twins", []))
+
+
 def fidelity_table(summary: dict) -> pd.DataFrame:
     """Per prefix-position group (pos0 = the sink, pos1-3, rest, all): mapped K/V relative error and the
     damage of swapping only that group into the native cache (attention-output cosine, next-token KL)."""

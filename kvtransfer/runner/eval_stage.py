@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..eval.adapter import KVTransferLM, new_timing
 from ..eval.items import attach_events, item_records
-from ..eval.repair import (REPAIR_PREFIX, TRUNCATE_TOKENS_PREFIX, is_truncate_mode, parse_repair_mode,
+from ..eval.repair import (REPAIR_PREFIX, TRUNCATE_TOKENS_PREFIX, coqa_twins, is_truncate_mode, parse_repair_mode,
                            parse_truncate_mode, repair_modes, truncation_curve, truncation_twins)
 from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl, prefix_pairs
@@ -184,8 +184,15 @@ def run_modes(ecfg: dict) -> list[str]:
     repair modes, their truncation twins and (perplexity only) the truncation curve (kvtransfer.eval.repair)."""
     modes = with_controls(ecfg["modes"], ecfg.get("controls"))
     repair = repair_modes(ecfg)
-    extra = repair + truncation_twins(ecfg) + truncation_curve(ecfg, repair=bool(repair))
+    extra = repair + truncation_twins(ecfg) + truncation_curve(ecfg, repair=bool(repair)) + coqa_twins(ecfg)
     return modes + [m for m in dict.fromkeys(extra) if m not in modes]
+
+
+def coqa_only(ecfg: dict) -> set[str]:
+    """CoQA's truncation twins that no other part asked for: computed on CoQA alone (no perplexity, no tasks)."""
+    repair = repair_modes(ecfg)
+    asked = set(ecfg["modes"]) | set(truncation_twins(ecfg)) | set(truncation_curve(ecfg, repair=bool(repair)))
+    return set(coqa_twins(ecfg)) - asked
 
 
 def curve_mode(mode: str) -> bool:
@@ -272,6 +279,7 @@ def evaluate(run, on_compute=None) -> dict:
                       progress=run.progress is not None, time_contexts=ecfg.get("time_contexts", True))
     per_mode = {}
     ppl_sets = ppl_set_names(ecfg) if ecfg["ppl"].get("enabled") else []
+    twins_coqa, only_coqa = set(coqa_twins(ecfg)), coqa_only(ecfg)
     for mode in modes:
         kind = "native" if mode == "native_injected" else "baseline" if is_baseline(mode) else "mapped"
         limits = ecfg.get("limits") or {}
@@ -286,10 +294,10 @@ def evaluate(run, on_compute=None) -> dict:
         parts = {f"task.{t}": (lambda t=t: _benchmarks(*mode_lm(), dict(ecfg, tasks=[t], limit=limits.get(t, ecfg.get("limit"))),
                                                        seed, side, timed)[t])
                  for t in ([] if curve_mode(mode) else ecfg["tasks"])}
-        for name in ppl_sets:
+        for name in ([] if mode in only_coqa else ppl_sets):
             parts[f"ppl.{name}"] = lambda name=name: _ppl(*mode_lm(), ecfg, seed, name)
-        if ecfg["coqa"].get("enabled") and mode in ("target", "transfer") and not curve_mode(mode):
-            parts["coqa"] = lambda: _coqa(lm, mode, ecfg)
+        if ecfg["coqa"].get("enabled") and (mode in ("target", "transfer") or mode in twins_coqa):
+            parts["coqa"] = lambda: _coqa(*mode_lm(), ecfg)
         result: dict = {"tasks": {}}
         announced = False
         for name, compute in parts.items():
@@ -459,7 +467,31 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
         out["drift_summary"] = [_finite({"protocol": protocol, **drift_summary(
             per_mode["target"]["coqa"][protocol], mapped, n_boot=ecfg.get("bootstrap", 1000), seed=seed)})
             for protocol, mapped in per_mode["transfer"]["coqa"].items()]
+        twins = [m for m in coqa_twins(ecfg) if "coqa" in per_mode.get(m, {})]
+        if twins:
+            out["coqa_twins"] = coqa_twin_rows(per_mode, twins, ecfg, seed)
+            for twin in twins:
+                for protocol, convs in per_mode[twin]["coqa"].items():
+                    for r in drift_curve(convs, convs, max_turn=ecfg["coqa"]["turns"]):
+                        out["drift"].append({"protocol": protocol, "turn": r["turn"], "series": f"{twin} ({protocol})",
+                                             "f1": r["target_f1"], "f1_se": r["target_f1_se"], "n": r["n"]})
     return out
+
+
+def coqa_twin_rows(per_mode: dict, twins: list[str], ecfg: dict, seed: int) -> list[dict]:
+    """Per protocol and CoQA truncation twin: the twin's mean F1 over every turn, the map's, and transfer - twin
+    with an SE from a paired bootstrap over whole conversations (kvtransfer.eval.coqa.drift_summary)."""
+    rows = []
+    for twin in twins:
+        m = int(twin[len(TRUNCATE_TOKENS_PREFIX):])
+        for protocol, mapped in per_mode["transfer"]["coqa"].items():
+            d = drift_summary(per_mode[twin]["coqa"][protocol], mapped, n_boot=ecfg.get("bootstrap", 1000), seed=seed)
+            rows.append(_finite({"protocol": protocol, "mode": twin, "tokens": m, "conversations": d["conversations"],
+                                 "turns": d["turns"], "twin_f1": d["target_f1"], "twin_f1_se": d["target_f1_se"],
+                                 "transfer_f1": d["transfer_f1"], "transfer_f1_se": d["transfer_f1_se"],
+                                 "transfer_minus_twin": d["transfer_f1"] - d["target_f1"],
+                                 "transfer_minus_twin_se": d["gap_se"]}))
+    return rows
 
 
 def floor_warnings(summary: dict) -> list[str]:

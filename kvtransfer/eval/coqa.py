@@ -212,3 +212,34 @@ def drift_summary(reference: list[list[dict]], mapped: list[list[dict]], *, n_bo
             "transfer_f1": float(m), "retention": float(ret), "target_f1_se": float(bt.std(ddof=1)),
             "transfer_f1_se": float(bm.std(ddof=1)), "retention_se": float(np.nanstd(bret, ddof=1)),
             "gap_se": float((bt - bm).std(ddof=1))}
+
+
+def coqa_summary(convs: dict, twins: list[str], *, max_turn: int = 10, n_boot: int = 1000, seed: int = 0) -> dict:
+    """The summary's CoQA rows from {mode: {protocol: per-conversation turn records}} holding target, transfer and
+    each truncation twin (mode truncate_tokens_<m>):
+      drift: per protocol and turn, each series' mean F1 and SE (target, transfer, the twins);
+      drift_summary: per protocol, drift_summary(target, transfer);
+      coqa_twins: per twin and protocol, the twin's mean F1 over every turn beside the map's, and transfer - twin with
+        a paired bootstrap SE over whole conversations."""
+    drift, summary, twin_rows = [], [], []
+    for protocol, mapped in convs["transfer"].items():
+        for r in drift_curve(convs["target"][protocol], mapped, max_turn=max_turn):
+            drift.append({"protocol": protocol, "turn": r["turn"], "series": f"target ({protocol})",
+                          "f1": r["target_f1"], "f1_se": r["target_f1_se"], "n": r["n"]})
+            drift.append({"protocol": protocol, "turn": r["turn"], "series": f"transfer ({protocol})",
+                          "f1": r["transfer_f1"], "f1_se": r["transfer_f1_se"], "n": r["n"], "gap": r["gap"]})
+        summary.append({"protocol": protocol, **drift_summary(convs["target"][protocol], mapped, n_boot=n_boot,
+                                                               seed=seed)})
+        for twin in twins:
+            own = convs[twin][protocol]
+            for r in drift_curve(own, own, max_turn=max_turn):
+                drift.append({"protocol": protocol, "turn": r["turn"], "series": f"{twin} ({protocol})",
+                              "f1": r["target_f1"], "f1_se": r["target_f1_se"], "n": r["n"]})
+            d = drift_summary(own, mapped, n_boot=n_boot, seed=seed)
+            twin_rows.append({"protocol": protocol, "mode": twin, "tokens": int(twin.rpartition("_")[2]),
+                              "conversations": d["conversations"], "turns": d["turns"], "twin_f1": d["target_f1"],
+                              "twin_f1_se": d["target_f1_se"], "transfer_f1": d["transfer_f1"],
+                              "transfer_f1_se": d["transfer_f1_se"],
+                              "transfer_minus_twin": d["transfer_f1"] - d["target_f1"],
+                              "transfer_minus_twin_se": d["gap_se"]})
+    return {"drift": drift, "drift_summary": summary, **({"coqa_twins": twin_rows} if twins else {})}

@@ -27,7 +27,7 @@ from ..eval.adapter import KVTransferLM, new_timing
 from ..eval.items import attach_events, item_records
 from ..eval.repair import (REPAIR_PREFIX, TRUNCATE_TOKENS_PREFIX, coqa_twins, is_truncate_mode, parse_repair_mode,
                            parse_truncate_mode, repair_modes, truncation_curve, truncation_twins)
-from ..eval.coqa import drift_curve, drift_summary, per_turn_transfer, transfer_once
+from ..eval.coqa import coqa_summary, per_turn_transfer, transfer_once
 from ..eval.perplexity import draw_windows, prefix_conditioned_ppl, prefix_pairs
 from ..core.signals import DEFAULT_SCORE, check_score, check_signals
 from ..maps.controls import CONTROLS, calibration_means, control_applies, mean_map, random_map, with_controls
@@ -456,42 +456,12 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
                 row[f"{m}_gate"] = gate[m][f"task.{t}"]
     out["warnings"] = floor_warnings(out)
     if "coqa" in per_mode.get("target", {}) and "coqa" in per_mode.get("transfer", {}):
-        rows = []
-        for protocol, mapped in per_mode["transfer"]["coqa"].items():
-            for r in drift_curve(per_mode["target"]["coqa"][protocol], mapped, max_turn=ecfg["coqa"]["turns"]):
-                rows.append({"protocol": protocol, "turn": r["turn"], "series": f"target ({protocol})",
-                             "f1": r["target_f1"], "f1_se": r["target_f1_se"], "n": r["n"]})
-                rows.append({"protocol": protocol, "turn": r["turn"], "series": f"transfer ({protocol})",
-                             "f1": r["transfer_f1"], "f1_se": r["transfer_f1_se"], "n": r["n"], "gap": r["gap"]})
-        out["drift"] = rows
-        out["drift_summary"] = [_finite({"protocol": protocol, **drift_summary(
-            per_mode["target"]["coqa"][protocol], mapped, n_boot=ecfg.get("bootstrap", 1000), seed=seed)})
-            for protocol, mapped in per_mode["transfer"]["coqa"].items()]
         twins = [m for m in coqa_twins(ecfg) if "coqa" in per_mode.get(m, {})]
-        if twins:
-            out["coqa_twins"] = coqa_twin_rows(per_mode, twins, ecfg, seed)
-            for twin in twins:
-                for protocol, convs in per_mode[twin]["coqa"].items():
-                    for r in drift_curve(convs, convs, max_turn=ecfg["coqa"]["turns"]):
-                        out["drift"].append({"protocol": protocol, "turn": r["turn"], "series": f"{twin} ({protocol})",
-                                             "f1": r["target_f1"], "f1_se": r["target_f1_se"], "n": r["n"]})
+        rows = coqa_summary({m: per_mode[m]["coqa"] for m in ("target", "transfer", *twins)}, twins,
+                            max_turn=ecfg["coqa"]["turns"], n_boot=ecfg.get("bootstrap", 1000), seed=seed)
+        for key, part in rows.items():  # the bootstrap's ratios can be NaN: strict JSON holds None there
+            out[key] = part if key == "drift" else [_finite(r) for r in part]
     return out
-
-
-def coqa_twin_rows(per_mode: dict, twins: list[str], ecfg: dict, seed: int) -> list[dict]:
-    """Per protocol and CoQA truncation twin: the twin's mean F1 over every turn, the map's, and transfer - twin
-    with an SE from a paired bootstrap over whole conversations (kvtransfer.eval.coqa.drift_summary)."""
-    rows = []
-    for twin in twins:
-        m = int(twin[len(TRUNCATE_TOKENS_PREFIX):])
-        for protocol, mapped in per_mode["transfer"]["coqa"].items():
-            d = drift_summary(per_mode[twin]["coqa"][protocol], mapped, n_boot=ecfg.get("bootstrap", 1000), seed=seed)
-            rows.append(_finite({"protocol": protocol, "mode": twin, "tokens": m, "conversations": d["conversations"],
-                                 "turns": d["turns"], "twin_f1": d["target_f1"], "twin_f1_se": d["target_f1_se"],
-                                 "transfer_f1": d["transfer_f1"], "transfer_f1_se": d["transfer_f1_se"],
-                                 "transfer_minus_twin": d["transfer_f1"] - d["target_f1"],
-                                 "transfer_minus_twin_se": d["gap_se"]}))
-    return rows
 
 
 def floor_warnings(summary: dict) -> list[str]:

@@ -86,3 +86,41 @@ def test_runs_must_share_their_windows_and_cached_modes():
     runs["real_b"]["scores"]["ppl_sets"]["wikitext2"]["window_nll"]["256"]["transfer"][0] += 1e-3
     with pytest.raises(ValueError, match="differs"):
         collect.merge(runs)
+
+
+def test_the_gate_against_the_fixed_rule_at_its_realised_cost_and_its_fitted_rates():
+    """A gated run beside run a: the gate closes 0.55 of each gap at FLOPs 0.2 while the fixed rule (map alone at
+    0.03, recent 0.15 at 0.18, recent 0.3 at 0.33) interpolates to a known share there; its realised actions (all full
+    on the confirmation half) are far from the 70 / 20 / 10 % it was fitted for: it does not pay."""
+    runs, sel = _runs(flip=False)
+    a = runs["real_a"]
+    nll = a["scores"]["ppl_sets"]["wikitext2"]["window_nll"]["256"]
+    target, floor = np.asarray(nll["target"]), np.asarray(nll["no_context"])
+    gated = list(floor - (floor - target) * 0.55)
+    row = dict(a["summary"]["ppl_sets"]["wikitext2"][0],
+               **{"recompute_recent_0.3_cost": 0.3, "recompute_recent_0.15_cost": 0.15, "gated_cost": 0.17,
+                  "gated_seconds_rel": 0.5})
+    events = [{"action": "full" if not s else ["map", "recompute"][i % 2], "cost": 0.17} for i, s in enumerate(sel)]
+    runs["real_gate"] = {
+        "summary": {"ppl_sets": {"wikitext2": [row]}, "environment": {"commit": "abcdef0", "dirty": False}},
+        "scores": {"ppl_sets": {"wikitext2": {"window_doc": list(range(62)), "window_nll": {"256": {**nll, "gated": gated}},
+                                              "events": {"gated": {"256": events}}}}},
+        "config": {"eval": {"gate": {"enabled": True, "recompute_rate": 0.2, "full_rate": 0.1}}}}
+    runs["real_a"]["summary"]["ppl_sets"]["wikitext2"][0].update(row)
+    res = collect.analyse(collect.merge(runs))[("wikitext2", 256, "confirmation")]
+    reason = "linear interpolation of ratios of float64 means of 31 windows"
+    # FLOPs: transfer 0.03; recent 0.15: 0.15 + 0.03 = 0.18 (closes 0.4 + 0.1); recent 0.3: 0.33 (0.7); gated 0.2
+    e = res["gate_vs_rule_flops"]
+    assert e["between"] == (0.15, 0.3)
+    rule = 0.5 + (0.2 - 0.18) / (0.33 - 0.18) * (0.7 - 0.5)
+    assert_close(e["truncation"], rule, factor=64, magnitude=1, reason=reason)
+    assert_close(e["difference"], 0.55 - rule, factor=64, magnitude=1, reason=reason)
+    assert res["gate_rates"]["full"] == 1.0 and res["gate_rates"]["windows"] == 31
+    assert res["gate_fitted"] == {"recompute": 0.2, "full": 0.1, "map": 0.7}
+    v = collect.gate_verdict(res)
+    assert v == {"beats_rule": True, "rates_hold": False, "pays": False}
+    sel_res = collect.analyse(collect.merge(runs))[("wikitext2", 256, "selection")]
+    assert sel_res["gate_rates"]["full"] == 0.0 and abs(sel_res["gate_rates"]["map"] - 0.5) < 0.05
+    text = "\n".join(collect.gate_lines(res))
+    assert "does not pay" in text and "fitted for 10 %" in text
+    assert "the per-request gate does not pay" in collect.headline(collect.analyse(collect.merge(runs)), None)

@@ -105,6 +105,13 @@ def merge(runs: dict, base: dict | None = None) -> dict:
                     if mode in m["nll"] and m["nll"][mode] != nll:
                         raise ValueError(f"{name}: {st} P={p} mode {mode} differs from another run's")
                     m["nll"][mode] = nll
+                for mode, per_p in (part.get("events") or {}).items():  # what the gate / a recompute did per window
+                    if per_p.get(str(p)):
+                        m.setdefault("events", {})[mode] = per_p[str(p)]
+                gcfg = ((r.get("config") or {}).get("eval") or {}).get("gate") or {}
+                if gcfg.get("enabled"):  # the action rates the gate's thresholds were fitted for
+                    m["gate_fitted"] = {"recompute": gcfg["recompute_rate"], "full": gcfg["full_rate"],
+                                        "map": round(1 - gcfg["recompute_rate"] - gcfg["full_rate"], 12)}
                 row = rows.get(key) or {}
                 for mode in by_mode:
                     cols = {k[len(mode) + 1:]: v for k, v in row.items() if k.startswith(mode + "_") and
@@ -157,7 +164,7 @@ def cost_of(mode: str, cols: dict, map_flops: float | None) -> tuple[float | Non
     (`map_flops`) beside the target's."""
     if mode == "transfer":
         return cols.get("seconds_rel"), map_flops
-    if mode.startswith("recompute_"):
+    if mode.startswith("recompute_") or mode == "gated":
         cost = cols.get("cost")
         return cols.get("seconds_rel"), None if cost is None or map_flops is None else cost + map_flops
     return cols.get("seconds_rel"), cols.get("flops_rel")
@@ -167,22 +174,21 @@ def curve_points(nll: dict) -> list[int]:
     return sorted(int(m[len(CURVE):]) for m in nll if m.startswith(CURVE))
 
 
-def equal_cost(nll: dict, costs: dict, mode: str) -> dict | None:
-    """The mapped mode against the truncation curve at its own cost (`costs` {mode: cost}, measured seconds or FLOPs
+def equal_cost(nll: dict, costs: dict, mode: str, curve: list[tuple[str, int | float]] | None = None) -> dict | None:
+    """The mapped mode against a curve of modes at its own cost (`costs` {mode: cost}, measured seconds or FLOPs
     as a fraction of a re-prefill): the curve's gap closed interpolated linearly in cost at the mode's; difference ±
-    paired bootstrap SE over windows (the costs held fixed)."""
-    ms = curve_points(nll)
+    paired bootstrap SE over windows (the costs held fixed). curve: [(mode, label)], default the truncation curve
+    (label m)."""
+    curve = [(f"{CURVE}{m}", m) for m in curve_points(nll)] if curve is None else curve
     x = costs.get(mode)
-    pts = [(costs.get(f"{CURVE}{m}"), m) for m in ms]
-    pts = sorted((c, m) for c, m in pts if c is not None)
+    pts = sorted((costs[c], label, c) for c, label in curve if costs.get(c) is not None and c in nll)
     if x is None or len(pts) < 2 or x > pts[-1][0]:
         return None
     below = x < pts[0][0]  # the mode costs less than the curve's first point: compared with that (dearer) point
     j = 0 if below else next(i for i in range(len(pts) - 1) if pts[i][0] <= x <= pts[i + 1][0])
-    (c0, m0), (c1, m1) = pts[j], pts[j + 1]
+    (c0, m0, k0), (c1, m1, k1) = pts[j], pts[j + 1]
     w = 0.0 if below or c1 == c0 else (x - c0) / (c1 - c0)
-    items = {"t": nll["target"], "f": nll["no_context"], "a": nll[mode], "m0": nll[f"{CURVE}{m0}"],
-             "m1": nll[f"{CURVE}{m1}"]}
+    items = {"t": nll["target"], "f": nll["no_context"], "a": nll[mode], "m0": nll[k0], "m1": nll[k1]}
 
     def stat(mu):
         trunc = (1 - w) * gap_closed(mu["m0"], mu["t"], mu["f"]) + w * gap_closed(mu["m1"], mu["t"], mu["f"])
@@ -196,6 +202,27 @@ def equal_cost(nll: dict, costs: dict, mode: str) -> dict | None:
             "curve_cost": c0 if below else None, "curve_m": m0 if below else None}
 
 
+def rule_curve(nll: dict, rule: str = "recent") -> list[tuple[str, float]]:
+    """The fixed rule's curve [(mode, r)]: the map alone (r = 0) and map + `rule` recompute at each r that ran."""
+    pts = [("transfer", 0.0)] if "transfer" in nll else []
+    return pts + sorted(((m, float(m.rpartition("_")[2])) for m in nll if m.startswith(f"recompute_{rule}_")),
+                        key=lambda x: x[1])
+
+
+def gate_rates(events: list[dict | None], idx: list[int]) -> dict | None:
+    """The gate's realised actions on windows `idx`: {"windows", "map", "recompute", "full" (shares), and each share's
+    binomial SE}; None without records."""
+    rows = [events[i] for i in idx if i < len(events) and events[i]]
+    if not rows:
+        return None
+    n = len(rows)
+    out = {"windows": n}
+    for action in ("map", "recompute", "full"):
+        q = sum(r.get("action") == action for r in rows) / n
+        out[action], out[f"{action}_se"] = q, math.sqrt(q * (1 - q) / n)
+    return out
+
+
 def twin_difference(nll: dict, repair: str, twin: str) -> tuple[float, float]:
     """(gap closed of repair - of its truncation twin, paired bootstrap SE over windows)."""
     items = {"t": nll["target"], "f": nll["no_context"], "a": nll[repair], "b": nll[twin]}
@@ -207,6 +234,11 @@ def gap(nll: dict, mode: str) -> tuple[float, float]:
     g = ppl_gap_closed({"target": nll["target"], "no_context": nll["no_context"], "transfer": nll[mode]},
                        n_boot=N_BOOT, seed=SEED)
     return g["gap_closed"], g["gap_closed_se"]
+
+
+def mapped_mode(mode: str) -> bool:
+    """A mode that reads the map (the map alone, a fixed repair, the gate): the ones given a worth and equal costs."""
+    return mode in ("transfer", "gated") or mode.startswith("recompute_")
 
 
 def analyse(merged: dict) -> dict:
@@ -235,14 +267,20 @@ def analyse(merged: dict) -> dict:
                     if f"truncate_{r}" in nll:
                         res["twins"][mode] = twin_difference(nll, mode, f"truncate_{r}")
             res["target_seconds"] = m["rows"].get("target", {}).get("seconds")
+            if "gated" in nll:  # the gate: its realised actions here, and the fixed rule at its realised cost
+                res["gate_rates"] = gate_rates((m.get("events") or {}).get("gated") or [], idx)
+                res["gate_fitted"] = m.get("gate_fitted")
+                for field, name in (("seconds_rel", "gate_vs_rule_seconds"), ("flops_rel", "gate_vs_rule_flops")):
+                    costs = {k: v[field] for k, v in res["modes"].items() if v.get(field) is not None}
+                    res[name] = equal_cost(nll, costs, "gated", curve=rule_curve(nll))
             ms = [k for k in curve_points(nll) if k < p]
             if ms:
                 res["worth"] = {mode: native_token_worth(nll, {k: nll[f"{CURVE}{k}"] for k in ms}, mode=mode,
                                                          n_boot=N_BOOT, seed=SEED)
-                                for mode in nll if mode == "transfer" or mode.startswith("recompute_")}
+                                for mode in nll if mapped_mode(mode)}
                 for field, name in (("seconds_rel", "equal_cost"), ("flops_rel", "equal_flops")):
                     costs = {k: v[field] for k, v in res["modes"].items() if v.get(field) is not None}
-                    res[name] = {mode: e for mode in nll if (mode == "transfer" or mode.startswith("recompute_"))
+                    res[name] = {mode: e for mode in nll if mapped_mode(mode)
                                  and (e := equal_cost(nll, costs, mode)) is not None}
             out[(st, p, half)] = res
     return out
@@ -300,6 +338,8 @@ def table(res: dict) -> list[str]:
     def order(mode):
         if mode == "transfer":
             return (0, 0)
+        if mode == "gated":
+            return (1.5, 0)
         if mode.startswith(CURVE):
             return (2, int(mode[len(CURVE):]))
         if mode.startswith("truncate_"):
@@ -315,6 +355,7 @@ def table(res: dict) -> list[str]:
                      _eq_cell(eq, 3),
                      _eq_cell(ef, 4)])
     target = res.get("target_seconds")
+    gate = gate_lines(res)
     lines = [head, "", readme.md_table(
         ["mode", "gap closed", "measured seconds (x target's re-prefill)", "FLOPs (x re-prefill; mapped: + the map's)",
          "minus its truncation twin", "worth in native tokens [95 % interval]", "truncation at the same measured seconds",
@@ -326,8 +367,49 @@ def table(res: dict) -> list[str]:
            " (the same windows)" if res.get("base") else "")
         + ("; this page's own runs reproduce them within " + ", ".join(
             f"{k} {v:.1e} nats" for k, v in sorted(res["reproduced"].items())) if res.get("reproduced") else "")
-        + ".", ""]
+        + ".", ""] + gate
     return lines
+
+
+def gate_verdict(res: dict) -> dict | None:
+    """Does the gate pay on these windows? {"beats_rule": its gap closed above the fixed rule's at its realised FLOPs by
+    more than 2 SE, "rates_hold": every realised action share within 2 binomial SEs of the share it was fitted for
+    (a zero SE: equal), "pays": both}; None when the gate did not run here."""
+    rates, fitted, rule = res.get("gate_rates"), res.get("gate_fitted"), res.get("gate_vs_rule_flops")
+    if not rates or not fitted:
+        return None
+    beats = bool(rule) and rule["difference"] - 2 * rule["difference_se"] > 0
+    hold = all(abs(rates[a] - fitted[a]) <= 2 * rates[f"{a}_se"] if rates[f"{a}_se"] > 0 else rates[a] == fitted[a]
+               for a in ("map", "recompute", "full"))
+    return {"beats_rule": beats, "rates_hold": hold, "pays": beats and hold}
+
+
+def gate_lines(res: dict) -> list[str]:
+    """The gate's paragraph under a table: realised actions against the fitted rates; the fixed rule at its cost."""
+    rates, fitted = res.get("gate_rates"), res.get("gate_fitted")
+    if not rates:
+        return []
+    acts = ", ".join(f"{a} {_pct(rates[a], rates[a + '_se'], 0)}" + (f" (fitted for {100 * fitted[a]:.0f} %)"
+                                                                        if fitted else "")
+                     for a in ("map", "recompute", "full"))
+    out = [f"The gate (`gated`, thresholds fitted on held-out calibration text): realised actions over "
+           f"{rates['windows']} windows: {acts}."]
+    for key, what in (("gate_vs_rule_flops", "FLOPs"), ("gate_vs_rule_seconds", "measured seconds")):
+        e = res.get(key)
+        if e:
+            out.append(f"At its realised {what} ({e['cost']:.3f} of a re-prefill) the fixed rule (map + recent "
+                       f"recompute, interpolated between r = {e['between'][0]:g} and {e['between'][1]:g}) closes "
+                       f"{_pct(e['truncation'])}; gate - rule {_pp(e['difference'], e['difference_se'])}.")
+    v = gate_verdict(res)
+    if v:
+        out.append("Verdict here: the gate " + ("pays (it beats the fixed rule at equal FLOPs and acts at the rates "
+                                               "it was fitted for)." if v["pays"] else
+                                               "does not pay: " + "; ".join(
+                                                   x for x, bad in (("it does not beat the fixed rule at equal FLOPs",
+                                                                     not v["beats_rule"]),
+                                                                    ("its realised actions are not the rates it was "
+                                                                     "fitted for", not v["rates_hold"])) if bad) + "."))
+    return [" ".join(out), ""]
 
 
 def tiny_panels(runs: dict) -> dict:
@@ -373,12 +455,13 @@ def figure(results: dict, path: Path) -> bool:
         series = {"truncation (last m tokens)": [m for m in res["modes"] if m.startswith(CURVE)],
                   "truncation twin of r": [m for m in res["modes"] if m.startswith("truncate_") and not m.startswith(CURVE)],
                   "map + recent recompute r": [m for m in res["modes"] if m.startswith("recompute_recent_")],
-                  "map alone": ["transfer"] if "transfer" in res["modes"] else []}
+                  "map alone": ["transfer"] if "transfer" in res["modes"] else [],
+                  "gate": ["gated"] if "gated" in res["modes"] else []}
         for row, (field, label) in enumerate((("seconds_rel", "measured seconds"), ("flops_rel", "target FLOPs"))):
             ax = axes[row][col]
             for name, modes in series.items():
                 pts = [(res["modes"][m].get(field), 100 * res["modes"][m]["gap"], 100 * (res["modes"][m]["se"] or 0))
-                       for m in sorted(modes, key=lambda m: 0 if m == "transfer" else key(m))]
+                       for m in sorted(modes, key=lambda m: 0 if m in ("transfer", "gated") else key(m))]
                 pts = [p for p in pts if p[0] is not None]
                 if pts:
                     x, y, e = zip(*pts)
@@ -433,6 +516,16 @@ def headline(results: dict, chosen: str | None) -> str:
         parts.append(f"the repair chosen on the selection half, `{chosen}`, closes {_pct(r['gap'], r['se'])} at "
                      f"{_num(r['seconds_rel'])} of a re-prefill's measured time against its truncation twin's "
                      f"{_pct(tw.get('gap'), tw.get('se'))} at {_num(tw.get('seconds_rel'))} (difference {_pct(d, se)})")
+    v = gate_verdict(conf)
+    if v:
+        rule, rates = conf.get("gate_vs_rule_flops"), conf["gate_rates"]
+        parts.append(f"the per-request gate {'pays' if v['pays'] else 'does not pay'} there: "
+                     f"{_pct(conf['modes']['gated']['gap'], conf['modes']['gated']['se'])} at "
+                     f"{_num(conf['modes']['gated']['flops_rel'])} of a re-prefill's FLOPs"
+                     + (f", gate - fixed rule at those FLOPs {_pp(rule['difference'], rule['difference_se'])}"
+                        if rule else "")
+                     + f", full prefills on {_pct(rates['full'], None, 0)} of windows (fitted for "
+                     f"{100 * conf['gate_fitted']['full']:.0f} %)")
     st = results.get(("python_stdlib", 256, "all"))
     if st and "transfer" in st["modes"]:
         ws = (st.get("worth") or {}).get("transfer")

@@ -51,6 +51,9 @@ run real_wikitext2_a $REAL $NOCURVE "eval.recompute_fraction=[0.3]" "eval.modes=
 run real_wikitext2_b $REAL "eval.recompute_fraction=[]" "eval.modes=[$BASE,$CURVE]"
 run real_wikitext2_c $REAL $NOCURVE "eval.recompute_fraction=[0.15,0.05]" \
   "eval.modes=[$BASE,recompute_recent_0.15,truncate_0.15,recompute_recent_0.05,truncate_0.05]"
+# 3b. the per-request gate as served (thresholds fitted on held-out calibration text for ~20 % recompute / ~10 % full):
+#     its realised actions and gap closed on both halves, against the fixed rule at its realised cost (collect.py)
+run real_wikitext2_gate $REAL $NOCURVE eval.gate.enabled=true "eval.recompute_fraction=[]" "eval.modes=[$BASE]"
 # 4. the Python stdlib set at P = 256 (never used for selection): one window per module long enough
 STDLIB="eval.ppl.sets=[python_stdlib]"
 run real_stdlib_a $REAL $STDLIB $NOCURVE "eval.recompute_fraction=[0.3]" "eval.modes=[$BASE,recompute_recent_0.3,truncate_0.3]"

@@ -650,3 +650,22 @@ def test_share_prefix_keeps_the_context_logits_out_of_the_eval_plan(cfg_14_32):
     vocab, w = 151_936, 2                               # Qwen3-32B vocabulary, bf16 logits (+ fp32 log-softmax)
     assert_within(part(False) - part(True), b * (n - rows) * vocab * (w + 4) / P.GiB, atol=1e-6, reason=(
         "two parts the plan rounds to 1e-6 GiB, subtracted: at most 1e-6 GiB off"), headroom_exempt=DISPLAY)
+
+
+def test_the_planner_takes_run_py_spelling_of_the_node(tmp_path, capsys):
+    """`python -m kvtransfer.plan ... dry.node=dgx-h100` plans for the preset exactly as `--node dgx-h100` does (one
+    vocabulary with run.py); a mapping works too; an unknown name is a clear error naming the presets."""
+    from kvtransfer.plan.cli import main
+
+    got = {}
+    for name, argv in (("flag", ["--node", "dgx-h100"]), ("key", ["dry.node=dgx-h100"])):
+        assert main(["pair=qwen3_14b_32b", *argv, "--json", "--out", str(tmp_path / name)]) in (0, None)
+        got[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["flag"]["node"] == got["key"]["node"] and got["flag"]["node"]["gpus"] == 8
+    assert got["flag"]["stages"] == got["key"]["stages"]
+    assert main(["pair=qwen3_14b_32b", "dry.node={gpus: 2, gpu_gib: 80, host_gib: 512, disk_gib: 2000, gpu: H100}",
+                 "--json", "--out", str(tmp_path / "map")]) in (0, None)
+    node = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["node"]
+    assert node["gpus"] == 2 and node["host_gib"] == 512
+    with pytest.raises(ValueError, match="dgx-h100"):
+        main(["pair=qwen3_14b_32b", "dry.node=dgx-h1000", "--json", "--out", str(tmp_path / "bad")])

@@ -38,20 +38,9 @@ class DryRunError(RuntimeError):
 def plan_node(cfg: dict):
     """The kvtransfer.plan.Node the printed plan is for: dry.node = null (this machine), a preset name of the
     planner (kvtransfer.plan.NODES: dgx-h200, dgx-h100, 8xh100, ...) or a mapping {gpus, gpu_gib, host_gib, disk_gib, gpu}."""
-    from .. import plan as resource_plan
+    from ..plan.node import node_from_spec
 
-    spec = (cfg.get("dry") or {}).get("node")
-    if spec is None:
-        return resource_plan.detect_node(cfg)
-    if isinstance(spec, str):
-        presets = getattr(resource_plan, "NODES", {})
-        if spec not in presets:
-            raise ValueError(f"dry.node={spec!r} is no node preset ({', '.join(sorted(presets))}); or give "
-                             "dry.node={gpus: 1, gpu_gib: 80, host_gib: 256, disk_gib: 500, gpu: H100}")
-        return resource_plan.Node(**presets[spec])
-    fields = dict(spec)
-    fields.setdefault("name", f"{fields.get('gpus', 0)} x GPU {fields.get('gpu_gib', 0):g} GiB (dry.node)")
-    return resource_plan.Node(**fields)
+    return node_from_spec((cfg.get("dry") or {}).get("node"), cfg)
 
 
 def plan_real_run(cfg: dict, out_dir: Path, stages: list[str], *, log=print) -> tuple[dict, dict]:

@@ -1,8 +1,10 @@
 """Resource plan of a run: peak GPU memory, host memory, disk and estimated time per stage, before anything loads,
 and the knobs the run will apply so that every stage fits.
 
-    python -m kvtransfer.plan pair=qwen3_14b_32b [calib.dtype=float32 ...] [--node h200 | --gpu-mem GiB
-        --host-mem GiB --disk GiB --gpus N --gpu H100|H200|A100] [--weights-on-disk] [--json] [--out DIR]
+    python -m kvtransfer.plan pair=qwen3_14b_32b [calib.dtype=float32 ...] [--node h200 | dry.node=h200 | --gpu-mem
+        GiB --host-mem GiB --disk GiB --gpus N --gpu H100|H200|A100] [--weights-on-disk] [--json] [--out DIR]
+
+The node is named as run.py names it (dry.node=<preset> or dry.node={gpus: 8, gpu_gib: 80, ...}) or by the flags.
 
 No Hydra / lm-eval / W&B import at module level: `main` composes the Hydra config inside.
 """
@@ -15,7 +17,7 @@ from pathlib import Path
 from ..config.paths import conf_dir
 from .build import make_plan
 from .knobs import get
-from .node import NODES, Node, detect_node
+from .node import NODES, Node, detect_node, node_from_spec
 from .rates import DEVICES
 from .text import format_plan, write_plan
 
@@ -51,15 +53,18 @@ def _parser() -> argparse.ArgumentParser:
 def node_from_args(args, cfg: dict) -> tuple[Node, bool]:
     """(the node the flags describe, whether it was given) -- a preset, explicit flags, or this machine."""
     explicit = any(v is not None for v in (args.gpu_mem, args.host_mem, args.disk, args.gpus, args.node))
+    named = (cfg.get("dry") or {}).get("node")   # run.py's spelling, dry.node=<preset or mapping>, works here too
     if args.node:
         node = Node(**NODES[args.node])
+    elif named is not None:   # the flags below still override its fields
+        node, explicit = node_from_spec(named, cfg), True
     else:
         node = detect_node(cfg) if not explicit else Node(name="given", gpus=1 if args.gpu_mem else 0)
     for attr, value in (("gpu_gib", args.gpu_mem), ("host_gib", args.host_mem), ("disk_gib", args.disk),
                         ("gpus", args.gpus), ("gpu", args.gpu)):
         if value is not None:
             setattr(node, attr, value)
-    if explicit and not args.node:
+    if explicit and not args.node and named is None:
         if node.gpus and node.gpu is None:
             node.gpu = "H100"  # for the rates only; the name says so
             node.name = f"{node.gpus} x GPU {node.gpu_gib:g} GiB (H100 rates assumed)"

@@ -96,3 +96,18 @@ def detect_node(cfg: dict) -> Node:
     disk = shutil.disk_usage(where).free / GiB
     weights_on_disk = bool((cfg.get("plan") or {}).get("weights_on_disk", False))
     return Node("this machine", gpus, gpu_gib, _host_gib(), disk, gpu, weights_on_disk)
+
+
+def node_from_spec(spec, cfg: dict) -> Node:
+    """The node `dry.node` names: None (this machine: detect_node), a preset name of NODES, or a mapping
+    {gpus, gpu_gib, host_gib, disk_gib, gpu}; an unknown name raises, naming the presets."""
+    if spec is None:
+        return detect_node(cfg)
+    if isinstance(spec, str):
+        if spec not in NODES:
+            raise ValueError(f"node {spec!r} is no node preset ({', '.join(sorted(NODES))}); or give "
+                             "dry.node={gpus: 1, gpu_gib: 80, host_gib: 256, disk_gib: 500, gpu: H100}")
+        return node_preset(spec)
+    fields = dict(spec)
+    fields.setdefault("name", f"{fields.get('gpus', 0)} x GPU {fields.get('gpu_gib', 0):g} GiB (dry.node)")
+    return Node(**fields)

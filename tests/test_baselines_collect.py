@@ -124,3 +124,19 @@ def test_the_gate_against_the_fixed_rule_at_its_realised_cost_and_its_fitted_rat
     text = "\n".join(collect.gate_lines(res))
     assert "does not pay" in text and "fitted for 10 %" in text
     assert "the per-request gate does not pay" in collect.headline(collect.analyse(collect.merge(runs)), None)
+
+
+def test_coqa_twins_table():
+    rows = [{"protocol": p, "mode": f"truncate_tokens_{m}", "tokens": m, "conversations": 5, "turns": 50,
+             "twin_f1": tf, "twin_f1_se": 0.01, "transfer_f1": 0.15, "transfer_f1_se": 0.05,
+             "transfer_minus_twin": 0.15 - tf, "transfer_minus_twin_se": 0.04}
+            for p in ("every_turn", "once") for m, tf in ((32, 0.3), (128, 0.5))]
+    runs = {"real_coqa": {"summary": {"coqa_twins": rows, "environment": {"commit": "abcdef0123", "dirty": False},
+                                      "drift_summary": [{"protocol": "every_turn", "target_f1": 0.7,
+                                                         "target_f1_se": 0.03}]}}}
+    text = "\n".join(collect.coqa_lines(runs))
+    assert "`abcdef0`" in text and "the target reading its last 32 tokens" in text
+    line = next(x for x in text.splitlines() if x.startswith("| every_turn"))
+    assert "5 x 10" in line and "0.700 ± 0.030" in line and "transfer - twin -0.150 ± 0.040" in line
+    assert "transfer - twin -0.350" in line
+    assert collect.coqa_lines({}) == ["No CoQA run on the real pair has finished (run.sh step 6).", ""]

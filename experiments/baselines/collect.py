@@ -570,6 +570,37 @@ def tiny_lines(runs: dict) -> list[str]:
     return out
 
 
+def coqa_lines(runs: dict) -> list[str]:
+    """The CoQA twins' table of the real pair's `real_coqa` run (its summary's coqa_twins and drift_summary)."""
+    r = runs.get("real_coqa")
+    rows = (r or {}).get("summary", {}).get("coqa_twins") or []
+    if not rows:
+        return ["No CoQA run on the real pair has finished (run.sh step 6).", ""]
+    s = r["summary"]
+    env = s.get("environment") or {}
+    target = {d["protocol"]: d for d in s.get("drift_summary") or []}
+    table_rows = []
+    for protocol in dict.fromkeys(x["protocol"] for x in rows):
+        t = target.get(protocol) or {}
+        first = next(x for x in rows if x["protocol"] == protocol)
+        cells = [protocol, f"{first['conversations']} x {first['turns'] // max(1, first['conversations'])}",
+                 _num(t.get("target_f1")) + (f" ± {_num(t.get('target_f1_se'))}" if t.get("target_f1_se") else ""),
+                 f"{_num(first['transfer_f1'])} ± {_num(first['transfer_f1_se'])}"]
+        for x in sorted((x for x in rows if x["protocol"] == protocol), key=lambda x: x["tokens"]):
+            cells.append(f"{_num(x['twin_f1'])} ± {_num(x['twin_f1_se'])}; transfer - twin "
+                         f"{x['transfer_minus_twin']:+.3f} ± {_num(x['transfer_minus_twin_se'])}")
+        table_rows.append(cells)
+    ms = sorted({x["tokens"] for x in rows})
+    return [f"### CoQA against its twins (`real_coqa`, commit `{str(env.get('commit'))[:7]}"
+            f"{', dirty' if env.get('dirty') else ''}`)", "",
+            "Mean CoQA F1 over every turn of every conversation; SEs and the paired transfer - twin SE from a bootstrap "
+            "over whole conversations. The twin `truncate_tokens_<m>` is the target reading the start id and the last "
+            "m tokens: of each turn's whole prompt (`every_turn`, where the map carries the whole prompt), or of the "
+            "story, the turns then read natively (`once`, where the map carries the story).", "",
+            readme.md_table(["protocol", "conversations x turns", "target F1", "transfer F1",
+                             *[f"the target reading its last {m} tokens" for m in ms]], table_rows).rstrip("\n"), ""]
+
+
 def blocks(runs: dict) -> tuple[dict, dict, str | None]:
     """({"baselines": the results README block}, {"baselines_headline": the top README line}, chosen repair)."""
     results = analyse(merge(runs, load_base()))
@@ -589,6 +620,7 @@ def blocks(runs: dict) -> tuple[dict, dict, str | None]:
         order = {"selection": 0, "confirmation": 1, "all": 2}
         for key in sorted(results, key=lambda k: (k[0] != "wikitext2", k[1], order[k[2]])):
             body += table(results[key])
+    body += coqa_lines(runs)
     return {"baselines": "\n".join(body)}, {"baselines_headline": headline(results, chosen)}, chosen
 
 

@@ -62,3 +62,9 @@ run real_stdlib_b $REAL $STDLIB "eval.recompute_fraction=[]" "eval.modes=[$BASE,
 LONG="eval.ppl.prefixes=[1024]"
 run real_wikitext2_1024_b $REAL $LONG "eval.recompute_fraction=[]" \
   "eval.modes=[$BASE,$CURVE,truncate_tokens_256,truncate_tokens_512]"
+# 6. CoQA's twins on the real pair: the 5 shipped conversations x 10 turns, target / transfer / the target reading only
+#    the last 32 or 128 tokens (every turn: of the prompt; once: of the story), greedy answers up to 32 tokens
+run real_coqa $REAL "eval.ppl.enabled=false" "eval.recompute_fraction=[]" "eval.coqa.enabled=true" \
+  "eval.coqa.conversations=5" "eval.coqa.turns=10" "eval.coqa.protocols=[every_turn,once]" "eval.coqa.max_gen_toks=32" \
+  "eval.coqa.truncate=[32,128]" "eval.modes=[target,transfer]"
+

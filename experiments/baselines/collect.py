@@ -351,7 +351,7 @@ def table(res: dict) -> list[str]:
         eq = (res.get("equal_cost") or {}).get(mode)
         ef = (res.get("equal_flops") or {}).get(mode)
         rows.append([f"`{mode}`", _pct(v["gap"], v["se"]), _num(v["seconds_rel"]), _num(v["flops_rel"]),
-                     _pct(*twin) if twin else "–", _worth((res.get("worth") or {}).get(mode)),
+                     _pp(*twin) if twin else "–", _worth((res.get("worth") or {}).get(mode)),
                      _eq_cell(eq, 3),
                      _eq_cell(ef, 4)])
     target = res.get("target_seconds")
@@ -515,7 +515,10 @@ def headline(results: dict, chosen: str | None) -> str:
         tw = conf["modes"].get(f"truncate_{chosen.rpartition('_')[2]}", {})
         parts.append(f"the repair chosen on the selection half, `{chosen}`, closes {_pct(r['gap'], r['se'])} at "
                      f"{_num(r['seconds_rel'])} of a re-prefill's measured time against its truncation twin's "
-                     f"{_pct(tw.get('gap'), tw.get('se'))} at {_num(tw.get('seconds_rel'))} (difference {_pct(d, se)})")
+                     f"{_pct(tw.get('gap'), tw.get('se'))} at {_num(tw.get('seconds_rel'))} (difference {_pp(d, se)})"
+                     + (f"; at the repair's own measured seconds the truncation curve closes {_pct(e['truncation'])} "
+                        f"(repair - truncation {_pp(e['difference'], e['difference_se'])})"
+                        if (e := (conf.get("equal_cost") or {}).get(chosen)) and not e.get("below_curve") else ""))
     v = gate_verdict(conf)
     if v:
         rule, rates = conf.get("gate_vs_rule_flops"), conf["gate_rates"]
@@ -613,8 +616,8 @@ def blocks(runs: dict) -> tuple[dict, dict, str | None]:
         sel = results.get(("wikitext2", 256, "selection"))
         if chosen:
             d, se = sel["twins"][chosen]
-            body += [f"Chosen on the selection half: `{chosen}` (gap closed above its truncation twin {_pct(d, se)}; "
-                     "candidates: " + ", ".join(f"`{m}` {_pct(*v)}" for m, v in sel["twins"].items()) + ").", ""]
+            body += [f"Chosen on the selection half: `{chosen}` (gap closed above its truncation twin {_pp(d, se)}; "
+                     "candidates: " + ", ".join(f"`{m}` {_pp(*v)}" for m, v in sel["twins"].items()) + ").", ""]
         else:
             body += ["No repair was run on the selection half: nothing chosen.", ""]
         order = {"selection": 0, "confirmation": 1, "all": 2}

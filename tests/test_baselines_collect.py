@@ -140,3 +140,14 @@ def test_coqa_twins_table():
     assert "5 x 10" in line and "0.700 ± 0.030" in line and "transfer - twin -0.150 ± 0.040" in line
     assert "transfer - twin -0.350" in line
     assert collect.coqa_lines({}) == ["No CoQA run on the real pair has finished (run.sh step 6).", ""]
+
+
+def test_a_dearer_curve_point_that_closes_less_is_not_interpolated():
+    """Measured seconds need not rise with m (warm-up, weight streaming): m = 1 timed at 0.12 sits between m = 16
+    (0.15) and m = 4 (0.05) in cost; the equal-cost truncation uses only the points no cheaper point beats."""
+    runs, _ = _runs()
+    runs["real_b"]["summary"]["ppl_sets"]["wikitext2"][0]["truncate_tokens_1_seconds_rel"] = 0.12
+    res = collect.analyse(collect.merge(runs))[("wikitext2", 256, "confirmation")]
+    eq = res["equal_cost"]["transfer"]          # the map at 0.1: between m = 4 (0.05) and m = 16 (0.15), as before
+    assert eq["between"] == (4, 16)
+    assert_close(eq["truncation"], 0.3, factor=64, magnitude=1, reason="float64 interpolation of ratios of means")

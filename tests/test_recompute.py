@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvtransfer.core.cache import prefill
-from kvtransfer.core.recompute import (choose_tokens, first_layer_kv, prefill_flops, recompute_cost, selective_recompute,
+from kvtransfer.core.recompute import (choose_tokens, first_layer_kv, prefill_flops, recompute_cost, recompute_row,
+                                  selective_recompute,
                                   token_deviation, token_flops)
 from tiny_models import random_ids, tiny_model
 from tolerance import FORWARD, assert_close, assert_far, forward_factor
@@ -135,3 +136,31 @@ def test_range_flops_is_the_closed_form_of_the_per_token_sum():
         loop = sum(token_flops(cfg, p + 1) for p in range(a, b))
         assert range_flops(cfg, a, b) == loop  # integers well inside float64's exact range
     assert range_flops(cfg, 0, 64) == prefill_flops(cfg, 64)
+
+
+@pytest.mark.parametrize("select", ["deviation", "random", "recent"])
+def test_rows_of_one_length_recompute_in_one_pass_as_each_row_alone(select):
+    """Equal-length rows take one batched target pass (recompute_rows): each row's result is recompute_row's on that
+    row alone, up to the kernels' rounding at another batch size; the tokens not chosen stay the mapped ones exactly."""
+    model, ids = _model(), random_ids(3, 20, seed=6)
+    native = prefill(model, ids)
+    mapped = _noisy(native, sink=1, seed=2)
+    calls = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda m, a, kw: calls.append(1), with_kwargs=True)
+    try:
+        out, rec = selective_recompute(model, ids, mapped, 0.3, select=select, native_sink=1, seed=4)
+    finally:
+        hook.remove()
+    first_layer_passes = 3 if select == "deviation" else 0  # the deviation rule's one-layer prefill, per row
+    assert len(calls) == first_layer_passes + 1  # one recompute pass for the batch
+    for b in range(3):
+        chosen = torch.tensor(rec[b]["positions"])
+        assert len(chosen) == round(0.3 * 19) and 0 not in rec[b]["positions"]
+        alone = recompute_row(model, ids[b], [(k[b:b + 1], v[b:b + 1]) for k, v in mapped], chosen)
+        others = [p for p in range(20) if p not in rec[b]["positions"]]
+        for (k, v), (ak, av), (mk, mv) in zip(out, alone, mapped):
+            assert torch.equal(k[b, :, others], mk[b, :, others]) and torch.equal(v[b, :, others], mv[b, :, others])
+            assert_close(k[b:b + 1], ak, factor=forward_factor(model, 20), reason=FORWARD)
+            assert_close(v[b:b + 1], av, factor=forward_factor(model, 20), reason=FORWARD)
+        assert_far(out[-1][0][b, :, chosen], mapped[-1][0][b, :, chosen], atol=1e-3,
+                   reason="recomputed: the target's values, not the map's noise (0.3 per entry)")

@@ -181,7 +181,7 @@ def equal_cost(nll: dict, costs: dict, mode: str, curve: list[tuple[str, int | f
     (label m)."""
     curve = [(f"{CURVE}{m}", m) for m in curve_points(nll)] if curve is None else curve
     x = costs.get(mode)
-    pts = sorted((costs[c], label, c) for c, label in curve if costs.get(c) is not None and c in nll)
+    pts = frontier(nll, sorted((costs[c], label, c) for c, label in curve if costs.get(c) is not None and c in nll))
     if x is None or len(pts) < 2 or x > pts[-1][0]:
         return None
     below = x < pts[0][0]  # the mode costs less than the curve's first point: compared with that (dearer) point
@@ -200,6 +200,19 @@ def equal_cost(nll: dict, costs: dict, mode: str, curve: list[tuple[str, int | f
     return {"cost": x, "between": (m0, m1), "truncation": float(point[1]), "difference": float(point[0]),
             "difference_se": float(np.nanstd(boot[0], ddof=1)), "below_curve": below,
             "curve_cost": c0 if below else None, "curve_m": m0 if below else None}
+
+
+def frontier(nll: dict, pts: list[tuple]) -> list[tuple]:
+    """The points (cost, label, mode), sorted by cost, that close more of the gap than every cheaper one: what the
+    money buys at best. A measured cost need not rise with the tokens read (a CPU forward's time is mostly reading
+    the weights, and the first timed batches carry warm-up), so a dearer point that closes less is dropped."""
+    out, best = [], -math.inf
+    for pt in pts:
+        g = float(gap_closed(np.mean(nll[pt[2]]), np.mean(nll["target"]), np.mean(nll["no_context"])))
+        if g > best:
+            out.append(pt)
+            best = g
+    return out
 
 
 def rule_curve(nll: dict, rule: str = "recent") -> list[tuple[str, float]]:

@@ -132,6 +132,41 @@ def recompute_row(model, input_ids: torch.Tensor, mapped: KVLayers, chosen: torc
     return out
 
 
+def recompute_rows(model, input_ids: torch.Tensor, mapped: KVLayers, chosen: torch.Tensor) -> KVLayers:
+    """recompute_row for a batch of unpadded rows of one length that recompute as many tokens each, in one forward:
+    ids [batch, seq], mapped per-layer (K, V) [batch, n_kv, seq, d], chosen [batch, c] (each row sorted). The same
+    computation as recompute_row on each row (one target pass, not one per row; equal up to the kernels' rounding
+    at another batch size)."""
+    batch, seq = input_ids.shape
+    device = mapped[0][0].device
+    chosen = chosen.to(device)
+    rows = torch.arange(batch, device=device)[:, None]
+    keep_mask = torch.ones(batch, seq, dtype=torch.bool, device=device)
+    keep_mask[rows, chosen] = False
+    kept = keep_mask.nonzero(as_tuple=True)[1].view(batch, seq - chosen.shape[1])  # row-major: each row sorted
+    dtype = model.dtype
+    # per row, as recompute_row: a chosen token reads kept tokens before it and chosen ones up to it
+    allow = torch.cat([kept[:, None, :] < chosen[:, :, None], chosen[:, None, :] <= chosen[:, :, None]], dim=2)
+    mask = torch.zeros(allow.shape, dtype=dtype, device=device).masked_fill(~allow, torch.finfo(dtype).min)[:, None]
+
+    def at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # x [batch, n_kv, seq, d] at positions idx [batch, n]
+        return x.gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+    if kept.shape[1]:
+        cache = layers_to_cache([(at(k, kept), at(v, kept)) for k, v in mapped], model.config)
+    else:
+        cache = DynamicCache(config=model.config)
+    ids = input_ids.to(device).gather(1, chosen)
+    decoder(model)(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                   position_ids=chosen.to(model.device), cache=cache, use_cache=True)
+    out = []
+    n_kept = kept.shape[1]
+    for (k, v), layer in zip(mapped, cache.layers):
+        idx = chosen[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        out.append((k.scatter(2, idx, layer.keys[:, :, n_kept:].to(k.device, k.dtype)),
+                    v.scatter(2, idx, layer.values[:, :, n_kept:].to(v.device, v.dtype))))
+    return out
+
+
 @torch.no_grad()
 def selective_recompute(model, input_ids: torch.Tensor, mapped: KVLayers, fraction: float, *,
                         select: str = "deviation", attention_mask: torch.Tensor | None = None, native_sink: int = 0,
@@ -149,24 +184,37 @@ def selective_recompute(model, input_ids: torch.Tensor, mapped: KVLayers, fracti
         return mapped, [{"tokens": int(real if real is not None else attention_mask[b].sum()), "recomputed": 0,
                          "positions": []} for b in range(input_ids.shape[0])]
     batch, seq = input_ids.shape
-    out = [(k.clone(), v.clone()) for k, v in mapped]
-    records = []
+    records, picks = [], []
     for b in range(batch):
         n_real = seq if attention_mask is None else int(attention_mask[b].sum())
         first = seq - n_real
         ids = input_ids[b, first:]
-        row = [(k[b:b + 1, :, first:], v[b:b + 1, :, first:]) for k, v in mapped]
         dev = None
         n_cand = n_real - min(native_sink, n_real)
         if select == "deviation" and 0 < int(round(fraction * n_cand)) < n_cand:  # all or none: nothing to rank
             nk, nv = first_layer_kv(model, ids[None].to(model.device))
-            dev = token_deviation((row[0][0][0], row[0][1][0]), (nk[0], nv[0]))
+            dev = token_deviation((mapped[0][0][b, :, first:], mapped[0][1][b, :, first:]), (nk[0], nv[0]))
         chosen = choose_tokens(n_real, fraction, select, native_sink=native_sink, seed=seed, deviation=dev)
-        new = recompute_row(model, ids, row, chosen)
+        picks.append(chosen)
+        records.append({"tokens": n_real, "recomputed": int(len(chosen)), "positions": chosen.tolist()})
+    if len({r["tokens"] for r in records}) == 1 and len({len(c) for c in picks}) == 1:
+        # rows of one length (perplexity windows, a served batch of equal prompts): one target pass for the batch,
+        # not one per row (a CPU forward's time is mostly reading the weights)
+        first = seq - records[0]["tokens"]
+        if not len(picks[0]):
+            return [(k.clone(), v.clone()) for k, v in mapped], records
+        rows = [(k[:, :, first:], v[:, :, first:]) for k, v in mapped]
+        new = recompute_rows(model, input_ids[:, first:], rows, torch.stack(picks))
+        return [(torch.cat([k[:, :, :first], nk], dim=2), torch.cat([v[:, :, :first], nv], dim=2))
+                for (k, v), (nk, nv) in zip(mapped, new)], records
+    out = [(k.clone(), v.clone()) for k, v in mapped]
+    for b, (rec, chosen) in enumerate(zip(records, picks)):
+        first = seq - rec["tokens"]
+        row = [(k[b:b + 1, :, first:], v[b:b + 1, :, first:]) for k, v in mapped]
+        new = recompute_row(model, input_ids[b, first:], row, chosen)
         for (k, v), (nk, nv) in zip(out, new):
             k[b:b + 1, :, first:] = nk
             v[b:b + 1, :, first:] = nv
-        records.append({"tokens": n_real, "recomputed": int(len(chosen)), "positions": chosen.tolist()})
     return out, records
 
 

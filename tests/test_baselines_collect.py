@@ -123,7 +123,7 @@ def test_the_gate_against_the_fixed_rule_at_its_realised_cost_and_its_fitted_rat
     assert sel_res["gate_rates"]["full"] == 0.0 and abs(sel_res["gate_rates"]["map"] - 0.5) < 0.05
     text = "\n".join(collect.gate_lines(res))
     assert "does not pay" in text and "fitted for 10 %" in text
-    assert "the per-request gate does not pay" in collect.headline(collect.analyse(collect.merge(runs)), None)
+    assert "The per-request gate does not pay" in collect.headline(collect.analyse(collect.merge(runs)), None)
 
 
 def test_coqa_twins_table():

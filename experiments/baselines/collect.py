@@ -505,23 +505,27 @@ def headline(results: dict, chosen: str | None) -> str:
                 "worth are checked on the tiny pair (results/baselines).")
     parts = []
     w = (conf.get("worth") or {}).get("transfer")
-    eq = (conf.get("equal_cost") or {}).get("transfer")
     t = conf["modes"]["transfer"]
-    s = (f"on WikiText-2's confirmation half ({conf['windows']} articles, P = 256) the mapped prefix closes "
-         f"{_pct(t['gap'], t['se'])} of the log-perplexity gap")
-    if w:
-        s += f", as much as the target reading its last {_worth(w)} tokens itself"
-    ef = (conf.get("equal_flops") or {}).get("transfer")
-    for e, what in ((eq, "measured cost"), (ef, "FLOPs")):
-        if not e:
-            continue
-        verdict = "beats" if e["difference"] - 2 * e["difference_se"] > 0 else \
+    costs = [(e, what) for e, what in (((conf.get("equal_flops") or {}).get("transfer"), "FLOPs"),
+                                       ((conf.get("equal_cost") or {}).get("transfer"), "measured seconds")) if e]
+
+    def verdict(e):
+        return "beats" if e["difference"] - 2 * e["difference_se"] > 0 else \
             "loses to" if e["difference"] + 2 * e["difference_se"] < 0 else "does not separate from"
-        given = (f"the target reading its last {e['curve_m']} tokens, which costs more ({e['curve_cost']:.3g})"
-                 if e.get("below_curve") else "truncation")
-        s += (f"; at its {what} ({e['cost']:.3g} of a re-prefill, the source's prefill not counted) it "
-              f"{verdict} {given} ({_pct(e['truncation'])}; difference {_pp(e['difference'], e['difference_se'])})")
-    parts.append(s)
+    lead = "; ".join(f"at equal {what} {'it' if i else 'the map'} {verdict(e)} {'it' if i else 'truncation'}"
+                     for i, (e, what) in enumerate(costs))
+    s = (f"**{lead[0].upper() + lead[1:]}.** " if lead else "") + (
+        f"On WikiText-2's confirmation half ({conf['windows']} articles, P = 256) the mapped prefix closes "
+        f"{_pct(t['gap'], t['se'])} of the log-perplexity gap" + (
+            f", what the target gets from reading its own last {_worth(w)} tokens" if w else ""))
+    for e, what in costs:
+        at = (f"the target reading its last {e['curve_m']} tokens, which costs more ({e['curve_cost']:.3g}), closes"
+              if e.get("below_curve") else "truncation closes")
+        s += (f"; at the map's {what} ({e['cost']:.3g} of a re-prefill, the source's prefill not counted) {at} "
+              f"{_pct(e['truncation'])} (map - truncation {_pp(e['difference'], e['difference_se'])})")
+    parts.append(s + ("" if not any(w == "measured seconds" for _, w in costs) else
+                      " -- on this CPU a forward's time is mostly reading the weights, so a few native tokens cost "
+                      "about what the map costs"))
     if chosen and chosen in conf["twins"]:
         d, se = conf["twins"][chosen]
         r = conf["modes"][chosen]
@@ -548,7 +552,7 @@ def headline(results: dict, chosen: str | None) -> str:
         parts.append(f"on Python source ({st['windows']} modules) the map closes "
                      f"{_pct(st['modes']['transfer']['gap'], st['modes']['transfer']['se'])}"
                      + (f", worth {_worth(ws)} native tokens" if ws else ""))
-    return "; ".join(parts) + "."
+    return ". ".join(x[0].upper() + x[1:] for x in parts) + "."
 
 
 def tiny_lines(runs: dict) -> list[str]:

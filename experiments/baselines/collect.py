@@ -670,7 +670,11 @@ TIMING_NOTE = ("Seconds are wall time of each mode's context work in the process
                "cached once) were timed at different loads. They carry no SE: one aggregate per mode and prefix. "
                "FLOPs are exact counts. On the tiny pair a context takes milliseconds, so its seconds are mostly "
                "noise (a curve point that reads the whole context, the target's own work, is timed well away from "
-               "1x); read its FLOPs panel for cost there.")
+               "1x); read its FLOPs panel for cost there. On the real pair's CPU a forward's time is mostly reading "
+               "the weights (6 GB in float32), so the seconds of reading a few tokens are nearly flat in the count "
+               "and the first timed batches of a run carry warm-up: the equal-cost truncation interpolates only "
+               "between curve points that close more than every cheaper one. A GPU forward over hundreds of tokens "
+               "is closer to its FLOPs.")
 
 
 if __name__ == "__main__":

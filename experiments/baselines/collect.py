@@ -558,9 +558,13 @@ def headline(results: dict, chosen: str | None) -> str:
     st = results.get(("python_stdlib", 256, "all"))
     if st and "transfer" in st["modes"]:
         ws = (st.get("worth") or {}).get("transfer")
+        eqs = [f"{_pp(e['difference'], e['difference_se'])} at equal {what}" for e, what in (
+            ((st.get("equal_flops") or {}).get("transfer"), "FLOPs"),
+            ((st.get("equal_cost") or {}).get("transfer"), "measured seconds")) if e and not e.get("below_curve")]
         parts.append(f"on Python source ({st['windows']} modules) the map closes "
                      f"{_pct(st['modes']['transfer']['gap'], st['modes']['transfer']['se'])}"
-                     + (f", worth {_worth(ws)} native tokens" if ws else ""))
+                     + (f", worth {_worth(ws)} native tokens" if ws else "")
+                     + (f" (map - truncation {', '.join(eqs)})" if eqs else ""))
     return ". ".join(x[0].upper() + x[1:] for x in parts) + "."
 
 
@@ -634,8 +638,9 @@ def blocks(runs: dict) -> tuple[dict, dict, str | None]:
     """({"baselines": the results README block}, {"baselines_headline": the top README line}, chosen repair)."""
     results = analyse(merge(runs, load_base()))
     chosen = choose(results)
-    body = ["## The check on the tiny pair", ""] + tiny_lines(runs)
-    body += ["## The real pair (Qwen2.5-Coder 0.5B -> 1.5B, CPU)", ""]
+    body = ["## The real pair (Qwen2.5-Coder 0.5B -> 1.5B, CPU)", ""]
+    if results:
+        body += [headline(results, chosen), ""]
     if not results:
         body += ["No real-pair run has finished yet (experiments/baselines/run.sh).", ""]
     else:
@@ -650,6 +655,7 @@ def blocks(runs: dict) -> tuple[dict, dict, str | None]:
         for key in sorted(results, key=lambda k: (k[0] != "wikitext2", k[1], order[k[2]])):
             body += table(results[key])
     body += coqa_lines(runs)
+    body += ["## The check on the tiny pair", ""] + tiny_lines(runs)
     return {"baselines": "\n".join(body)}, {"baselines_headline": headline(results, chosen)}, chosen
 
 

@@ -487,15 +487,20 @@ def figure(results: dict, path: Path) -> bool:
                 pts = [p for p in pts if p[0] is not None]
                 if pts:
                     x, y, e = zip(*pts)
+                    # measured seconds need not rise with m (warm-up, weight reads): points, not a line, there
                     ax.errorbar(x, y, yerr=e, marker="o", ms=4, capsize=2, label=name,
-                                linestyle="-" if len(pts) > 1 else "none")
+                                linestyle="-" if len(pts) > 1 and field == "flops_rel" else "none")
             ax.errorbar([1.0], [100.0], marker="*", ms=9, linestyle="none", label="target (re-prefill)", color="k")
             ax.set_xlabel(f"{label} (x the target's re-prefill)")
             ax.set_ylabel("log-ppl gap closed (%)")
             ax.set_title(f"{SET_NAMES.get(res['set'], res['set'])} P={res['prefix']} {res['half']} "
                          f"(n={res['windows']})", fontsize=9)
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    handles = {}
+    for ax in axes.flat:   # one legend for every series any panel draws
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    axes[0][0].legend(list(handles.values()), list(handles), fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.stem + ".tmp.png")

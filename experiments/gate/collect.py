@@ -200,7 +200,10 @@ def timing(summary: dict) -> list[str]:
                                 f"{_f(g['seconds_per_prefix'], 3)} |")
     if not rows:
         return []
-    return ["Measured time of the repair step per cached prefix (on top of the map; loaded shared 2-core host):", "",
+    return ["Measured time of the repair step per cached prefix (on top of the map; loaded shared 2-core host). These "
+            "runs are older than the batched recompute (one target pass for a batch of equal-length rows; these ran "
+            "one pass per row), so these seconds overstate a repair's time today; results/baselines times the "
+            "repairs with the batched pass, beside the target's re-prefill in the same runs.", "",
             "| mode | part | prefixes | cost (FLOPs × re-prefill) | seconds per prefix |", "|---|---|---|---|---|",
             *rows, ""]
 

@@ -139,7 +139,7 @@ def test_coqa_twins_table():
     line = next(x for x in text.splitlines() if x.startswith("| every_turn"))
     assert "5 x 10" in line and "0.700 ± 0.030" in line and "transfer - twin -0.150 ± 0.040" in line
     assert "transfer - twin -0.350" in line
-    assert collect.coqa_lines({}) == ["No CoQA run on the real pair has finished (run.sh step 6).", ""]
+    assert collect.coqa_lines({}) == ["No CoQA run on the real pair has finished (run.sh step 7).", ""]
 
 
 def test_a_dearer_curve_point_that_closes_less_is_not_interpolated():
@@ -151,3 +151,26 @@ def test_a_dearer_curve_point_that_closes_less_is_not_interpolated():
     eq = res["equal_cost"]["transfer"]          # the map at 0.1: between m = 4 (0.05) and m = 16 (0.15), as before
     assert eq["between"] == (4, 16)
     assert_close(eq["truncation"], 0.3, factor=64, magnitude=1, reason="float64 interpolation of ratios of means")
+
+
+def test_another_calibrations_map_sits_beside_the_main_one():
+    """real_calib_code's `transfer` (another calibration) is merged as transfer_code_calib: its own gap closed, worth
+    and costs, and its paired difference against the main map on the same windows."""
+    runs, _ = _runs()
+    base = runs["real_b"]
+    nll = base["scores"]["ppl_sets"]["wikitext2"]["window_nll"]["256"]
+    target, floor = np.asarray(nll["target"]), np.asarray(nll["no_context"])
+    other = {"target": nll["target"], "no_context": nll["no_context"], "transfer": list(floor - (floor - target) * 0.4)}
+    row = {"prefix": 256, "transfer_seconds_rel": 0.1, "transfer_map_flops_rel": 0.03}
+    runs["real_calib_code"] = {"summary": {"ppl_sets": {"wikitext2": [row]}, "environment": {"commit": "abcdef0"}},
+                               "scores": {"ppl_sets": {"wikitext2": {"window_doc": list(range(62)),
+                                                                     "window_nll": {"256": other}}}}}
+    res = collect.analyse(collect.merge(runs))[("wikitext2", 256, "confirmation")]
+    reason = "ratios of float64 means of 31 windows"
+    assert_close(res["modes"]["transfer"]["gap"], 0.3, factor=64, magnitude=1, reason=reason)  # the main map, intact
+    assert_close(res["modes"]["transfer_code_calib"]["gap"], 0.4, factor=64, magnitude=1, reason=reason)
+    assert_close(res["versus_main_map"]["transfer_code_calib"][0], 0.1, factor=64, magnitude=1, reason=reason)
+    assert res["modes"]["transfer_code_calib"]["seconds_rel"] == 0.1
+    assert "transfer_code_calib" in res["worth"]
+    text = "\n".join(collect.table(res))
+    assert "minus `transfer`: +10.0" in text

@@ -57,6 +57,8 @@ def load_runs(runs: Path = RUNS) -> dict:
 # committed runs whose mapped and baseline NLLs the target-only truncation runs (real_trunc_*) sit beside: the same
 # draw (62 per-document windows of each set at P = 256, 64 scored tokens, seed 0), checked window by window
 BASE_RUNS = {"results/qwen25coder/runs/controls_ppl": ("transfer", "target", "no_context")}
+# runs whose map is another calibration's: their `transfer` is merged under this name beside the main map's
+OTHER_MAPS = {"real_calib_code": "transfer_code_calib"}
 
 
 def load_base(root: Path = ROOT) -> dict:
@@ -92,6 +94,9 @@ def merge(runs: dict, base: dict | None = None) -> dict:
                                             "commits": {}, "reproduced": {}, "base": {}})
                 if m["docs"] != part.get("window_doc"):
                     raise ValueError(f"{name}: {st} P={p} windows differ from another run's: not one draw")
+                renamed = {OTHER_MAPS[name]: "transfer"} if name in OTHER_MAPS else {}
+                if renamed:
+                    by_mode = {(OTHER_MAPS[name] if k == "transfer" else k): v for k, v in by_mode.items()}
                 if r.get("base"):
                     by_mode = {k: v for k, v in by_mode.items() if k in r["modes"]}
                     m["base"].update({k: name for k in by_mode})
@@ -114,9 +119,10 @@ def merge(runs: dict, base: dict | None = None) -> dict:
                                         "map": round(1 - gcfg["recompute_rate"] - gcfg["full_rate"], 12)}
                 row = rows.get(key) or {}
                 for mode in by_mode:
-                    cols = {k[len(mode) + 1:]: v for k, v in row.items() if k.startswith(mode + "_") and
-                            k[len(mode) + 1:] in ("seconds", "seconds_rel", "flops_rel", "map_flops_rel", "cost",
-                                                  "source_seconds")}
+                    src = renamed.get(mode, mode)   # the run's own name of the mode (its row's columns)
+                    cols = {k[len(src) + 1:]: v for k, v in row.items() if k.startswith(src + "_") and
+                            k[len(src) + 1:] in ("seconds", "seconds_rel", "flops_rel", "map_flops_rel", "cost",
+                                                 "source_seconds")}
                     if cols:
                         m["rows"].setdefault(mode, {}).update(cols)
                 timing = ((s.get("eval_timing") or {}).get("target") or {}).get(f"ppl.{st}", {}).get(str(p))
@@ -162,7 +168,7 @@ def _take(nll: dict, idx: list[int]) -> dict:
 def cost_of(mode: str, cols: dict, map_flops: float | None) -> tuple[float | None, float | None]:
     """(measured seconds / target's, FLOPs / a re-prefill's) of a mode's columns; mapped modes count the map's FLOPs
     (`map_flops`) beside the target's."""
-    if mode == "transfer":
+    if mode.startswith("transfer"):   # the map alone (the main calibration's or another's)
         return cols.get("seconds_rel"), map_flops
     if mode.startswith("recompute_") or mode == "gated":
         cost = cols.get("cost")
@@ -253,7 +259,7 @@ def gap(nll: dict, mode: str) -> tuple[float, float]:
 
 def mapped_mode(mode: str) -> bool:
     """A mode that reads the map (the map alone, a fixed repair, the gate): the ones given a worth and equal costs."""
-    return mode in ("transfer", "gated") or mode.startswith("recompute_")
+    return mode.startswith("transfer") or mode == "gated" or mode.startswith("recompute_")
 
 
 def analyse(merged: dict) -> dict:
@@ -281,6 +287,8 @@ def analyse(merged: dict) -> dict:
                     r = mode.rpartition("_")[2]
                     if f"truncate_{r}" in nll:
                         res["twins"][mode] = twin_difference(nll, mode, f"truncate_{r}")
+                if mode in OTHER_MAPS.values() and "transfer" in nll:   # another calibration's map - the main map's
+                    res.setdefault("versus_main_map", {})[mode] = twin_difference(nll, mode, "transfer")
             res["target_seconds"] = m["rows"].get("target", {}).get("seconds")
             if "gated" in nll:  # the gate: its realised actions here, and the fixed rule at its realised cost
                 events = (m.get("events") or {}).get("gated") or []
@@ -356,8 +364,8 @@ def table(res: dict) -> list[str]:
     rows = []
 
     def order(mode):
-        if mode == "transfer":
-            return (0, 0)
+        if mode.startswith("transfer"):
+            return (0, 0 if mode == "transfer" else 1)
         if mode == "gated":
             return (1.5, 0)
         if mode.startswith(CURVE):
@@ -368,10 +376,12 @@ def table(res: dict) -> list[str]:
     for mode in sorted(res["modes"], key=order):
         v = res["modes"][mode]
         twin = res["twins"].get(mode)
+        main = (res.get("versus_main_map") or {}).get(mode)
         eq = (res.get("equal_cost") or {}).get(mode)
         ef = (res.get("equal_flops") or {}).get(mode)
         rows.append([f"`{mode}`", _pct(v["gap"], v["se"]), _num(v["seconds_rel"]), _num(v["flops_rel"]),
-                     _pp(*twin) if twin else "–", _worth((res.get("worth") or {}).get(mode)),
+                     _pp(*twin) if twin else f"minus `transfer`: {_pp(*main)}" if main else "–",
+                     _worth((res.get("worth") or {}).get(mode)),
                      _eq_cell(eq, 3),
                      _eq_cell(ef, 4)])
     target = res.get("target_seconds")
@@ -560,6 +570,14 @@ def headline(results: dict, chosen: str | None) -> str:
                         if rule else "")
                      + f", full prefills on {_pct(rates['full'], None, 0)} of windows (fitted for "
                      f"{100 * conf['gate_fitted']['full']:.0f} %)")
+    code = [(r, (r.get("versus_main_map") or {}).get("transfer_code_calib"), what) for r, what in (
+        (results.get(("python_stdlib", 256, "all")), "Python source"), (conf, "WikiText-2's confirmation half")) if r]
+    code = [(r, d, what) for r, d, what in code if d]
+    if code:
+        parts.append("calibrated on Python source instead (the standard library's package modules, disjoint from the "
+                     "evaluated ones) the map closes " + "; ".join(
+                         f"{_pct(r['modes']['transfer_code_calib']['gap'], r['modes']['transfer_code_calib']['se'])}"
+                         f" on {what} (minus the main map's {_pp(*d)})" for r, d, what in code))
     st = results.get(("python_stdlib", 256, "all"))
     if st and "transfer" in st["modes"]:
         ws = (st.get("worth") or {}).get("transfer")
@@ -613,7 +631,7 @@ def coqa_lines(runs: dict) -> list[str]:
     r = runs.get("real_coqa")
     rows = (r or {}).get("summary", {}).get("coqa_twins") or []
     if not rows:
-        return ["No CoQA run on the real pair has finished (run.sh step 6).", ""]
+        return ["No CoQA run on the real pair has finished (run.sh step 7).", ""]
     s = r["summary"]
     env = s.get("environment") or {}
     target = {d["protocol"]: d for d in s.get("drift_summary") or []}

@@ -62,7 +62,17 @@ run real_stdlib_b $REAL $STDLIB "eval.recompute_fraction=[]" "eval.modes=[$BASE,
 LONG="eval.ppl.prefixes=[1024]"
 run real_wikitext2_1024_b $REAL $LONG "eval.recompute_fraction=[]" \
   "eval.modes=[$BASE,$CURVE,truncate_tokens_256,truncate_tokens_512]"
-# 6. CoQA's twins on the real pair: the 5 shipped conversations x 10 turns, target / transfer / the target reading only
+# 6. calibration in the evaluated code domain: the map calibrated (as the main one, 160 x 256 tokens) on Python source
+#    -- the modules inside the standard library's packages, disjoint from the evaluated top-level modules -- and
+#    scored on both perplexity sets beside the main map (collect.py names its mode transfer_code_calib)
+CODE_TEXT="$CACHE/text/python_stdlib_packages.jsonl"
+if [[ -z "${STEPS:-}" || " $STEPS " == *" real_calib_code "* ]] && [[ ! -f "$CODE_TEXT" ]]; then
+  mkdir -p "$(dirname "$CODE_TEXT")"
+  python experiments/data/python_stdlib.py --packages "$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" "$CODE_TEXT"
+fi
+run real_calib_code $REAL $NOCURVE "calib.files=[$CODE_TEXT]" "calib.domain=python_packages" "eval.recompute_fraction=[]" \
+  "eval.modes=[$BASE]" "eval.ppl.sets=[wikitext2,python_stdlib]"
+# 7. CoQA's twins on the real pair: the 5 shipped conversations x 10 turns, target / transfer / the target reading only
 #    the last 32 or 128 tokens (every turn: of the prompt; once: of the story), greedy answers up to 32 tokens
 run real_coqa $REAL "eval.ppl.enabled=false" "eval.recompute_fraction=[]" "eval.coqa.enabled=true" \
   "eval.coqa.conversations=5" "eval.coqa.turns=10" "eval.coqa.protocols=[every_turn,once]" "eval.coqa.max_gen_toks=32" \

@@ -8,6 +8,12 @@ record keeps the first MAX_CHARS characters of the file (enough for 1,024 + 256 
     {"text": ..., "module": "argparse", "python": "3.11.7", "sha256": <of the whole file>, "chars": <whole file>}
 
     python experiments/data/python_stdlib.py LIBDIR OUT     # LIBDIR: a CPython 3.11.7 Lib/ directory
+
+`--packages` writes calibration text in the same domain instead, disjoint from those modules: every module inside a
+package of LIBDIR (`Lib/<package>/**/*.py`, tests and vendored site-packages left out) of at least PACKAGE_MIN_CHARS
+characters, whole, in path order (experiments/baselines/run.sh calibrates a map on it).
+
+    python experiments/data/python_stdlib.py --packages LIBDIR OUT
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ from pathlib import Path
 PYTHON = "3.11.7"
 MIN_CHARS = 8_000
 MAX_CHARS = 12_000
+PACKAGE_MIN_CHARS = 2_000
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 
 
 def records(lib: Path) -> list[dict]:
@@ -35,11 +43,29 @@ def records(lib: Path) -> list[dict]:
     return out
 
 
+def package_records(lib: Path) -> list[dict]:
+    """One record per module inside a package of `lib` (never a top-level module: disjoint from `records`)."""
+    out = []
+    for path in sorted(lib.glob("*/**/*.py")):
+        rel = path.relative_to(lib)
+        if SKIP_DIRS & set(rel.parts):
+            continue
+        text = path.read_text(encoding="utf-8")
+        if len(text) < PACKAGE_MIN_CHARS:
+            continue
+        out.append({"text": text, "module": ".".join(rel.with_suffix("").parts), "python": PYTHON,
+                    "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "chars": len(text)})
+    return out
+
+
 def main(argv: list[str]) -> None:
+    packages = argv[:1] == ["--packages"]
+    argv = argv[1:] if packages else argv
     lib, out = Path(argv[0]), Path(argv[1])
-    if sys.version.split()[0] != PYTHON and not (lib / "LICENSE.txt").read_text().count(PYTHON):
+    license_file = lib / "LICENSE.txt"
+    if sys.version.split()[0] != PYTHON and not (license_file.is_file() and license_file.read_text().count(PYTHON)):
         print(f"warning: {lib} may not be CPython {PYTHON}", file=sys.stderr)
-    rows = records(lib)
+    rows = package_records(lib) if packages else records(lib)
     if out.exists():
         raise FileExistsError(f"{out} exists; write elsewhere and compare")
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".")

@@ -191,6 +191,7 @@ NOT_INPUTS: dict[str, str] = {
     "eval.native_sink": "a check against the mapper's own native_sink (keyed through the mapper)",
     "eval.fidelity.enabled": "selects whether fidelity runs", "eval.ppl.enabled": "selects whether perplexity runs",
     "eval.coqa.enabled": "selects whether CoQA runs",
+    "eval.coqa.truncate": "selects which CoQA truncation-twin mode files are computed (the mode name carries m)",
     "ablation.name": "a label", "ablation.key_space": "keyed as the calibration's key_space (runtime value)",
     "report.variance_k": "the report's Table-7 rows are recomputed each run (not cached)",
     "report.rotated_heatmap": "asks for a second calibration (keyed by its key_space)",

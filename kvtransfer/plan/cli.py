@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def node_from_args(args, cfg: dict) -> tuple[Node, bool]:
-    """(the node the flags describe, whether it was given) -- a preset, explicit flags, or this machine."""
+    """(the node the flags or dry.node describe, whether it was given) -- a preset, a mapping, explicit flags (which
+    override a named node's fields), or this machine."""
     explicit = any(v is not None for v in (args.gpu_mem, args.host_mem, args.disk, args.gpus, args.node))
     named = (cfg.get("dry") or {}).get("node")   # run.py's spelling, dry.node=<preset or mapping>, works here too
     if args.node:

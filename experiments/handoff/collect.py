@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))   # the checkout's kvtransfer, installed or not
 OUT = ROOT / "results/handoff"
 
 

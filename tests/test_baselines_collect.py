@@ -142,6 +142,9 @@ def test_coqa_twins_table():
     assert "5 x 10" in line and "0.700 ± 0.030" in line and "transfer - twin -0.150 ± 0.040" in line
     assert "transfer - twin -0.350" in line
     assert collect.coqa_lines({}) == ["No CoQA run on the real pair has finished (run.sh step 7).", ""]
+    clause = collect.coqa_sentence(runs)
+    assert clause.startswith("on CoQA (5 conversations x 10 turns) a mapped story answers at F1 0.150")
+    assert "0.300 reading the last 32 tokens (map - twin -0.150 ± 0.040)" in clause and collect.coqa_sentence({}) is None
 
 
 def test_a_dearer_curve_point_that_closes_less_is_not_interpolated():

@@ -520,7 +520,24 @@ def figure(results: dict, path: Path) -> bool:
     return True
 
 
-def headline(results: dict, chosen: str | None) -> str:
+def coqa_sentence(runs: dict | None) -> str | None:
+    """CoQA's twins in one clause: the mapped story / prompt against the target reading its last m tokens."""
+    rows = ((runs or {}).get("real_coqa") or {}).get("summary", {}).get("coqa_twins") or []
+    if not rows:
+        return None
+    out = []
+    for protocol, what in (("once", "a mapped story"), ("every_turn", "a mapped whole prompt")):
+        rs = sorted((r for r in rows if r["protocol"] == protocol), key=lambda r: r["tokens"])
+        if rs:
+            twins = ", ".join(f"{r['twin_f1']:.3f} reading the last {r['tokens']} tokens (map - twin "
+                              f"{r['transfer_minus_twin']:+.3f} ± {r['transfer_minus_twin_se']:.3f})" for r in rs)
+            out.append(f"{what} answers at F1 {rs[0]['transfer_f1']:.3f} against the target's {twins}")
+    n = rows[0]
+    return (f"on CoQA ({n['conversations']} conversations x {n['turns'] // max(1, n['conversations'])} turns) "
+            + "; ".join(out))
+
+
+def headline(results: dict, chosen: str | None, runs: dict | None = None) -> str:
     """The top README's sentence: does the map beat truncation at equal cost (confirmation half, P = 256)?"""
     conf = results.get(("wikitext2", 256, "confirmation"))
     if not conf or "transfer" not in conf["modes"]:
@@ -578,6 +595,8 @@ def headline(results: dict, chosen: str | None) -> str:
                      "evaluated ones) the map closes " + "; ".join(
                          f"{_pct(r['modes']['transfer_code_calib']['gap'], r['modes']['transfer_code_calib']['se'])}"
                          f" on {what} (minus the main map's {_pp(*d)})" for r, d, what in code))
+    if (c := coqa_sentence(runs)) is not None:
+        parts.append(c)
     st = results.get(("python_stdlib", 256, "all"))
     if st and "transfer" in st["modes"]:
         ws = (st.get("worth") or {}).get("transfer")
@@ -663,7 +682,7 @@ def blocks(runs: dict) -> tuple[dict, dict, str | None]:
     chosen = choose(results)
     body = ["## The real pair (Qwen2.5-Coder 0.5B -> 1.5B, CPU)", ""]
     if results:
-        body += [headline(results, chosen), ""]
+        body += [headline(results, chosen, runs), ""]
     if not results:
         body += ["No real-pair run has finished yet (experiments/baselines/run.sh).", ""]
     else:
@@ -679,7 +698,7 @@ def blocks(runs: dict) -> tuple[dict, dict, str | None]:
             body += table(results[key])
     body += coqa_lines(runs)
     body += ["## The check on the tiny pair", ""] + tiny_lines(runs)
-    return {"baselines": "\n".join(body)}, {"baselines_headline": headline(results, chosen)}, chosen
+    return {"baselines": "\n".join(body)}, {"baselines_headline": headline(results, chosen, runs)}, chosen
 
 
 README_HEAD = """# Is the map worth its cost? Equal-cost baselines

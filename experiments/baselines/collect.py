@@ -13,11 +13,15 @@ source's prefill excluded; its own prefill of what it reads otherwise), per cont
 see "Timing"); FLOPs: the target's, counted from the model config, over a re-prefill's (the map's own FLOPs apart).
 The map's worth in native tokens: the m at which the truncation curve's gap closed reaches the mapped mode's,
 interpolated in log m, with the 2.5-97.5 % percentiles of a paired bootstrap over windows. Equal-cost truncation:
-the truncation curve's gap closed interpolated (linearly in measured cost) at the mapped mode's measured cost; the
-difference mapped - truncation at equal cost ± a paired bootstrap SE over windows (the costs held fixed).
+the truncation curve's gap closed interpolated (linearly in cost, measured seconds or FLOPs, between the curve
+points no cheaper point beats) at the mapped mode's cost; the difference mapped - truncation at equal cost ± a paired
+bootstrap SE over windows (the costs held fixed).
 Selection: WikiText-2's articles are split once (experiments/baselines/split.yaml, committed before any run); the
 repair (rule, r) is chosen on the selection half only -- the largest gap closed above its truncation twin -- and the
-confirmation half, the Python stdlib set and P = 1,024 are reported with that choice.
+confirmation half and the Python stdlib set are reported with that choice (P = 1,024, run.sh step 5, when it has run).
+The gate: its realised action shares per half (binomial SEs) against the shares its thresholds were fitted for, and
+its gap closed against the fixed rule's (map + recent recompute at the r that ran, then the re-prefill at r = 1)
+interpolated at the gate's realised FLOPs; it pays only if it beats that rule by 2 SE and acts at its fitted rates.
 """
 from __future__ import annotations
 

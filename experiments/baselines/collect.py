@@ -591,14 +591,6 @@ def headline(results: dict, chosen: str | None, runs: dict | None = None) -> str
                         if rule else "")
                      + f", full prefills on {_pct(rates['full'], None, 0)} of windows (fitted for "
                      f"{100 * conf['gate_fitted']['full']:.0f} %)")
-    code = [(r, (r.get("versus_main_map") or {}).get("transfer_code_calib"), what) for r, what in (
-        (results.get(("python_stdlib", 256, "all")), "Python source"), (conf, "WikiText-2's confirmation half")) if r]
-    code = [(r, d, what) for r, d, what in code if d]
-    if code:
-        parts.append("calibrated on Python source instead (the standard library's package modules, disjoint from the "
-                     "evaluated ones) the map closes " + "; ".join(
-                         f"{_pct(r['modes']['transfer_code_calib']['gap'], r['modes']['transfer_code_calib']['se'])}"
-                         f" on {what} (minus the main map's {_pp(*d)})" for r, d, what in code))
     if (c := coqa_sentence(runs)) is not None:
         parts.append(c)
     st = results.get(("python_stdlib", 256, "all"))
@@ -611,6 +603,14 @@ def headline(results: dict, chosen: str | None, runs: dict | None = None) -> str
                      f"{_pct(st['modes']['transfer']['gap'], st['modes']['transfer']['se'])}"
                      + (f", worth {_worth(ws)} native tokens" if ws else "")
                      + (f" (map - truncation {', '.join(eqs)})" if eqs else ""))
+    code = [(r, (r.get("versus_main_map") or {}).get("transfer_code_calib"), what) for r, what in (
+        (results.get(("python_stdlib", 256, "all")), "Python source"), (conf, "WikiText-2's confirmation half")) if r]
+    code = [(r, d, what) for r, d, what in code if d]
+    if code:
+        parts.append("calibrated on Python source instead (the standard library's package modules, disjoint from the "
+                     "evaluated ones) the map closes " + "; ".join(
+                         f"{_pct(r['modes']['transfer_code_calib']['gap'], r['modes']['transfer_code_calib']['se'])}"
+                         f" on {what} ({_pp(*d)} against the main map)" for r, d, what in code))
     return ". ".join(x[0].upper() + x[1:] for x in parts) + "."
 
 

@@ -44,7 +44,7 @@ class Package:
         self.modules: dict[str, Module] = {}
         for path in sorted(root.rglob("*.py")):
             rel = path.relative_to(root).as_posix()
-            self.modules[rel] = self._parse(rel, _strip_docstrings(ast.parse(path.read_text(), str(path))))
+            self.modules[rel] = self._parse(rel, strip_docstrings(ast.parse(path.read_text(), str(path))))
         self.by_attr: dict[str, set[Unit]] = {}
         self._refs: dict[Unit, set[Unit]] = {}
         self._reach: dict[tuple, frozenset] = {}
@@ -275,7 +275,8 @@ def _assigned(stmt: ast.stmt) -> list[str]:
     return []
 
 
-def _strip_docstrings(tree: ast.AST) -> ast.AST:
+def strip_docstrings(tree: ast.AST) -> ast.AST:
+    """`tree` with every module, class and function docstring removed (in place): docstrings never move a digest."""
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body

@@ -53,16 +53,6 @@ def units_digest(pkg: code_units.Package, units: set, sources: dict | None = Non
     return h.hexdigest()[:16]
 
 
-def _strip_docstrings(tree: ast.AST) -> ast.AST:
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
-    return tree
-
-
 def code_digest(files: list[Path]) -> str:
     """sha256 (first 16 hex) of the files' code without comments, docstrings or layout (the syntax tree
     without docstrings, written back by ast.unparse), in path order: what the code does, not how it reads.
@@ -70,7 +60,7 @@ def code_digest(files: list[Path]) -> str:
     that recorded it (`recorded()["python"]`)."""
     h = hashlib.sha256()
     for path in files:
-        tree = _strip_docstrings(ast.parse(path.read_text()))
+        tree = code_units.strip_docstrings(ast.parse(path.read_text()))
         h.update(str(path.relative_to(PACKAGE)).encode() + b"\n" + ast.unparse(tree).encode() + b"\n")
     return h.hexdigest()[:16]
 

@@ -2,9 +2,11 @@
 
 The fakes speak the part of vLLM's OpenAI server the proxy uses: /v1/models, /tokenize (a character
 tokenizer and a toy chat template), /v1/completions and /v1/chat/completions (streaming too). The fake
-producer records every prompt it read into a shared store; the fake consumer reports the tokens it could
-take from that store as `usage.prompt_tokens_details.cached_tokens`, with the connector's rule (a stored
-prompt maps all but its last token; `kvtransfer_source_len` = n maps the first n tokens when stored).
+producer records every prompt it read into a shared store, under the request's namespace
+(`kv_transfer_params.kvtransfer_ns`, as the real connector does); the fake consumer reports the tokens it could
+take from that store under the request's namespace as `usage.prompt_tokens_details.cached_tokens`, with the
+connector's rule (a stored prompt maps all but its last token; `kvtransfer_source_len` = n maps the first n
+tokens when stored). Both fakes keep a prefix cache per `cache_salt`, as vLLM does, and report its hits.
 """
 from __future__ import annotations
 
@@ -30,10 +32,14 @@ class Engine:
     def __init__(self, name: str, store: set, *, consumer: bool, report_cached: bool = True):
         self.name, self.store, self.consumer, self.report_cached = name, store, consumer, report_cached
         self.calls: list[tuple[str, dict]] = []
-        self.cache: dict[str, set] = {}  # the consumer's prefix cache: salt -> prompts it holds
+        self.cache: dict[str, set] = {}  # the engine's prefix cache: salt -> prompts it holds
         self.report_decision = True  # return the connector's decision as kv_transfer_params (the real consumer does)
         self.maps = True
         self.fail_status = 0  # answer every generation request with this HTTP status
+        self.fail_message = "boom"
+        self.vocab = 1 << 20
+        self.stores = True  # a producer whose connector stores what it reads
+        self.write_delay = 0.0  # seconds after its response that a producer's write lands (its writer thread)
         self.app = self._app()
 
     @staticmethod
@@ -54,8 +60,11 @@ class Engine:
         """Tokens of `ids` the fake store holds: the longest common prefix with a prompt the producer read, in
         whole blocks, capped by kvtransfer_source_len."""
         n = params.get("kvtransfer_source_len", len(ids))
+        ns = params.get("kvtransfer_ns", "")
         best = 0
-        for prompt in self.store:
+        for space, prompt in self.store:
+            if space != ns:
+                continue
             k = 0
             while k < min(len(prompt), len(ids), n) and prompt[k] == ids[k]:
                 k += 1
@@ -65,10 +74,10 @@ class Engine:
     def decision(self, ids: list[int], body: dict) -> dict | None:
         """The fake connector's decision: vLLM's prefix-cache hits under the request's cache_salt (the prompts this
         salt served before), then the store beyond them; every prompt keeps its last token native."""
-        if not self.consumer:
-            return None
         params = body.get("kv_transfer_params") or {}
         salt = body.get("cache_salt")
+        if not self.consumer:
+            return {"reason": "source", "mapped": 0, "cached": self.cache_hits(ids, salt), "prefilled": 0}
         hits = 0
         for prompt in self.cache.get(salt, ()) if salt else ():
             k = 0
@@ -81,6 +90,18 @@ class Engine:
         if stored > hits:
             return {"reason": "mapped", "mapped": stored - hits, "cached": hits, "prefilled": len(ids) - stored}
         return {"reason": "cached" if hits else "no_entry", "mapped": 0, "cached": hits, "prefilled": len(ids) - hits}
+
+    def cache_hits(self, ids: list[int], salt: str | None) -> int:
+        """The producer's prefix-cache hits: whole blocks shared with a prompt it read under the same salt (vLLM
+        hashes the salt into a request's first block); then the prompt joins the cache."""
+        hits = 0
+        for prompt in self.cache.get(salt or "", ()):
+            k = 0
+            while k < min(len(prompt), len(ids) - 1) and prompt[k] == ids[k]:
+                k += 1
+            hits = max(hits, k // self.B * self.B)
+        self.cache.setdefault(salt or "", set()).add(tuple(ids))
+        return hits
 
     def _app(self):
         app = FastAPI()
@@ -103,17 +124,25 @@ class Engine:
             body = await request.json()
             self.calls.append((kind, body))
             if self.fail_status:
-                return JSONResponse({"error": {"message": "boom"}}, status_code=self.fail_status)
+                return JSONResponse({"error": {"message": self.fail_message}}, status_code=self.fail_status)
             if body.get("model") != self.name:
                 return JSONResponse({"error": {"message": f"model {body.get('model')} not found"}}, status_code=404)
+            if kind == "completion" and isinstance(body.get("prompt"), list) and \
+                    any(i >= self.vocab for i in body["prompt"]):  # vLLM checks ids against its vocabulary
+                return JSONResponse({"error": {"message": "token id out of vocabulary"}}, status_code=400)
             if kind == "chat":
                 ids = self.encode(self.template(body["messages"]))
             else:
                 ids = list(body["prompt"]) if isinstance(body["prompt"], list) else self.encode(body["prompt"])
-            if not self.consumer and kind == "completion":
-                self.store.add(tuple(ids))  # the producer's connector saves every prompt on ids it prefills
+            if not self.consumer and kind == "completion" and self.stores:  # the connector saves what it reads
+                entry = ((body.get("kv_transfer_params") or {}).get("kvtransfer_ns", ""), tuple(ids))
+                if self.write_delay:
+                    asyncio.get_running_loop().call_later(self.write_delay, self.store.add, entry)
+                else:
+                    self.store.add(entry)
             decision = self.decision(ids, body)
-            cached = decision["mapped"] + decision["cached"] if decision else 0
+            cached = decision["mapped"] + decision["cached"]
+            body["usage_seen"] = {"cached": cached}  # what this engine reported (tests read it from `calls`)
             usage = {"prompt_tokens": len(ids), "completion_tokens": 3, "total_tokens": len(ids) + 3}
             if self.report_cached:
                 usage["prompt_tokens_details"] = {"cached_tokens": cached}
@@ -130,7 +159,7 @@ class Engine:
                 out = {"id": "cmpl-x", "object": "text_completion", "model": self.name,
                        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": "length"}],
                        "usage": usage}
-                if decision and self.report_decision:
+                if self.consumer and self.report_decision:
                     out["kv_transfer_params"] = {"kvtransfer": decision}
                 return out
             options = body.get("stream_options") or {}
@@ -177,10 +206,39 @@ class Router(httpx.AsyncBaseTransport):
         return await self.transports[host].handle_async_request(request)
 
 
-class Rig:
-    """A proxy in front of a fake producer ("src", host source) and consumer ("tgt", host target)."""
+class FakeStore:
+    """What the proxy asks of the block store (`tip`, `delete_namespace`), over the fakes' shared set of
+    (namespace, prompt): a prompt stands for its whole blocks."""
 
-    def __init__(self, block: int = 1, **kwargs):
+    def __init__(self, entries: set, block_size: int):
+        self.entries, self.block_size = entries, block_size
+
+    def tip(self, ids, model_key=None, ns=""):
+        best = 0
+        for space, prompt in list(self.entries):
+            k = 0
+            while space == ns and k < min(len(prompt), len(ids)) and prompt[k] == ids[k]:
+                k += 1
+            best = max(best, k // self.block_size * self.block_size)
+        return ("m", "h", best) if best else None
+
+    def delete_namespace(self, ns):
+        gone = {e for e in self.entries if e[0] == ns}
+        self.entries -= gone
+        return len(gone)
+
+    def holds(self, ns) -> bool:
+        return self.count(ns) > 0
+
+    def count(self, ns) -> int:
+        return sum(1 for e in self.entries if e[0] == ns)
+
+
+class Rig:
+    """A proxy in front of a fake producer ("src", host source) and consumer ("tgt", host target); store=True
+    gives the proxy a view of the fakes' store (waits at a switch, deletes)."""
+
+    def __init__(self, block: int = 1, store: bool = False, **kwargs):
         self.store: set = set()
         self.source = Engine("src", self.store, consumer=False)
         self.target = Engine("tgt", self.store, consumer=True, **kwargs)
@@ -189,14 +247,24 @@ class Rig:
         upstream = httpx.AsyncClient(transport=self.router)
         self.proxy = P.HandoffProxy("http://source", "http://target", start_ids=START, client=upstream,
                                     block_size=block)
+        self.fake_store = FakeStore(self.store, block)
+        if store:
+            self.proxy.store = self.fake_store
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=P.build_app(self.proxy)),
                                         base_url="http://proxy")
 
-    async def chat(self, messages, model="src", session=None, **extra):
+    async def chat(self, messages, model="src", session=None, key="k1", **extra):
+        """POST a chat request as the client with API key `key` (None: no Authorization header)."""
         headers = {P.SESSION_HEADER: session} if session else {}
+        if key is not None:
+            headers["authorization"] = f"Bearer {key}"
         headers.update(extra.pop("headers", {}))
         return await self.client.post("/v1/chat/completions", json={"model": model, "messages": messages, **extra},
                                       headers=headers)
+
+    def ns(self, session: str, key: str = "k1") -> str:
+        """The store namespace of `key`'s session `session`."""
+        return self.proxy.sessions.namespace(self.proxy.sessions.owner_of(f"Bearer {key}"), session)
 
     def gen_calls(self, engine, kind="completion"):
         return [body for k, body in engine.calls if k == kind]
@@ -237,7 +305,9 @@ def test_the_switch_of_a_warm_session_sends_nothing_to_the_producer():
         assert len(rig.gen_calls(rig.source)) == 1  # only the source's own turn: no save, no re-prefill
         served = rig.gen_calls(rig.target)[-1]
         assert served["prompt"] == ids and served["model"] == "tgt" and served["max_tokens"] == 5
-        assert served["kv_transfer_params"] == {"kvtransfer_source_len": stored}
+        ns = rig.ns("s")  # the session's store namespace: the source stored under it, the target looks there
+        assert served["kv_transfer_params"] == {"kvtransfer_source_len": stored, "kvtransfer_ns": ns}
+        assert rig.gen_calls(rig.source)[0]["kv_transfer_params"] == {"kvtransfer_ns": ns}
         assert served["cache_salt"].startswith(P.MAPPED_SALT + ":")
         assert r.status_code == 200 and r.headers[P.STATUS_HEADER] == f"mapped {stored} tokens, prefilled {len(ids) - stored}"
         body = r.json()
@@ -414,6 +484,12 @@ def test_bad_completion_prompts_and_headers_are_400s():
             r = await rig.client.post("/v1/completions", json=body, headers=headers)
             assert r.status_code == 400, body
         # an engine's own 4xx (e.g. its model refuses the request) reaches the client as a 400, not a fallback
+        rig.target.fail_status, rig.target.fail_message = 400, "this model's context is 8 tokens"
+        for stream in (False, True):
+            r = await rig.client.post("/v1/completions", json={"model": "tgt", "prompt": "ab", "stream": stream},
+                                      headers={P.MODEL_HEADER: "target"})
+            assert r.status_code == 400 and "context is 8 tokens" in r.json()["error"]["message"], stream
+        rig.target.fail_status = 0
         r = await rig.client.post("/v1/completions", json={"model": "tgt", "prompt": "ab"},
                                   headers={P.MODEL_HEADER: "target"})
         assert r.status_code == 200
@@ -463,17 +539,20 @@ def test_streaming_with_a_dead_producer_says_so_up_front():
 def test_streaming_from_the_source_is_relayed():
     async def go():
         rig = Rig()
-        r = await rig.client.post("/v1/completions", json={"model": "src", "prompt": "abc", "stream": True})
+        r = await rig.client.post("/v1/completions", json={"model": "src", "prompt": "abc", "stream": True},
+                                  headers={P.SESSION_HEADER: "s", "authorization": "Bearer k1"})
         assert r.headers[P.STATUS_HEADER] == "source"
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
         assert text == rig.source.reply_text(START + Engine.encode("abc"))  # written through: on the session's ids
         assert events[-1]["kvtransfer"]["status"] == "source"
-        r = await rig.chat(MSGS, model="src", stream=True, headers={P.WRITE_THROUGH_HEADER: "off"})
+        r = await rig.chat(MSGS, model="src", stream=True, session="t", headers={P.WRITE_THROUGH_HEADER: "off"})
         assert r.headers[P.STATUS_HEADER] == "source" and rig.gen_calls(rig.source, "chat")  # relayed as it came
         text = "".join(json.loads(line[6:])["choices"][0]["delta"]["content"] for line in r.text.splitlines()
                        if line.startswith("data: {"))
         assert text == rig.source.reply_text(Engine.encode(Engine.template(MSGS)))
+        await rig.chat(MSGS, model="src")  # no session: nothing can hand it over, so it is relayed too
+        assert len(rig.gen_calls(rig.source, "chat")) == 2
     run(go())
 
 
@@ -481,7 +560,7 @@ def test_chat_only_fields_go_to_the_target_as_chat_unmapped():
     async def go():
         rig = Rig()
         r = await rig.chat(MSGS, model="tgt", tools=[{"type": "function", "function": {"name": "f"}}])
-        assert r.status_code == 200 and r.headers[P.STATUS_HEADER] == "fallback_reprefill: chat fields tools"
+        assert r.status_code == 200 and r.headers[P.STATUS_HEADER] == "fallback_reprefill: chat_fields (tools)"
         assert rig.gen_calls(rig.target, "chat") and not rig.gen_calls(rig.source)
     run(go())
 
@@ -537,7 +616,7 @@ def test_session_table_is_bounded():
         rig.proxy.max_sessions = 3
         for i in range(6):
             await rig.chat(MSGS, session=f"s{i}")
-        assert list(rig.proxy.sessions) == ["s3", "s4", "s5"]
+        assert rig.proxy.sessions.ids() == ["s3", "s4", "s5"]
     run(go())
 
 
@@ -567,22 +646,176 @@ def test_the_consumers_own_decision_outranks_vllms_cached_count():
     assert proxy.judge(usage, "", 0.1, kept).header() == "mapped 128 tokens, prefilled 73"
 
 
-def test_a_session_belongs_to_the_key_that_opened_it():
+def test_a_session_is_its_keys_alone_another_key_with_the_same_id_gets_its_own():
+    async def go():
+        rig = Rig(block=4, store=True)
+        doc = [{"role": "user", "content": "alice's private document " * 3}]
+        assert (await rig.chat(doc, session="s", key="alice")).status_code == 200
+        # mallory opens the same id and guesses alice's document: a session of her own, a cold switch (the
+        # producer reads her prompt once) that maps only what she stored, and nothing of alice's in any cache
+        r = await rig.chat(doc, model="tgt", session="s", key="mallory")
+        assert r.status_code == 200 and r.json()["kvtransfer"]["save_s"] is not None
+        served = rig.gen_calls(rig.target)[-1]
+        assert served["kv_transfer_params"]["kvtransfer_ns"] == rig.ns("s", "mallory") != rig.ns("s", "alice")
+        assert r.json()["kvtransfer"]["cached"] in (None, 0)  # no hit in the target's cache under alice's salt
+        assert rig.gen_calls(rig.source)[-1]["usage_seen"]["cached"] == 0  # nor in the source's (alice's salt)
+        # mallory deletes "her" session: alice's session and blocks are untouched, and alice's switch maps them
+        r = await rig.client.delete("/kvtransfer/sessions/s", headers={"authorization": "Bearer mallory"})
+        assert r.status_code == 200 and r.json()["deleted"] is True
+        assert rig.fake_store.holds(rig.ns("s", "alice")) and not rig.fake_store.holds(rig.ns("s", "mallory"))
+        r = await rig.chat(doc, model="tgt", session="s", key="alice")
+        assert r.status_code == 200 and r.json()["kvtransfer"]["status"] == "mapped"
+        assert r.json()["kvtransfer"]["save_s"] is None  # her own warm switch: no save step
+        assert (await rig.client.get("/kvtransfer/stats")).json()["errors"] == {}
+    run(go())
+
+
+def test_a_freed_id_reopened_by_another_key_reaches_nothing_of_the_first_owners():
+    """The first owner deletes (or the table evicts) a session; another key opens the same id: its salt and its
+    namespace differ, so neither the consumer's prefix cache nor the store gives it the first owner's tokens."""
+    async def go():
+        rig = Rig(block=4, store=True)
+        doc = [{"role": "user", "content": "alice's document, two pages long " * 3}]
+        await rig.chat(doc, session="s", key="alice")
+        await rig.chat(doc, model="tgt", session="s", key="alice")  # handed over: the target caches it under a salt
+        alice_salt = rig.gen_calls(rig.target)[-1]["cache_salt"]
+        await rig.client.delete("/kvtransfer/sessions/s", headers={"authorization": "Bearer alice"})
+        assert not rig.fake_store.holds(rig.ns("s", "alice"))
+        rig.source.fail_status = 500  # no save step can store anything for mallory: only a leak could map
+        r = await rig.chat(doc, model="tgt", session="s", key="mallory")
+        served = rig.gen_calls(rig.target)[-1]
+        assert served["cache_salt"] != alice_salt and served["prompt"] == _ids(doc)
+        assert r.status_code == 200 and r.json()["kvtransfer"]["status"] == "fallback_reprefill"
+        assert r.json()["kvtransfer"]["cached"] == 0 and r.json()["kvtransfer"]["mapped"] == 0
+        # alice re-opens her id: hers again (no 403), and her salt is the one she had
+        rig.source.fail_status = 0
+        assert (await rig.chat(doc, model="tgt", session="s", key="alice")).status_code == 200
+        assert rig.gen_calls(rig.target)[-1]["cache_salt"] == alice_salt
+    run(go())
+
+
+def test_the_sources_cache_is_salted_per_key_so_a_guess_learns_nothing():
+    async def go():
+        rig = Rig(block=4)
+        secret = [{"role": "user", "content": "the merger closes on the 14th at 9am " * 2}]
+        await rig.chat(secret, session="a", key="alice")
+        guess = [{"role": "user", "content": "the merger closes on the 14th"}]
+        r = await rig.chat(guess, key="mallory")  # no session: forwarded to the source under mallory's salt
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        r = await rig.chat(guess, session="m", key="mallory")  # a session: written through under her salt
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        r = await rig.chat(guess, session="a2", key="alice")  # as alice it hits her own cache: the fake can see it
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    run(go())
+
+
+def test_a_session_without_a_key_is_refused_unless_the_deployment_allows_it():
     async def go():
         rig = Rig()
-        owner, thief = {"authorization": "Bearer alice"}, {"authorization": "Bearer mallory"}
-        assert (await rig.chat(MSGS, session="s", headers=owner)).status_code == 200
-        r = await rig.chat(MSGS, model="tgt", session="s", headers=thief)
-        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
-        assert (await rig.chat(MSGS, model="tgt", session="s")).status_code == 403  # no key is not the owner either
-        assert rig.gen_calls(rig.target) == [] and rig.proxy.sessions.table["s"].engine == "source"
-        r = await rig.client.delete("/kvtransfer/sessions/s", headers=thief)
-        assert r.status_code == 403 and "s" in rig.proxy.sessions
-        assert (await rig.chat(MSGS, model="tgt", session="s", headers=owner)).status_code == 200
-        r = await rig.client.delete("/kvtransfer/sessions/s", headers=owner)
-        assert r.json() == {"deleted": True, "blocks": None} and "s" not in rig.proxy.sessions  # no --store: no blocks
-        assert (await rig.client.get("/kvtransfer/stats")).json()["errors"] == {"forbidden": 2}
+        r = await rig.chat(MSGS, session="s", key=None)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert "--allow-anonymous-sessions" in r.json()["error"]["message"] and len(rig.proxy.sessions) == 0
+        r = await rig.client.delete("/kvtransfer/sessions/s")
+        assert r.status_code == 401
+        assert (await rig.chat(MSGS, key=None)).status_code == 200  # no session: nothing to bind
+        rig.proxy.allow_anonymous_sessions = True
+        assert (await rig.chat(MSGS, session="s", key=None)).status_code == 200
     run(go())
+
+
+def test_delete_takes_ids_with_slashes_and_every_block_of_the_session():
+    async def go():
+        rig = Rig(block=4, store=True)
+        doc = [{"role": "user", "content": "a document of some length"}]
+        await rig.chat(doc, session="team/a b", key="alice")
+        rewritten = [{"role": "user", "content": "another first draft entirely"}]
+        await rig.chat(rewritten, session="team/a b", key="alice")  # a rewritten history: a second chain
+        ns = rig.ns("team/a b", "alice")
+        assert rig.fake_store.count(ns) == 2
+        r = await rig.client.delete("/kvtransfer/sessions/team/a b", headers={"authorization": "Bearer alice"})
+        assert r.status_code == 200 and r.json() == {"deleted": True, "blocks": 2}
+        assert rig.fake_store.count(ns) == 0 and len(rig.proxy.sessions) == 0
+        await rig.chat(doc, model="tgt", session="cold", key="alice")  # opened on the target: the save step's chain
+        r = await rig.client.delete("/kvtransfer/sessions/cold", headers={"authorization": "Bearer alice"})
+        assert r.json() == {"deleted": True, "blocks": 1} and not rig.fake_store.holds(rig.ns("cold", "alice"))
+        # after an LRU eviction the blocks still go: the namespace is a digest of (key, id), not table state
+        await rig.chat(doc, session="t", key="alice")
+        rig.proxy.sessions.table.clear()
+        r = await rig.client.delete("/kvtransfer/sessions/t", headers={"authorization": "Bearer alice"})
+        assert r.json() == {"deleted": False, "blocks": 1}
+    run(go())
+
+
+def test_a_cold_switch_waits_for_its_own_save_to_reach_the_store():
+    async def go():
+        rig = Rig(block=4, store=True)
+        rig.source.write_delay = 0.3  # the producer's writer thread lands the blocks after its response
+        r = await rig.chat(MSGS, model="tgt", session="s")
+        assert r.json()["kvtransfer"]["status"] == "mapped", r.json()["kvtransfer"]
+        stats = (await rig.client.get("/kvtransfer/stats")).json()["handoff"]
+        assert stats["switch_waited"] == 1 and "switch_partial" not in stats
+    run(go())
+
+
+def test_a_switch_stops_waiting_when_the_store_does_not_grow_and_counts_it_partial():
+    import time
+
+    async def go():
+        rig = Rig(block=4, store=True)
+        rig.proxy.switch_wait_s, rig.proxy.switch_stall_s = 30.0, 0.2
+        rig.source.stores = False  # a producer that stores nothing
+        await rig.chat(MSGS, session="s")
+        t0 = time.perf_counter()
+        r = await rig.chat(MSGS, model="tgt", session="s")
+        assert time.perf_counter() - t0 < 5.0 and r.status_code == 200
+        assert r.json()["kvtransfer"]["status"] == "fallback_reprefill"
+        stats = (await rig.client.get("/kvtransfer/stats")).json()["handoff"]
+        assert stats["switch_partial"] == 1
+    run(go())
+
+
+def test_a_rewritten_history_does_not_wait_for_blocks_that_cannot_come():
+    import time
+
+    async def go():
+        rig = Rig(block=4, store=True)
+        rig.proxy.switch_wait_s, rig.proxy.switch_stall_s = 30.0, 30.0
+        await rig.chat(MSGS, session="s")
+        t0 = time.perf_counter()
+        r = await rig.chat([{"role": "user", "content": "hello again"}], model="tgt", session="s")
+        assert time.perf_counter() - t0 < 5.0 and r.status_code == 200
+        stats = (await rig.client.get("/kvtransfer/stats")).json()["handoff"]
+        assert stats["history_rewritten"] == 1 and stats["switch_partial_rewritten"] == 1
+    run(go())
+
+
+def test_bad_input_is_a_400_or_a_fallback_never_a_500():
+    async def go():
+        rig = Rig(block=4)
+        nested = b'{"model": "tgt", "messages": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+        r = await rig.client.post("/v1/chat/completions", content=nested, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nests" in r.json()["error"]["message"]
+        r = await rig.client.post("/v1/completions", json={"model": "tgt", "prompt": [1, 2 ** 40]},
+                                  headers={"authorization": "Bearer k1", P.SESSION_HEADER: "s"})
+        assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+        rig.source.fail_status, rig.source.fail_message = 400, "naïve – ☃ refused"  # non-Latin-1 in the reason
+        r = await rig.chat(MSGS, model="tgt", session="cold")
+        assert r.status_code == 200 and r.headers[P.STATUS_HEADER].isascii()
+        assert r.headers[P.STATUS_HEADER].startswith("fallback_reprefill: save_failed (source refused")
+        r = await rig.chat(MSGS, model="tgt", session="cold2", stream=True)
+        assert r.status_code == 200 and r.headers[P.STATUS_HEADER].isascii()
+        stats = (await rig.client.get("/kvtransfer/stats")).json()
+        assert not [k for k in stats["errors"] if k.startswith("proxy_error")], stats["errors"]
+        assert set(stats["fallbacks"]) == {"fallback_reprefill:save_failed"}
+    run(go())
+
+
+def test_a_reason_that_is_not_an_identifier_is_counted_as_other():
+    assert P.Outcome("fallback_reprefill", "target", reason="stream_ended (the consumer's stream ended early)").code \
+        == "stream_ended"
+    assert P.Outcome("fallback_reprefill", "target", reason="the consumer said no").code == "the"
+    assert P.Outcome("fallback_reprefill", "target", reason="ünïcode reason").code == "other"
+    assert P.Outcome("fallback_reprefill", "target", reason="consumer_fallback (no_entry)").code == "consumer_fallback"
 
 
 def test_rejected_requests_leave_no_session_and_no_lock():
@@ -599,8 +832,8 @@ def test_rejected_requests_leave_no_session_and_no_lock():
             assert r.status_code == 400
         assert len(rig.proxy.sessions) == 0 and rig.proxy.sessions._locks == {}
         await rig.chat(MSGS, session="ok")
-        assert list(rig.proxy.sessions) == ["ok"] and rig.proxy.sessions._locks == {}
-        assert not hasattr(rig.proxy.sessions.table["ok"], "handed_ids")  # a length and a hash, not the ids
+        assert rig.proxy.sessions.ids() == ["ok"] and rig.proxy.sessions._locks == {}
+        assert not hasattr(next(iter(rig.proxy.sessions.table.values())), "handed_ids")  # a length and a hash
     run(go())
 
 
@@ -622,7 +855,8 @@ def test_only_allowed_kv_transfer_params_reach_the_consumer_and_client_salts_nev
         r = await rig.chat(MSGS, model="tgt", session="s", kv_transfer_params=params, cache_salt="kvtransfer-mapped:x")
         assert r.status_code == 200
         served = rig.gen_calls(rig.target)[-1]
-        assert served["kv_transfer_params"] == {"kvtransfer_tag": "mine", "kvtransfer_source_len": len(_ids(MSGS))}
+        assert served["kv_transfer_params"] == {"kvtransfer_tag": "mine", "kvtransfer_source_len": len(_ids(MSGS)),
+                                                "kvtransfer_ns": rig.ns("s")}
         assert served["cache_salt"] != "kvtransfer-mapped:x"
         assert (await rig.client.get("/kvtransfer/stats")).json()["handoff"]["params_dropped"] == 1
         r = await rig.chat(MSGS, model="tgt", kv_transfer_params={"kvtransfer": "maybe"})
@@ -643,9 +877,9 @@ def test_a_switch_waits_for_the_write_in_flight_then_maps_what_is_there(tmp_path
         layers = [(torch.zeros(1, len(ids), 2), torch.zeros(1, len(ids), 2))]
         writer = threading.Timer(0.3, lambda: rig.proxy.store.write(ids, layers, ident))
         writer.start()
-        assert await rig.proxy._stored_until(ids, n) == n  # waited for the producer's write (0.3 s later)
+        assert await rig.proxy._stored_until(ids, n, "") == n  # waited for the producer's write (0.3 s later)
         rig.proxy.switch_wait_s = 0.05
-        assert await rig.proxy._stored_until(ids + [1] * 8, n + 8) == n  # never written: what is complete
+        assert await rig.proxy._stored_until(ids + [1] * 8, n + 8, "") == n  # never written: what is complete
         stats = rig.proxy.stats.as_dict()["handoff"]
         assert stats["switch_waited"] == 2
     run(go())

@@ -65,7 +65,7 @@ try:
 except ImportError:  # pragma: no cover - the [serve] / [dev] extra installs them
     HAVE_SERVE_STACK = False
 
-from .proxy_state import BadRequest, Forbidden, Outcome, Session, Sessions, Stats, Unreachable  # noqa: F401
+from .proxy_state import BadRequest, Outcome, ascii_header, Session, Sessions, Stats, Unauthorized, Unreachable  # noqa: F401
 from .proxy_wire import _relay, _sse_events, completion_chunk_to_chat, completion_to_chat  # noqa: F401
 
 log = logging.getLogger("kvtransfer.proxy")
@@ -77,6 +77,7 @@ WRITE_THROUGH_HEADER = "x-kvtransfer-write-through"
 MAPPED_SALT = "kvtransfer-mapped"  # the consumer connector's mapped_cache_salt; a session's salt is "<this>:<digest>"
 CLIENT_PARAMS = ("kvtransfer", "kvtransfer_tag")  # the client kv_transfer_params that reach the consumer
 MAX_KEY = 256  # characters of a session id
+MAX_TOKEN_ID = 2 ** 31 - 1  # a token id beyond any vocabulary (and beyond what the store hashes as int64) is refused
 # chat fields a completion request cannot carry: such a request is forwarded to the target as chat, unmapped
 CHAT_ONLY = ("tools", "tool_choice", "functions", "function_call", "response_format", "documents",
              "continue_final_message", "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
@@ -125,8 +126,11 @@ class HandoffProxy:
     (`mapper_start_ids`), put in front of every session's token sequence. store: the producer's store directory, if
     the proxy can see it (waits for writes in flight at a switch; deleting a session removes its blocks).
     write_through: serve source turns on the session's token ids (default); off, they go to the source as they
-    come and a switch re-runs the source's prefill. secret: the key of session owners' digests and cache salts
-    (default: random per start, so a restart re-maps instead of reusing the consumer's cache). client: an
+    come and a switch re-runs the source's prefill. secret: the key of session owners' digests, cache salts and
+    store namespaces (default: random per start, so a restart re-maps; the launcher keeps one per deployment).
+    allow_anonymous_sessions: serve session requests without an Authorization header (anyone who knows such a
+    session's id can use it); off, they are 401s. switch_wait_s / switch_stall_s: a switch waits for the
+    producer's write in flight at most this long in all / this long without the store growing. client: an
     httpx.AsyncClient (tests pass one whose transport reaches in-process fakes).
     """
 
@@ -135,7 +139,7 @@ class HandoffProxy:
                  client: "httpx.AsyncClient | None" = None, timeout_s: float = 600.0, max_sessions: int = 10000,
                  remap_turns: bool = True, store: str | None = None, write_through: bool = True,
                  switch_wait_s: float = 5.0, secret: bytes | None = None, max_body_bytes: int = 16 << 20,
-                 block_size: int = 16):
+                 block_size: int = 16, allow_anonymous_sessions: bool = False, switch_stall_s: float = 1.0):
         if not HAVE_SERVE_STACK:
             raise ImportError("kvtransfer.serve.proxy needs fastapi, uvicorn and httpx: pip install -e '.[serve]'")
         self.urls = {"source": source.rstrip("/"), "target": target.rstrip("/")}
@@ -144,14 +148,14 @@ class HandoffProxy:
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.sessions = Sessions(secret or os.urandom(32), max_sessions)
         self.remap_turns, self.write_through = remap_turns, write_through
-        self.switch_wait_s, self.max_body_bytes = switch_wait_s, max_body_bytes
+        self.switch_wait_s, self.switch_stall_s, self.max_body_bytes = switch_wait_s, switch_stall_s, max_body_bytes
+        self.allow_anonymous_sessions = allow_anonymous_sessions
         self.store = None
         if store is not None:
             from .store import KVStore
 
             self.store = KVStore(store)
         self.block_size = self.store.block_size if self.store is not None else block_size
-        self._producer_key: str | None = None  # the producer's model key in the store, once seen
         self.stats = Stats()
 
     @property
@@ -243,16 +247,20 @@ class HandoffProxy:
                 raise BadRequest("prompt must be a string or a list of token ids (one prompt per handoff request)")
         if not _int_list(ids):
             raise Unreachable("target /tokenize returned no token ids")
+        if not all(0 <= i <= MAX_TOKEN_ID for i in ids):
+            raise BadRequest(f"prompt token ids must lie in 0..{MAX_TOKEN_ID}")
         if self.start_ids and ids[:len(self.start_ids)] != self.start_ids:
             ids = self.start_ids + ids
         return ids
 
-    async def save(self, ids: list[int]) -> float:
-        """The producer reads `ids` once (max_tokens=1): its connector stores their KV. Seconds taken. Only for a
-        session the source never served (a warm session's blocks are already stored)."""
+    async def save(self, ids: list[int], session: Session) -> float:
+        """The producer reads `ids` once (max_tokens=1): its connector stores their KV under the session's namespace.
+        Seconds taken. Only for a session the source never served (a warm session's blocks are already stored)."""
         t0 = time.perf_counter()
-        await self._post("source", "/v1/completions", {"model": await self.model_name("source"), "prompt": ids,
-                                                         "max_tokens": 1, "temperature": 0.0})
+        body = {"model": await self.model_name("source"), "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                "kv_transfer_params": {"kvtransfer_ns": session.ns}}
+        salt = self.sessions.source_salt(session.owner)
+        await self._post("source", "/v1/completions", {**body, "cache_salt": salt} if salt else body)
         return time.perf_counter() - t0
 
     def client_params(self, body: dict) -> dict:
@@ -347,16 +355,19 @@ class HandoffProxy:
             wanted = await self.wanted(body, request.headers)
             self._validate(kind, body)
             owner = self.sessions.owner_of(request.headers.get("authorization"))
-            if key is None:
-                return await self._route(kind, body, request.headers, wanted, Session(salt=self.sessions.salt(None)))
-            async with self.sessions.locked(key):
-                new = key not in self.sessions
+            if key is None:  # its own session, never written through: nothing later can hand it over
+                session = Session(owner=owner, salt=self.sessions.salt(owner, None),
+                                  ns=self.sessions.namespace(owner, None), write_through=False, ephemeral=True)
+                return await self._route(kind, body, request.headers, wanted, session)
+            self._check_key(owner)
+            async with self.sessions.locked(key, owner):
+                new = self.sessions.get(key, owner) is None
                 session = self.sessions.open(key, owner)
                 try:
                     return await self._route(kind, body, request.headers, wanted, session)
                 except Exception:
                     if new:  # a session's first request failed: it leaves nothing behind
-                        self.sessions.drop(key)
+                        self.sessions.drop(key, owner)
                     raise
         except BadRequest as err:
             self.stats.errors["bad_request"] += 1
@@ -364,9 +375,9 @@ class HandoffProxy:
         except TooLarge as err:
             self.stats.errors["body_too_large"] += 1
             return _error(413, str(err))
-        except Forbidden as err:
-            self.stats.errors["forbidden"] += 1
-            return _error(403, str(err), "permission_error")
+        except Unauthorized as err:
+            self.stats.errors["unauthorized"] += 1
+            return _error(401, str(err), "authentication_error")
         except Unreachable as err:
             self.stats.errors["engines_down"] += 1
             return _error(502, f"no engine could serve the request: {err}", "upstream_error")
@@ -389,9 +400,18 @@ class HandoffProxy:
             body = json.loads(raw)
         except ValueError:
             raise BadRequest("the request body is not JSON") from None
+        except RecursionError:
+            raise BadRequest("the request body nests JSON too deeply") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         return body
+
+    def _check_key(self, owner: str) -> None:
+        """Unauthorized for a session request without an API key, unless anonymous sessions are allowed."""
+        if not owner and not self.allow_anonymous_sessions:
+            raise Unauthorized("a session (X-KVTransfer-Session) needs an API key (Authorization: Bearer <key>): it "
+                               "binds the session to you. Start the proxy with --allow-anonymous-sessions to serve "
+                               "sessions without one (anyone who knows such an id can then use it)")
 
     @staticmethod
     def _validate(kind: str, body: dict) -> None:
@@ -407,27 +427,32 @@ class HandoffProxy:
             asked = headers.get(WRITE_THROUGH_HEADER)
             if asked is not None and asked not in ("on", "off"):
                 raise BadRequest(f"{WRITE_THROUGH_HEADER}: {asked!r}: use 'on' or 'off'")
-            if not session.n_ids:  # the first turn fixes the session's mode
+            if not session.n_ids and not session.ephemeral:  # the first turn fixes the session's mode
                 session.write_through = self.write_through if asked is None else asked == "on"
             return await self._source_turn(kind, body, session)
         if wanted == "source":  # a handed-over session asking for the source: served there, re-prefilled
             return await self._forward("source", kind, body,
-                                       Outcome("fallback_reprefill", "source", reason="no reverse map in this proxy"))
+                                       Outcome("fallback_reprefill", "source", reason="no_reverse_map (this proxy "
+                                                                                        "maps source to target only)"),
+                                       session.owner)
         return await self._to_target(kind, body, session)
 
     async def _source_turn(self, kind: str, body: dict, session: Session) -> "Response":
         """A source turn: on the session's token ids (write-through: the producer stores the blocks as it serves),
         else forwarded as it came."""
         if not session.write_through or (kind == "chat" and any(k in body for k in CHAT_ONLY)):
-            return await self._forward("source", kind, body, Outcome("source", "source"))
+            return await self._forward("source", kind, body, Outcome("source", "source"), session.owner)
         try:
             ids = await self.prompt_ids(kind, body)
         except Unreachable as err:  # the target's tokenizer is down: serve the turn unstored
             self.stats.handoff["write_through_skipped"] += 1
-            return await self._forward("source", kind, body, Outcome("source", "source", reason=f"not stored ({err})"))
+            return await self._forward("source", kind, body,
+                                       Outcome("source", "source", reason=f"not_stored ({err})"), session.owner)
         if session.n_ids and not session.extends(ids):
             self.stats.handoff["history_rewritten"] += 1
-        upstream = self.completion_body(kind, body, ids, await self.model_name("source"))
+        upstream = self.completion_body(kind, body, ids, await self.model_name("source"),
+                                        params={"kvtransfer_ns": session.ns},
+                                        salt=self.sessions.source_salt(session.owner))
         out = Outcome("source", "source")
         if upstream.get("stream"):
             response = await self._stream("source", kind, body, upstream, out.header(), lambda usage, ended: out)
@@ -441,23 +466,24 @@ class HandoffProxy:
         session.remember(ids)
         session.stored = len(ids) // self.block_size * self.block_size
         self.stats.handoff["written_through"] += 1
-        if self.store is not None and session.stored:  # the chain's last block: what deleting the session removes
-            if self._producer_key is None:
-                tip = self.store.tip(ids[:session.stored])
-                self._producer_key = tip[0] if tip else None
-            if self._producer_key is not None:
-                session.tip = self.store.hashes(ids[:session.stored], self._producer_key)[-1]
         return response
 
-    async def _stored_until(self, ids: list[int], want: int) -> int:
-        """Tokens of `ids` the store holds, waiting up to switch_wait_s for `want` of them (writes in flight)."""
+    async def _stored_until(self, ids: list[int], want: int, ns: str) -> int:
+        """Tokens of `ids` the store holds under namespace `ns`, waiting for `want` of them (a write in flight) up to
+        switch_wait_s in all, and no longer than switch_stall_s without the stored prefix growing (a write that
+        is not coming: a producer that stores nothing, blocks evicted or deleted meanwhile). Store calls run in a
+        thread: a slow disk never stalls the proxy's other requests."""
         if self.store is None or want <= 0:
             return want
-        deadline, waited = time.monotonic() + self.switch_wait_s, False
+        start = time.monotonic()
+        deadline, last, grew_at, waited = start + self.switch_wait_s, -1, start, False
         while True:
-            tip = self.store.tip(ids[:want])
+            tip = await asyncio.to_thread(self.store.tip, ids[:want], None, ns=ns)
             have = tip[2] if tip else 0
-            if have >= want or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if have > last:
+                last, grew_at = have, now
+            if have >= want or now >= deadline or now - grew_at >= self.switch_stall_s:
                 if waited:
                     self.stats.handoff["switch_waited"] += 1
                 return have
@@ -466,32 +492,40 @@ class HandoffProxy:
 
     async def _to_target(self, kind: str, body: dict, session: Session) -> "Response":
         if kind == "chat" and any(k in body for k in CHAT_ONLY):
-            reason = "chat fields " + ",".join(k for k in CHAT_ONLY if k in body)
-            return await self._forward_or_source(kind, body, Outcome("fallback_reprefill", "target", reason=reason))
+            reason = "chat_fields (" + ",".join(k for k in CHAT_ONLY if k in body) + ")"
+            return await self._forward_or_source(kind, body, Outcome("fallback_reprefill", "target", reason=reason),
+                                                 session.owner)
         params = self.client_params(body)
         try:
             ids = await self.prompt_ids(kind, body)
         except Unreachable as err:
             return await self._forward_or_source(kind, body, Outcome("fallback_reprefill", "target",
-                                                                     reason=f"tokenize_failed ({err})"))
-        if session.n_ids and not session.extends(ids):
+                                                                     reason=f"tokenize_failed ({err})"), session.owner)
+        rewritten = bool(session.n_ids) and not session.extends(ids)
+        if rewritten:
             self.stats.handoff["history_rewritten"] += 1
-        save_error, save_s, expect = "", None, 0
+        save_error, save_s, expect = "", None, None
         later = session.engine == "target" and bool(session.handed)  # vLLM's usage counts its own hits as cached too
         if session.engine == "source" and session.stored:  # the switch of a warm session: its blocks are stored
             self.stats.handoff["switches"] += 1
-            expect = min(await self._stored_until(ids, session.stored), len(ids) - 1)
+            # a rewritten history's stored blocks are all there is: no write of them is in flight
+            expect = await self._stored_until(ids, 0 if rewritten else session.stored, session.ns)
+            self._count_partial(expect, session.stored, rewritten)
             session.handed = session.stored
         elif session.engine == "source" or not session.handed:  # nothing stored for it: the producer reads it once
             try:
-                save_s = await self.save(ids)
-                session.handed, expect = len(ids) // self.block_size * self.block_size, 0
+                save_s = await self.save(ids, session)
+                session.handed = len(ids) // self.block_size * self.block_size
+                # the save's blocks reach the store on the producer's writer thread, after its response
+                expect = await self._stored_until(ids, session.handed, session.ns)
+                self._count_partial(expect, session.handed, False)
             except (Unreachable, BadRequest) as err:
                 save_error = f"save_failed ({err})"
         if session.handed and self.remap_turns and params.get("kvtransfer") != "off":
             params["kvtransfer_source_len"] = session.handed  # map at most what the source stored of this session
         elif not self.remap_turns and session.engine == "target":
             params["kvtransfer"] = "off"
+        params["kvtransfer_ns"] = session.ns  # after the client's: a client never picks the namespace
         upstream = self.completion_body(kind, body, ids, await self.model_name("target"), params=params,
                                         salt=f"{MAPPED_SALT}:{session.salt}")
         try:
@@ -501,14 +535,19 @@ class HandoffProxy:
                                               "handoff: mapped tokens in the stream's last event (kvtransfer field)",
                                               lambda usage, ended: self.judge(
                                                   usage, save_error or ("" if ended else
-                                                                        "the consumer's stream ended early"), save_s,
-                                                  later_turn=later))
+                                                                        "stream_ended (the consumer's stream ended "
+                                                                        "early)"), save_s,
+                                                  later_turn=later), after=lambda: self._forget_blocks(session))
             else:
-                data = await self._post("target", "/v1/completions", upstream)
+                try:
+                    data = await self._post("target", "/v1/completions", upstream)
+                finally:
+                    await self._forget_blocks(session)
                 out = self.judge(data.get("usage"), save_error, save_s, data.get("kv_transfer_params"))
                 self.stats.outcome(out)
-                if expect and out.mapped is not None and (out.mapped or 0) + (out.cached or 0) < expect:
-                    self.stats.handoff["switch_partial"] += 1
+                if expect is not None and out.mapped is not None and \
+                        (out.mapped or 0) + (out.cached or 0) < min(expect, len(ids) - 1):
+                    self.stats.handoff["switch_mapped_less"] += 1  # the consumer took less than the store held
                 if kind == "chat":
                     data = completion_to_chat(data, await self.model_name("target"))
                 data["kvtransfer"] = out.field()
@@ -516,24 +555,51 @@ class HandoffProxy:
         except Unreachable as err:
             session.engine = "source"
             return await self._forward("source", kind, body,
-                                       Outcome("fallback_source", "source", reason=f"target_unreachable ({err})"))
+                                       Outcome("fallback_source", "source", reason=f"target_unreachable ({err})"),
+                                       session.owner)
         session.engine = "target"
         session.remember(ids)
         return response
 
-    async def _forward_or_source(self, kind: str, body: dict, outcome: Outcome) -> "Response":
+    async def _forget_blocks(self, session: Session) -> None:
+        """Remove a request-only session's stored blocks once the consumer has read them (nothing else can)."""
+        if session.ephemeral and self.store is not None:
+            try:
+                await asyncio.to_thread(self.store.delete_namespace, session.ns)
+            except Exception as err:  # noqa: BLE001 -- retention removes them later; the request is served
+                self.stats.errors[f"store_delete:{type(err).__name__}"] += 1
+
+    def _count_partial(self, have: int, want: int, rewritten: bool) -> None:
+        """Count a switch whose store held fewer of the session's tokens than the source stored (`switch_partial`;
+        after a rewritten history that is expected, and counted apart)."""
+        if have < want:
+            self.stats.handoff["switch_partial_rewritten" if rewritten else "switch_partial"] += 1
+
+    async def _forward_or_source(self, kind: str, body: dict, outcome: Outcome, owner: str) -> "Response":
         try:
-            return await self._forward("target", kind, body, outcome)
+            return await self._forward("target", kind, body, outcome, owner)
         except Unreachable as err:
             return await self._forward("source", kind, body,
-                                       Outcome("fallback_source", "source", reason=f"target_unreachable ({err})"))
+                                       Outcome("fallback_source", "source", reason=f"target_unreachable ({err})"),
+                                       owner)
 
-    async def _forward(self, engine: str, kind: str, body: dict, outcome: Outcome) -> "Response":
-        """Pass the request to one engine as it is (model renamed, kvtransfer's fields removed), adding the outcome
-        header and field."""
+    def engine_salt(self, engine: str, owner: str) -> str:
+        """The cache salt of an owner's request forwarded as it came: per owner on either engine ("" without a key),
+        never the consumer's mapped salt (a forwarded request is never mapped)."""
+        if not owner:
+            return ""
+        return self.sessions.source_salt(owner) if engine == "source" else \
+            "kvtransfer-target:" + self.sessions.source_salt(owner).split(":", 1)[1]
+
+    async def _forward(self, engine: str, kind: str, body: dict, outcome: Outcome, owner: str = "") -> "Response":
+        """Pass the request to one engine as it is (model renamed, kvtransfer's fields removed, the owner's cache
+        salt set), adding the outcome header and field."""
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         upstream = {**{k: v for k, v in body.items() if k not in ("kv_transfer_params", "cache_salt")},
                     "model": await self.model_name(engine)}
+        salt = self.engine_salt(engine, owner)
+        if salt:
+            upstream["cache_salt"] = salt
         if body.get("stream"):
             try:
                 req = self.client.build_request("POST", self.urls[engine] + path, json=upstream)
@@ -552,22 +618,27 @@ class HandoffProxy:
         data["kvtransfer"] = outcome.field()
         return JSONResponse(data, headers={STATUS_HEADER: outcome.header()})
 
-    async def _stream(self, engine: str, kind: str, body: dict, upstream: dict, header: str, finish) -> "Response":
+    async def _stream(self, engine: str, kind: str, body: dict, upstream: dict, header: str, finish,
+                      after=None) -> "Response":
         """Stream an engine's completion on token ids (as chat chunks for a chat request).
 
         vLLM reports cached (mapped) tokens only in the stream's final usage chunk, so the header carries what is
         known when the stream starts and the `kvtransfer` field rides on the last event (the usage chunk, or a
         `choices: []` chunk when the client did not ask for usage): `finish(usage, ended)` gives its Outcome, counted
-        when the stream ends.
+        when the stream ends; `after()`, a coroutine function, runs then too (and if the engine refuses the stream).
         """
         try:
             req = self.client.build_request("POST", self.urls[engine] + "/v1/completions", json=upstream)
             reply = await self.client.send(req, stream=True)
         except httpx.HTTPError as err:
+            if after is not None:
+                await after()
             raise Unreachable(f"{engine} {type(err).__name__}") from err
         if reply.status_code >= 400:
             text = (await reply.aread()).decode(errors="replace")
             await reply.aclose()
+            if after is not None:
+                await after()
             if reply.status_code >= 500:
                 raise Unreachable(f"{engine} HTTP {reply.status_code}")
             raise BadRequest(f"{engine} refused the request: {text[:500]}")
@@ -596,6 +667,8 @@ class HandoffProxy:
                 yield f"data: {json.dumps({'error': {'message': f'{engine} stream ended: {err}'}})}\n\n".encode()
             finally:
                 await reply.aclose()
+                if after is not None:
+                    await after()
             out = finish(usage, ended)
             self.stats.outcome(out)
             last = {"id": chat_id if kind == "chat" else "cmpl-kvtransfer",
@@ -606,27 +679,25 @@ class HandoffProxy:
             yield f"data: {json.dumps(last)}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(produce(), media_type="text/event-stream", headers={STATUS_HEADER: header})
+        return StreamingResponse(produce(), media_type="text/event-stream", headers={STATUS_HEADER: ascii_header(header)})
 
     # ------------------------------------------------------------------ sessions
     async def delete_session(self, key: str, authorization: str | None) -> dict:
-        """Forget session `key` and remove its stored blocks (when the proxy sees the store): {"deleted", "blocks"}.
-        Forbidden for another client's session."""
+        """Forget the caller's session `key` and remove its stored blocks (when the proxy sees the store):
+        {"deleted": whether the table held it, "blocks": blocks removed, or None without a store}. The blocks go
+        even after the session left the table (LRU, restart): their namespace is a digest of (key, id). Another
+        key's session of the same id is a different session and is untouched."""
         if not _valid_key(key):
             raise BadRequest(f"a session id is 1..{MAX_KEY} printable ASCII characters")
         owner = self.sessions.owner_of(authorization)
-        async with self.sessions.locked(key):
-            session = self.sessions.table.get(key)
-            if session is None:
-                return {"deleted": False, "blocks": 0}
-            if session.owner and session.owner != owner:
-                raise Forbidden("this session was opened with another API key")
-            self.sessions.drop(key)
-        blocks = None
-        if self.store is not None and session.tip:
-            blocks = await asyncio.to_thread(self.store.delete_chain, session.tip)
+        self._check_key(owner)
+        async with self.sessions.locked(key, owner):
+            session = self.sessions.drop(key, owner)
+            blocks = None
+            if self.store is not None:
+                blocks = await asyncio.to_thread(self.store.delete_namespace, self.sessions.namespace(owner, key))
         self.stats.handoff["sessions_deleted"] += 1
-        return {"deleted": True, "blocks": blocks}
+        return {"deleted": session is not None, "blocks": blocks}
 
 
 def build_app(proxy: HandoffProxy) -> "FastAPI":
@@ -665,14 +736,18 @@ def build_app(proxy: HandoffProxy) -> "FastAPI":
         return Response(prometheus_text({**proxy.stats.as_dict(), "sessions": len(proxy.sessions)}),
                         media_type="text/plain; version=0.0.4")
 
-    @app.delete("/kvtransfer/sessions/{key}")
+    @app.delete("/kvtransfer/sessions/{key:path}")  # :path -- an id may hold "/"
     async def delete_session(key: str, request: Request):
         try:
             return await proxy.delete_session(key, request.headers.get("authorization"))
         except BadRequest as err:
             return _error(400, str(err))
-        except Forbidden as err:
-            return _error(403, str(err), "permission_error")
+        except Unauthorized as err:
+            return _error(401, str(err), "authentication_error")
+        except Exception as err:  # noqa: BLE001 -- a store fault is a counted 500; the proxy keeps serving
+            log.exception("kvtransfer proxy: deleting a session failed")
+            proxy.stats.errors[f"delete_error:{type(err).__name__}"] += 1
+            return _error(500, f"deleting the session failed ({type(err).__name__}); retry", "internal_error")
 
     return app
 
@@ -690,6 +765,24 @@ def prometheus_text(stats: dict) -> str:
         lines += [f"# TYPE kvtransfer_proxy_{key}_total counter", f"kvtransfer_proxy_{key}_total {stats.get(key, 0)}"]
     lines += ["# TYPE kvtransfer_proxy_sessions gauge", f"kvtransfer_proxy_sessions {stats.get('sessions', 0)}"]
     return "\n".join(lines) + "\n"
+
+
+def read_secret(path: str | os.PathLike) -> bytes:
+    """The deployment secret kept in `path` (64 hex characters), created with mode 0600 if the file is missing.
+    ValueError naming the fix for a file that is not such a secret."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex() + "\n")
+    text = path.read_text().strip()
+    if len(text) < 32 or any(c not in "0123456789abcdef" for c in text):
+        raise ValueError(f"{path} does not hold a secret (at least 32 lowercase hex characters): remove it and a new "
+                         f"one is made (sessions and their stored blocks are then unreachable)")
+    return text.encode()
 
 
 def _ids(text: str) -> list[int]:
@@ -723,6 +816,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take per request")
     parser.add_argument("--no-remap-turns", action="store_true",
                         help="later turns of a handed-over session are prefilled by the target, not mapped")
+    parser.add_argument("--secret-file", help="the deployment's secret (created, mode 0600, if missing): session "
+                                              "owners, cache salts and store namespaces are keyed digests under it, "
+                                              "so sessions survive a restart. Default: $KVTRANSFER_PROXY_SECRET, "
+                                              "else random per start")
+    parser.add_argument("--allow-anonymous-sessions", action="store_true",
+                        help="serve session requests without an API key (anyone who knows such a session's id can "
+                             "use it); default: they are 401s")
+    parser.add_argument("--switch-stall", type=float, default=1.0,
+                        help="seconds a switch waits for the store to grow before mapping what is there")
     args = parser.parse_args(argv)
     start_ids = args.start_ids
     if args.mapper:
@@ -735,7 +837,11 @@ def main(argv: list[str] | None = None) -> None:
         start_ids = recorded
     if start_ids is None:
         parser.error("give --mapper (the consumer's mapper directory; its start ids are read from it)")
-    secret = os.environ.get("KVTRANSFER_PROXY_SECRET")
+    try:
+        secret = read_secret(args.secret_file) if args.secret_file else \
+            (os.environ["KVTRANSFER_PROXY_SECRET"].encode() if os.environ.get("KVTRANSFER_PROXY_SECRET") else None)
+    except (OSError, ValueError) as err:
+        parser.error(str(err))
     import uvicorn
 
     logging.basicConfig(level=logging.INFO)
@@ -743,8 +849,8 @@ def main(argv: list[str] | None = None) -> None:
     proxy = HandoffProxy(args.source, args.target, source_model=args.source_model, target_model=args.target_model,
                          start_ids=start_ids, timeout_s=args.timeout, remap_turns=not args.no_remap_turns,
                          store=args.store, write_through=args.write_through == "on", switch_wait_s=args.switch_wait,
-                         secret=secret.encode() if secret else None, max_body_bytes=args.max_body_bytes,
-                         max_sessions=args.max_sessions)
+                         secret=secret, max_body_bytes=args.max_body_bytes, max_sessions=args.max_sessions,
+                         allow_anonymous_sessions=args.allow_anonymous_sessions, switch_stall_s=args.switch_stall)
     uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="warning")
 
 

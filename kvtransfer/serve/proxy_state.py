@@ -1,7 +1,7 @@
 """What the handoff proxy (kvtransfer.serve.proxy) knows of a request and a session, and counts: the outcome of
 one request (its `X-KVTransfer` header and `kvtransfer` field), a session's state and the bounded table of them,
-the proxy's counters, and the errors it tells apart (a client's bad request, another client's session, an
-unreachable engine)."""
+the proxy's counters, and the errors it tells apart (a client's bad request, a session request without a key,
+an unreachable engine)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +16,8 @@ class BadRequest(ValueError):
     """A client error: answered with HTTP 400 and this message, counted as `bad_request`."""
 
 
-class Forbidden(PermissionError):
-    """A request for a session another client opened (HTTP 403)."""
+class Unauthorized(PermissionError):
+    """A session request without an API key on a proxy that binds sessions to keys (HTTP 401)."""
 
 
 class Unreachable(RuntimeError):
@@ -41,8 +41,18 @@ class Outcome:
     save_s: float | None = None
     cached: int | None = None
 
+    @property
+    def code(self) -> str:
+        """The reason's counter name: its first word when that is an identifier (e.g. `consumer_fallback`), else
+        "other" -- a metric label never carries free text."""
+        word = self.reason.split(" ", 1)[0].split("(", 1)[0]
+        return word if word and all(c.isalnum() or c in "_-" for c in word) and word.isascii() else "other"
+
     def header(self) -> str:
-        """The `X-KVTransfer` header value (ASCII)."""
+        """The `X-KVTransfer` header value: printable ASCII (an engine's error text may carry any character)."""
+        return ascii_header(self._text())
+
+    def _text(self) -> str:
         if self.status == "mapped":
             hits = f", cached {self.cached}" if self.cached else ""
             return f"mapped {self.mapped} tokens{hits}, prefilled {self.prefilled}"
@@ -63,18 +73,20 @@ class Outcome:
 @dataclass
 class Session:
     """A conversation's state, a few numbers whatever its length: the engine serving it, who opened it, the cache
-    salt of its mapped blocks on the consumer, and its token sequence as a length and a hash (a later turn must
-    extend it), the tokens the producer stored and the tokens handed over at the switch."""
+    salt of its mapped blocks on the consumer, the store namespace of its blocks, its token sequence as a length
+    and a hash (a later turn must extend it), the tokens the producer stored and the tokens handed over at the
+    switch."""
 
     owner: str = ""
     salt: str = ""
+    ns: str = ""
     engine: str = "source"
     write_through: bool = True
     n_ids: int = 0
     ids_hash: str = ""
     stored: int = 0
     handed: int = 0
-    tip: str = ""  # the store's hash of the session's last stored block (what deleting the session removes)
+    ephemeral: bool = False  # a request without a session id: its stored blocks go when it is answered
 
     def extends(self, ids: list[int]) -> bool:
         """Whether `ids` start with the session's previous token sequence (False for a first turn)."""
@@ -85,19 +97,30 @@ class Session:
         self.n_ids, self.ids_hash = len(ids), ids_digest(ids)
 
 
+def ascii_header(text: str) -> str:
+    """`text` as a valid HTTP header value: printable ASCII, other characters escaped or replaced by "?"."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text.encode("ascii", "backslashreplace").decode())
+
+
 def ids_digest(ids: list[int]) -> str:
     """sha256 hex of token ids (comma-separated decimal)."""
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
 
 
 class Sessions:
-    """The proxy's sessions: LRU-bounded, each bound to the client key that opened it, each with a lock that exists
-    only while a request holds or waits for it (rejected requests leave nothing behind)."""
+    """The proxy's sessions: LRU-bounded, keyed by (owner, session id) -- two API keys that pick the same id hold two
+    unrelated sessions, so no key can reach, steer or even detect another's -- each with a lock that exists only
+    while a request holds or waits for it (rejected requests leave nothing behind).
+
+    Every name a session leaves on an engine is a keyed digest of (owner, id) under the deployment's `secret`: the
+    consumer's cache salt of its mapped blocks, and its namespace in the block store. They are the same after an
+    LRU eviction or a restart with the same secret (the launcher keeps one per deployment), and differ for every
+    other owner of the same id. The source's prefix cache is salted per owner."""
 
     def __init__(self, secret: bytes, max_sessions: int = 10000):
         self.secret, self.max_sessions = secret, max_sessions
-        self.table: OrderedDict[str, Session] = OrderedDict()
-        self._locks: dict[str, list] = {}  # key -> [lock, holders and waiters]
+        self.table: OrderedDict[tuple[str, str], Session] = OrderedDict()
+        self._locks: dict[tuple[str, str], list] = {}  # (owner, id) -> [lock, holders and waiters]
 
     def _mac(self, text: str) -> str:
         return hmac.new(self.secret, text.encode(), hashlib.sha256).hexdigest()
@@ -106,42 +129,54 @@ class Sessions:
         """A keyed digest of a request's Authorization header ("" without one): what a session is bound to."""
         return self._mac("owner/" + authorization) if authorization else ""
 
-    def salt(self, key: str | None) -> str:
+    def salt(self, owner: str, key: str | None) -> str:
         """The session's part of the consumer's cache salt (a fresh random one for a request without a session)."""
         import uuid
 
-        return self._mac("salt/" + key)[:40] if key is not None else uuid.uuid4().hex
+        return self._mac(f"salt/{owner}/{key}")[:40] if key is not None else uuid.uuid4().hex
+
+    def namespace(self, owner: str, key: str | None) -> str:
+        """The session's store namespace (32 hex): its blocks are found only by its own requests, and deleting the
+        session removes exactly them. A request without a session gets a fresh one (nothing else can read it)."""
+        import uuid
+
+        return self._mac(f"ns/{owner}/{key}")[:32] if key is not None else uuid.uuid4().hex
+
+    def source_salt(self, owner: str) -> str:
+        """The cache salt of an owner's requests to the source (its prefix cache is shared within a key, never
+        across keys); "" for requests without a key."""
+        return "kvtransfer-source:" + self._mac(f"src/{owner}")[:40] if owner else ""
 
     def open(self, key: str, owner: str) -> Session:
-        """The session `key` (created, bound to `owner`, if new); Forbidden if another owner opened it."""
-        session = self.table.get(key)
+        """The session `key` of `owner` (created if new, evicting the least recently used beyond max_sessions)."""
+        session = self.table.get((owner, key))
         if session is None:
-            session = Session(owner=owner, salt=self.salt(key))
-            self.table[key] = session
+            session = Session(owner=owner, salt=self.salt(owner, key), ns=self.namespace(owner, key))
+            self.table[(owner, key)] = session
             while len(self.table) > self.max_sessions:
                 self.table.popitem(last=False)
-        elif not hmac.compare_digest(session.owner, owner) and session.owner:
-            raise Forbidden("this session was opened with another API key")
-        self.table.move_to_end(key)
+        self.table.move_to_end((owner, key))
         return session
 
-    def drop(self, key: str) -> Session | None:
+    def get(self, key: str, owner: str) -> Session | None:
+        """The session `key` of `owner`, if the table holds it."""
+        return self.table.get((owner, key))
+
+    def drop(self, key: str, owner: str) -> Session | None:
         """Forget a session (its lock goes when its last request does)."""
-        return self.table.pop(key, None)
+        return self.table.pop((owner, key), None)
 
     def __len__(self) -> int:
         return len(self.table)
 
-    def __contains__(self, key) -> bool:
-        return key in self.table
-
-    def __iter__(self):
-        return iter(self.table)
+    def ids(self) -> list[str]:
+        """The session ids in the table, least recently used first (all owners; for tests and operators)."""
+        return [key for _, key in self.table]
 
     @asynccontextmanager
-    async def locked(self, key: str):
+    async def locked(self, key: str, owner: str):
         """Hold the session's lock (one turn of a session at a time: its state changes with each)."""
-        entry = self._locks.setdefault(key, [asyncio.Lock(), 0])
+        entry = self._locks.setdefault((owner, key), [asyncio.Lock(), 0])
         entry[1] += 1
         try:
             async with entry[0]:
@@ -149,7 +184,7 @@ class Sessions:
         finally:
             entry[1] -= 1
             if not entry[1]:
-                del self._locks[key]
+                del self._locks[(owner, key)]
 
 
 class Stats:
@@ -169,7 +204,7 @@ class Stats:
         self.counts[out.status] += 1
         self.cached_tokens += out.cached or 0
         if out.status.startswith("fallback"):
-            self.fallbacks[f"{out.status}:{out.reason.split(' ')[0]}"] += 1
+            self.fallbacks[f"{out.status}:{out.code}"] += 1
         self.mapped_tokens += out.mapped or 0
         self.prefilled_tokens += out.prefilled or 0
 

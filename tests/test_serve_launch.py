@@ -1,8 +1,16 @@
-"""kvtransfer.serve.launch: the three commands one handoff deployment starts, without starting them."""
+"""kvtransfer.serve.launch: the three commands one handoff deployment starts, and the launcher itself started and
+stopped with stand-in servers (the real engines: tests/test_launch_vllm.py, serving environment)."""
 from __future__ import annotations
 
 import ast
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +20,8 @@ from kvtransfer.serve import launch
 def _args(tmp_path, **kw):
     (tmp_path / "mapper").mkdir(exist_ok=True)
     argv = ["--source", str(tmp_path / "src"), "--target", "Qwen/Qwen2.5-Coder-1.5B-Instruct", "--mapper",
-            str(tmp_path / "mapper"), "--store", str(tmp_path / "store"), "--port", "9000"]
+            str(tmp_path / "mapper"), "--store", str(tmp_path / "store"), "--port", "9000",
+            "--state-dir", str(tmp_path / "state")]
     for k, v in kw.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return launch.parser().parse_args(argv)
@@ -38,6 +47,44 @@ def test_commands_start_a_producer_a_consumer_and_the_proxy_in_front(tmp_path):
     assert proxy[proxy.index("--source") + 1] == "http://127.0.0.1:9001"
     assert proxy[proxy.index("--target") + 1] == "http://127.0.0.1:9002"
     assert proxy[proxy.index("--mapper") + 1] == consumer["mapper"] and proxy[proxy.index("--port") + 1] == "9000"
+    # the context length is each model's own unless asked (the tiny family's is 2,048; a fixed 8,192 was refused)
+    assert "--max-model-len" not in src and "--max-model-len" not in tgt and "--chat-template" not in tgt
+    # the deployment's secret, logs and stats live in the state directory, not among the store's blocks
+    state = (tmp_path / "state").resolve()
+    assert proxy[proxy.index("--secret-file") + 1] == str(state / "proxy.secret")
+    assert consumer["stats"] == str(state / "consumer_stats.json")
+    assert _kv(src)["kv_connector_extra_config"]["store_max_bytes"] == str(20 << 30)  # a store is capped by default
+    assert "--allow-anonymous-sessions" not in proxy
+
+
+def test_options_reach_the_commands(tmp_path):
+    template = tmp_path / "t.jinja"
+    cmds = launch.commands(_args(tmp_path, max_model_len=2048, chat_template=template, store_max_gb=0.5),
+                           python="py")
+    for cmd in (cmds["source"], cmds["target"]):
+        assert cmd[cmd.index("--max-model-len") + 1] == "2048"
+        assert cmd[cmd.index("--chat-template") + 1] == str(template.resolve())
+    assert _kv(cmds["target"])["kv_connector_extra_config"]["store_max_bytes"] == str(1 << 29)
+    argv = ["--source", "a", "--target", "b", "--mapper", "m", "--allow-anonymous-sessions"]
+    assert "--allow-anonymous-sessions" in launch.commands(launch.parser().parse_args(argv))["proxy"]
+
+
+@pytest.mark.parametrize("value", ["2.0", "0", "-1", "half"])
+def test_the_kv_space_is_whole_gib_as_vllm_reads_it(value, capsys):
+    with pytest.raises(SystemExit):
+        launch.parser().parse_args(["--source", "a", "--target", "b", "--mapper", "m", "--kv-space-gb", value])
+    assert "--kv-space-gb" in capsys.readouterr().err
+    assert launch.parser().parse_args(["--source", "a", "--target", "b", "--mapper", "m"]).kv_space_gb == 2
+
+
+def test_a_model_without_a_chat_template_gets_a_completions_client(tmp_path):
+    tiny = Path(__file__).resolve().parents[1] / "models" / "tiny"
+    assert not launch.has_chat_template(str(tiny / "qwen3-tiny-3m"))  # why the template ships beside the family
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert launch.has_chat_template(str(tmp_path)) and launch.has_chat_template("Qwen/Qwen3-8B")
+    code = launch.client_snippet("127.0.0.1", 8000, "small", "big", chat=False)
+    ast.parse(code)
+    assert "client.completions.create" in code and "chat" not in code and 'model="big"' in code
 
 
 def test_a_missing_mapper_is_refused_with_the_command_that_fits_one(tmp_path):
@@ -49,3 +96,89 @@ def test_the_printed_client_is_python_that_names_both_models():
     code = launch.client_snippet("127.0.0.1", 8000, "small", "big")
     ast.parse(code)
     assert 'model="small"' in code and 'model="big"' in code and "X-KVTransfer-Session" in code
+
+
+STAND_IN = """
+import http.server, os, subprocess, sys, time
+port, pids = int(sys.argv[1]), sys.argv[2]
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # an engine's own worker process
+with open(pids, "a") as f:
+    f.write(f"{os.getpid()} {worker.pid}\\n")
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+LAUNCHER = """
+import sys
+from kvtransfer.serve import launch
+stand_in, pids = sys.argv[1], sys.argv[2]
+def commands(args, python=sys.executable):
+    return {name: [python, stand_in, str(args.port + i), pids] for i, name in enumerate(("proxy", "source", "target"))}
+launch.commands = commands
+launch.main(sys.argv[3:])
+"""
+
+
+def _free_base() -> int:
+    """A port p with p, p + 1 and p + 2 free on loopback (as far as one can tell before binding them)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + 2 < 65536 and all(_free(base + i) for i in (1, 2)):
+            return base
+    raise RuntimeError("no three consecutive free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead: only its parent has not reaped it yet
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_launcher_and_everything_it_started(tmp_path):
+    """systemd, Docker and Kubernetes stop a service with SIGTERM: the launcher must stop its three processes and
+    their own children (an engine's workers), not exit and leave them running."""
+    (tmp_path / "mapper").mkdir()
+    (tmp_path / "mapper" / "mapper.json").write_text("{}")
+    (tmp_path / "stand_in.py").write_text(STAND_IN)
+    pids = tmp_path / "pids"
+    argv = ["--source", "s", "--target", "t", "--mapper", str(tmp_path / "mapper"), "--store", str(tmp_path / "store"),
+            "--state-dir", str(tmp_path / "state"), "--port", str(_free_base()), "--timeout", "60"]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "stand_in.py"), str(pids), *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                            env=os.environ | {"PYTHONPATH": str(root)})
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if "The handoff proxy is ready" in line:
+            break
+    assert "The handoff proxy is ready" in "".join(out), "".join(out) + proc.stdout.read()
+    started = [int(x) for x in pids.read_text().split()]
+    assert len(started) == 6 and all(_alive(pid) for pid in started)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, proc.stdout.read()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(pid) for pid in started):
+        time.sleep(0.1)
+    assert [pid for pid in started if _alive(pid)] == [], "left running after SIGTERM"
+    assert (tmp_path / "state" / "logs" / "proxy.log").is_file() and not (tmp_path / "store" / "logs").exists()

@@ -55,6 +55,9 @@ QUESTIONS = [  # second-turn questions of 30-60 tokens (the switch's new user tu
 ]
 
 
+KEY = {"authorization": "Bearer real-pair"}  # sessions are bound to an API key
+
+
 def kv(role, store, **extra):
     return json.dumps({"kv_connector": "KVTransferConnector", "kv_connector_module_path": "kvtransfer.serve.connector",
                        "kv_role": role, "kv_load_failure_policy": "recompute",
@@ -196,7 +199,7 @@ def main() -> None:
                     continue
                 context = [START] + wiki[start:start + n - 1]
                 q1 = tok.encode("\n\nQuestion: what is the passage above about?\nAnswer:", add_special_tokens=False)
-                session = {"x-kvtransfer-session": f"latency-{n}-{rep}-{uuid.uuid4().hex[:8]}"}
+                session = {**KEY, "x-kvtransfer-session": f"latency-{n}-{rep}-{uuid.uuid4().hex[:8]}"}
                 source_s, turn1 = timed(c, proxy, {**one, "max_tokens": 16, "model": "source", "prompt": context + q1},
                                         session)
                 q2 = tok.encode(f"\n\nQuestion: {QUESTIONS[rep % len(QUESTIONS)]}\nAnswer:", add_special_tokens=False)
@@ -246,7 +249,7 @@ def main() -> None:
                 gold = rec["answers"]["input_text"] if isinstance(rec["answers"], dict) else rec["answers"]
                 ids = [START] + tok.encode(rec["story"], add_special_tokens=False)
                 ref_ids = list(ids)
-                session, salt = {"x-kvtransfer-session": f"coqa-{k}-{uuid.uuid4().hex[:8]}"}, uuid.uuid4().hex
+                session, salt = {**KEY, "x-kvtransfer-session": f"coqa-{k}-{uuid.uuid4().hex[:8]}"}, uuid.uuid4().hex
                 for turn in range(min(10, len(questions))):
                     q = tok.encode(f"\n\nQ: {questions[turn]}\nA:", add_special_tokens=False)
                     ids, ref_ids = ids + q, ref_ids + q
@@ -274,7 +277,7 @@ def main() -> None:
             n_over = min(1024, max_len - 64)  # a context the source's max-model-len admits
             for i in range(args.overhead):
                 ids = [START] + wiki[i * (n_over + 64):i * (n_over + 64) + n_over - 1]
-                session = {"x-kvtransfer-session": f"overhead-{i}-{uuid.uuid4().hex[:8]}"}
+                session = {**KEY, "x-kvtransfer-session": f"overhead-{i}-{uuid.uuid4().hex[:8]}"}
                 runs = [("through", lambda: timed(c, proxy, {**one, "model": "source", "prompt": ids}, session)),
                         ("plain", lambda: timed(c, plain, {**one, "model": "m8203", "prompt": ids}))]
                 got = {name: fn()[0] for name, fn in (runs if i % 2 == 0 else runs[::-1])}

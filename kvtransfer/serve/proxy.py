@@ -52,40 +52,26 @@ import asyncio
 import json
 import logging
 import os
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 try:
     import httpx
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, Response
     HAVE_SERVE_STACK = True
 except ImportError:  # pragma: no cover - the [serve] / [dev] extra installs them
     HAVE_SERVE_STACK = False
 
-from .proxy_state import BadRequest, Outcome, ascii_header, Session, Sessions, Stats, Unauthorized, Unreachable  # noqa: F401
-from .proxy_wire import _relay, _sse_events, completion_chunk_to_chat, completion_to_chat  # noqa: F401
+from .proxy_metrics import Stats, prometheus_text
+from .proxy_state import BadRequest, Outcome, Session, Sessions, Unauthorized, Unreachable, ascii_header  # noqa: F401
+from .proxy_switch import Switch
+from .proxy_upstream import EngineCalls
+from .proxy_wire import (CHAT_ONLY, CLIENT_PARAMS, MAPPED_SALT, MAX_KEY, MAX_TOKEN_ID, MODEL_HEADER,  # noqa: F401
+                         SESSION_HEADER, STATUS_HEADER, WRITE_THROUGH_HEADER, completion_chunk_to_chat,
+                         completion_to_chat)
 
 log = logging.getLogger("kvtransfer.proxy")
-
-SESSION_HEADER = "x-kvtransfer-session"
-MODEL_HEADER = "x-kvtransfer-model"
-STATUS_HEADER = "x-kvtransfer"
-WRITE_THROUGH_HEADER = "x-kvtransfer-write-through"
-MAPPED_SALT = "kvtransfer-mapped"  # the consumer connector's mapped_cache_salt; a session's salt is "<this>:<digest>"
-CLIENT_PARAMS = ("kvtransfer", "kvtransfer_tag")  # the client kv_transfer_params that reach the consumer
-MAX_KEY = 256  # characters of a session id
-MAX_TOKEN_ID = 2 ** 31 - 1  # a token id beyond any vocabulary (and beyond what the store hashes as int64) is refused
-# chat fields a completion request cannot carry: such a request is forwarded to the target as chat, unmapped
-CHAT_ONLY = ("tools", "tool_choice", "functions", "function_call", "response_format", "documents",
-             "continue_final_message", "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
-             "guided_choice", "guided_grammar")
-# chat fields consumed by the conversion itself
-CHAT_CONVERTED = ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
-                  "chat_template", "chat_template_kwargs", "echo")
-
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> "JSONResponse":
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
@@ -119,7 +105,7 @@ def _int_list(value: Any) -> bool:
                                                              for x in value)
 
 
-class HandoffProxy:
+class HandoffProxy(EngineCalls, Switch):
     """The proxy's state and logic: engine URLs and model names, sessions (LRU-bounded), counters.
 
     source / target: base URLs of the producer and the consumer engine. start_ids: the mapper's position-0 token ids
@@ -165,34 +151,6 @@ class HandoffProxy:
     @max_sessions.setter
     def max_sessions(self, n: int) -> None:
         self.sessions.max_sessions = n
-
-    # ------------------------------------------------------------------ upstream calls
-    async def _post(self, engine: str, path: str, body: dict) -> dict:
-        """POST JSON to an engine; its JSON reply. Unreachable on no answer / 5xx; BadRequest on a 4xx."""
-        try:
-            reply = await self.client.post(self.urls[engine] + path, json=body)
-        except httpx.HTTPError as err:
-            raise Unreachable(f"{engine} {type(err).__name__}") from err
-        if reply.status_code >= 500:
-            raise Unreachable(f"{engine} HTTP {reply.status_code}")
-        try:
-            data = reply.json()
-        except ValueError as err:
-            raise Unreachable(f"{engine} answered non-JSON") from err
-        if reply.status_code >= 400:
-            message = data.get("error", {}).get("message") if isinstance(data.get("error"), dict) else None
-            raise BadRequest(f"{engine} refused the request: {message or data}")
-        return data
-
-    async def model_name(self, engine: str) -> str:
-        """The engine's served model name (`--source-model` / `--target-model`, else its first /v1/models id)."""
-        if self.models[engine] is None:
-            try:
-                reply = await self.client.get(self.urls[engine] + "/v1/models")
-                self.models[engine] = reply.json()["data"][0]["id"]
-            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as err:
-                raise Unreachable(f"{engine} /v1/models: {type(err).__name__}") from err
-        return self.models[engine]
 
     # ------------------------------------------------------------------ routing
     async def wanted(self, body: dict, headers) -> str:
@@ -253,16 +211,6 @@ class HandoffProxy:
             ids = self.start_ids + ids
         return ids
 
-    async def save(self, ids: list[int], session: Session) -> float:
-        """The producer reads `ids` once (max_tokens=1): its connector stores their KV under the session's namespace.
-        Seconds taken. Only for a session the source never served (a warm session's blocks are already stored)."""
-        t0 = time.perf_counter()
-        body = {"model": await self.model_name("source"), "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-                "kv_transfer_params": {"kvtransfer_ns": session.ns}}
-        salt = self.sessions.source_salt(session.owner)
-        await self._post("source", "/v1/completions", {**body, "cache_salt": salt} if salt else body)
-        return time.perf_counter() - t0
-
     def client_params(self, body: dict) -> dict:
         """The client's kv_transfer_params that may reach the consumer (the allowlist); others are dropped, counted."""
         params = body.get("kv_transfer_params")
@@ -278,70 +226,6 @@ class HandoffProxy:
         if len(kept) < len(params):
             self.stats.handoff["params_dropped"] += 1
         return kept
-
-    def completion_body(self, kind: str, body: dict, ids: list[int], model: str, *, params: dict | None = None,
-                        salt: str | None = None) -> dict:
-        """An engine's /v1/completions body for a (chat or completion) request, on the token ids `ids`; `params`
-        becomes its kv_transfer_params and `salt` its cache_salt (the client's own are never passed on)."""
-        drop = CHAT_CONVERTED if kind == "chat" else ()
-        out = {k: v for k, v in body.items()
-               if k not in drop and k not in ("prompt", "model", "kv_transfer_params", "cache_salt")}
-        out["model"], out["prompt"] = model, ids
-        if kind == "chat":
-            if body.get("logprobs"):
-                top = body.get("top_logprobs") or 0
-                if not isinstance(top, int) or isinstance(top, bool) or top < 0:
-                    raise BadRequest(f"top_logprobs must be a non-negative integer, got {top!r}")
-                out["logprobs"] = top
-            if "max_completion_tokens" in body and "max_tokens" not in body:
-                out["max_tokens"] = body["max_completion_tokens"]
-        if params:
-            out["kv_transfer_params"] = params
-        if salt:
-            out["cache_salt"] = salt
-        if out.get("stream"):
-            options = dict(out.get("stream_options") or {}) if isinstance(out.get("stream_options"), dict) else {}
-            options["include_usage"] = True  # vLLM puts cached tokens in the final usage chunk only
-            out["stream_options"] = options
-        return out
-
-    @staticmethod
-    def counted(usage: dict | None, reason_if_none: str) -> tuple[int | None, int | None]:
-        """(mapped, prefilled) from a consumer's usage; (None, None) when it does not report cached tokens."""
-        if not isinstance(usage, dict):
-            return None, None
-        details = usage.get("prompt_tokens_details")
-        prompt = usage.get("prompt_tokens")
-        if not isinstance(details, dict) or not isinstance(prompt, int):
-            return None, prompt if isinstance(prompt, int) else None
-        cached = details.get("cached_tokens") or 0
-        return int(cached), int(prompt) - int(cached)
-
-    def judge(self, usage: dict | None, save_error: str, save_s: float | None, connector: Any = None, *,
-              later_turn: bool = False) -> Outcome:
-        """The outcome of a consumer request: its connector's own decision (`kv_transfer_params.kvtransfer`: mapped,
-        cached by its own prefix cache, or why neither; vLLM counts rejected loads as cached), else its usage's
-        cached tokens; plus the save step's error."""
-        decision = connector.get("kvtransfer") if isinstance(connector, dict) else None
-        if isinstance(decision, dict) and isinstance(decision.get("reason"), str):
-            num = lambda n: n if isinstance(n, int) else None  # noqa: E731
-            mapped, cached, prefilled = num(decision.get("mapped")), num(decision.get("cached")), num(decision.get("prefilled"))
-            if decision["reason"] == "mapped" and mapped:
-                return Outcome("mapped", "target", mapped, prefilled, "", save_s, cached)
-            if cached and not save_error:  # a later turn: the session's own blocks in the consumer's prefix cache
-                return Outcome("cached", "target", 0, prefilled, "", save_s, cached)
-            gate = decision.get("gate") if isinstance(decision.get("gate"), dict) else {}  # gate_full: its own prefill
-            why = f"gate_full ({gate.get('reason')})" if gate.get("action") == "full" else f"consumer_fallback ({decision['reason']})"
-            return Outcome("fallback_reprefill", "target", 0, prefilled, save_error or why, save_s, cached)
-        mapped, prefilled = self.counted(usage, save_error)
-        if later_turn and mapped and not save_error:  # the target's own cache, or the store where it evicted them
-            return Outcome("reused", "target", None, prefilled, "", save_s, mapped)
-        if mapped is None:
-            return Outcome("fallback_reprefill" if save_error else "handoff", "target", None, prefilled, save_error or
-                           "mapped tokens unknown: start the consumer with --enable-prompt-tokens-details", save_s)
-        if mapped > 0:
-            return Outcome("mapped", "target", mapped, prefilled, "", save_s)
-        return Outcome("fallback_reprefill", "target", 0, prefilled, save_error or "consumer_fallback", save_s)
 
     # ------------------------------------------------------------------ request handling
     async def handle(self, kind: str, request: "Request") -> "Response":
@@ -468,219 +352,6 @@ class HandoffProxy:
         self.stats.handoff["written_through"] += 1
         return response
 
-    async def _stored_until(self, ids: list[int], want: int, ns: str) -> int:
-        """Tokens of `ids` the store holds under namespace `ns`, waiting for `want` of them (a write in flight) up to
-        switch_wait_s in all, and no longer than switch_stall_s without the stored prefix growing (a write that
-        is not coming: a producer that stores nothing, blocks evicted or deleted meanwhile). Store calls run in a
-        thread: a slow disk never stalls the proxy's other requests."""
-        if self.store is None or want <= 0:
-            return want
-        start = time.monotonic()
-        deadline, last, grew_at, waited = start + self.switch_wait_s, -1, start, False
-        while True:
-            tip = await asyncio.to_thread(self.store.tip, ids[:want], None, ns=ns)
-            have = tip[2] if tip else 0
-            now = time.monotonic()
-            if have > last:
-                last, grew_at = have, now
-            if have >= want or now >= deadline or now - grew_at >= self.switch_stall_s:
-                if waited:
-                    self.stats.handoff["switch_waited"] += 1
-                return have
-            waited = True
-            await asyncio.sleep(0.02)
-
-    async def _to_target(self, kind: str, body: dict, session: Session) -> "Response":
-        if kind == "chat" and any(k in body for k in CHAT_ONLY):
-            reason = "chat_fields (" + ",".join(k for k in CHAT_ONLY if k in body) + ")"
-            return await self._forward_or_source(kind, body, Outcome("fallback_reprefill", "target", reason=reason),
-                                                 session.owner)
-        params = self.client_params(body)
-        try:
-            ids = await self.prompt_ids(kind, body)
-        except Unreachable as err:
-            return await self._forward_or_source(kind, body, Outcome("fallback_reprefill", "target",
-                                                                     reason=f"tokenize_failed ({err})"), session.owner)
-        rewritten = bool(session.n_ids) and not session.extends(ids)
-        if rewritten:
-            self.stats.handoff["history_rewritten"] += 1
-        save_error, save_s, expect = "", None, None
-        later = session.engine == "target" and bool(session.handed)  # vLLM's usage counts its own hits as cached too
-        if session.engine == "source" and session.stored:  # the switch of a warm session: its blocks are stored
-            self.stats.handoff["switches"] += 1
-            # a rewritten history's stored blocks are all there is: no write of them is in flight
-            expect = await self._stored_until(ids, 0 if rewritten else session.stored, session.ns)
-            self._count_partial(expect, session.stored, rewritten)
-            session.handed = session.stored
-        elif session.engine == "source" or not session.handed:  # nothing stored for it: the producer reads it once
-            try:
-                save_s = await self.save(ids, session)
-                session.handed = len(ids) // self.block_size * self.block_size
-                # the save's blocks reach the store on the producer's writer thread, after its response
-                expect = await self._stored_until(ids, session.handed, session.ns)
-                self._count_partial(expect, session.handed, False)
-            except (Unreachable, BadRequest) as err:
-                save_error = f"save_failed ({err})"
-        if session.handed and self.remap_turns and params.get("kvtransfer") != "off":
-            params["kvtransfer_source_len"] = session.handed  # map at most what the source stored of this session
-        elif not self.remap_turns and session.engine == "target":
-            params["kvtransfer"] = "off"
-        params["kvtransfer_ns"] = session.ns  # after the client's: a client never picks the namespace
-        upstream = self.completion_body(kind, body, ids, await self.model_name("target"), params=params,
-                                        salt=f"{MAPPED_SALT}:{session.salt}")
-        try:
-            if upstream.get("stream"):
-                response = await self._stream("target", kind, body, upstream,
-                                              f"fallback_reprefill: {save_error}" if save_error else
-                                              "handoff: mapped tokens in the stream's last event (kvtransfer field)",
-                                              lambda usage, ended: self.judge(
-                                                  usage, save_error or ("" if ended else
-                                                                        "stream_ended (the consumer's stream ended "
-                                                                        "early)"), save_s,
-                                                  later_turn=later), after=lambda: self._forget_blocks(session))
-            else:
-                try:
-                    data = await self._post("target", "/v1/completions", upstream)
-                finally:
-                    await self._forget_blocks(session)
-                out = self.judge(data.get("usage"), save_error, save_s, data.get("kv_transfer_params"))
-                self.stats.outcome(out)
-                if expect is not None and out.mapped is not None and \
-                        (out.mapped or 0) + (out.cached or 0) < min(expect, len(ids) - 1):
-                    self.stats.handoff["switch_mapped_less"] += 1  # the consumer took less than the store held
-                if kind == "chat":
-                    data = completion_to_chat(data, await self.model_name("target"))
-                data["kvtransfer"] = out.field()
-                response = JSONResponse(data, headers={STATUS_HEADER: out.header()})
-        except Unreachable as err:
-            session.engine = "source"
-            return await self._forward("source", kind, body,
-                                       Outcome("fallback_source", "source", reason=f"target_unreachable ({err})"),
-                                       session.owner)
-        session.engine = "target"
-        session.remember(ids)
-        return response
-
-    async def _forget_blocks(self, session: Session) -> None:
-        """Remove a request-only session's stored blocks once the consumer has read them (nothing else can)."""
-        if session.ephemeral and self.store is not None:
-            try:
-                await asyncio.to_thread(self.store.delete_namespace, session.ns)
-            except Exception as err:  # noqa: BLE001 -- retention removes them later; the request is served
-                self.stats.errors[f"store_delete:{type(err).__name__}"] += 1
-
-    def _count_partial(self, have: int, want: int, rewritten: bool) -> None:
-        """Count a switch whose store held fewer of the session's tokens than the source stored (`switch_partial`;
-        after a rewritten history that is expected, and counted apart)."""
-        if have < want:
-            self.stats.handoff["switch_partial_rewritten" if rewritten else "switch_partial"] += 1
-
-    async def _forward_or_source(self, kind: str, body: dict, outcome: Outcome, owner: str) -> "Response":
-        try:
-            return await self._forward("target", kind, body, outcome, owner)
-        except Unreachable as err:
-            return await self._forward("source", kind, body,
-                                       Outcome("fallback_source", "source", reason=f"target_unreachable ({err})"),
-                                       owner)
-
-    def engine_salt(self, engine: str, owner: str) -> str:
-        """The cache salt of an owner's request forwarded as it came: per owner on either engine ("" without a key),
-        never the consumer's mapped salt (a forwarded request is never mapped)."""
-        if not owner:
-            return ""
-        return self.sessions.source_salt(owner) if engine == "source" else \
-            "kvtransfer-target:" + self.sessions.source_salt(owner).split(":", 1)[1]
-
-    async def _forward(self, engine: str, kind: str, body: dict, outcome: Outcome, owner: str = "") -> "Response":
-        """Pass the request to one engine as it is (model renamed, kvtransfer's fields removed, the owner's cache
-        salt set), adding the outcome header and field."""
-        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        upstream = {**{k: v for k, v in body.items() if k not in ("kv_transfer_params", "cache_salt")},
-                    "model": await self.model_name(engine)}
-        salt = self.engine_salt(engine, owner)
-        if salt:
-            upstream["cache_salt"] = salt
-        if body.get("stream"):
-            try:
-                req = self.client.build_request("POST", self.urls[engine] + path, json=upstream)
-                reply = await self.client.send(req, stream=True)
-            except httpx.HTTPError as err:
-                raise Unreachable(f"{engine} {type(err).__name__}") from err
-            if reply.status_code >= 500:
-                await reply.aclose()
-                raise Unreachable(f"{engine} HTTP {reply.status_code}")
-            self.stats.outcome(outcome)
-            return StreamingResponse(_relay(reply), status_code=reply.status_code,
-                                     media_type=reply.headers.get("content-type", "text/event-stream"),
-                                     headers={STATUS_HEADER: outcome.header()})
-        data = await self._post(engine, path, upstream)  # Unreachable propagates: the caller falls back
-        self.stats.outcome(outcome)
-        data["kvtransfer"] = outcome.field()
-        return JSONResponse(data, headers={STATUS_HEADER: outcome.header()})
-
-    async def _stream(self, engine: str, kind: str, body: dict, upstream: dict, header: str, finish,
-                      after=None) -> "Response":
-        """Stream an engine's completion on token ids (as chat chunks for a chat request).
-
-        vLLM reports cached (mapped) tokens only in the stream's final usage chunk, so the header carries what is
-        known when the stream starts and the `kvtransfer` field rides on the last event (the usage chunk, or a
-        `choices: []` chunk when the client did not ask for usage): `finish(usage, ended)` gives its Outcome, counted
-        when the stream ends; `after()`, a coroutine function, runs then too (and if the engine refuses the stream).
-        """
-        try:
-            req = self.client.build_request("POST", self.urls[engine] + "/v1/completions", json=upstream)
-            reply = await self.client.send(req, stream=True)
-        except httpx.HTTPError as err:
-            if after is not None:
-                await after()
-            raise Unreachable(f"{engine} {type(err).__name__}") from err
-        if reply.status_code >= 400:
-            text = (await reply.aread()).decode(errors="replace")
-            await reply.aclose()
-            if after is not None:
-                await after()
-            if reply.status_code >= 500:
-                raise Unreachable(f"{engine} HTTP {reply.status_code}")
-            raise BadRequest(f"{engine} refused the request: {text[:500]}")
-        keep_usage = isinstance(body.get("stream_options"), dict) and bool(body["stream_options"].get("include_usage"))
-        model = await self.model_name(engine)
-        chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-
-        async def produce():
-            role_sent, usage, ended = False, None, False
-            try:
-                async for event in _sse_events(reply):
-                    if event is None:
-                        ended = True
-                        break
-                    if isinstance(event.get("usage"), dict):
-                        usage = event["usage"]
-                    if not event.get("choices"):
-                        continue  # the usage chunk: re-emitted last, with the status
-                    event = {k: v for k, v in event.items() if k != "usage"}
-                    if kind == "chat":
-                        event = completion_chunk_to_chat(event, model, chat_id, with_role=not role_sent)
-                        role_sent = True
-                    yield f"data: {json.dumps(event)}\n\n".encode()
-            except httpx.HTTPError as err:  # the engine died mid-stream: end the stream with an error event
-                self.stats.errors[f"{engine}_died_mid_stream"] += 1
-                yield f"data: {json.dumps({'error': {'message': f'{engine} stream ended: {err}'}})}\n\n".encode()
-            finally:
-                await reply.aclose()
-                if after is not None:
-                    await after()
-            out = finish(usage, ended)
-            self.stats.outcome(out)
-            last = {"id": chat_id if kind == "chat" else "cmpl-kvtransfer",
-                    "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                    "created": int(time.time()), "model": model, "choices": [], "kvtransfer": out.field()}
-            if keep_usage:
-                last["usage"] = usage
-            yield f"data: {json.dumps(last)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(produce(), media_type="text/event-stream", headers={STATUS_HEADER: ascii_header(header)})
-
     # ------------------------------------------------------------------ sessions
     async def delete_session(self, key: str, authorization: str | None) -> dict:
         """Forget the caller's session `key` and remove its stored blocks (when the proxy sees the store):
@@ -750,21 +421,6 @@ def build_app(proxy: HandoffProxy) -> "FastAPI":
             return _error(500, f"deleting the session failed ({type(err).__name__}); retry", "internal_error")
 
     return app
-
-
-def prometheus_text(stats: dict) -> str:
-    """The proxy's counters in Prometheus' text format (every name prefixed kvtransfer_proxy_)."""
-    lines = []
-    for group in ("counts", "fallbacks", "errors", "handoff"):
-        name = f"kvtransfer_proxy_{group}_total"
-        lines.append(f"# TYPE {name} counter")
-        for label, value in sorted(stats.get(group, {}).items()):
-            escaped = str(label).replace("\\", "\\\\").replace('"', '\\"')
-            lines.append(f'{name}{{kind="{escaped}"}} {value}')
-    for key in ("mapped_tokens", "cached_tokens", "prefilled_tokens"):
-        lines += [f"# TYPE kvtransfer_proxy_{key}_total counter", f"kvtransfer_proxy_{key}_total {stats.get(key, 0)}"]
-    lines += ["# TYPE kvtransfer_proxy_sessions gauge", f"kvtransfer_proxy_sessions {stats.get('sessions', 0)}"]
-    return "\n".join(lines) + "\n"
 
 
 def read_secret(path: str | os.PathLike) -> bytes:

@@ -1,13 +1,13 @@
-"""What the handoff proxy (kvtransfer.serve.proxy) knows of a request and a session, and counts: the outcome of
-one request (its `X-KVTransfer` header and `kvtransfer` field), a session's state and the bounded table of them,
-the proxy's counters, and the errors it tells apart (a client's bad request, a session request without a key,
+"""What the handoff proxy (kvtransfer.serve.proxy) knows of a request and a session: the outcome of one request
+(its `X-KVTransfer` header and `kvtransfer` field), a session's state and the bounded table of them, and the errors
+it tells apart (a client's bad request, a session request without a key,
 an unreachable engine)."""
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import hmac
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -185,31 +185,3 @@ class Sessions:
             entry[1] -= 1
             if not entry[1]:
                 del self._locks[(owner, key)]
-
-
-class Stats:
-    """The proxy's counters (requests, routes, mapped, fallbacks by reason, errors), served as JSON."""
-
-    def __init__(self):
-        self.counts: Counter = Counter()
-        self.fallbacks: Counter = Counter()
-        self.errors: Counter = Counter()
-        self.mapped_tokens = 0
-        self.cached_tokens = 0
-        self.prefilled_tokens = 0
-        self.handoff: Counter = Counter()  # switches, write-through, partial maps, rewritten histories, waits
-
-    def outcome(self, out: Outcome) -> None:
-        """Count one request's outcome (its status, its fallback reason, its mapped and prefilled tokens)."""
-        self.counts[out.status] += 1
-        self.cached_tokens += out.cached or 0
-        if out.status.startswith("fallback"):
-            self.fallbacks[f"{out.status}:{out.code}"] += 1
-        self.mapped_tokens += out.mapped or 0
-        self.prefilled_tokens += out.prefilled or 0
-
-    def as_dict(self) -> dict:
-        """The counters as JSON-ready dicts (what `/kvtransfer/stats` serves)."""
-        return {"counts": dict(self.counts), "fallbacks": dict(self.fallbacks), "errors": dict(self.errors),
-                "handoff": dict(self.handoff), "mapped_tokens": self.mapped_tokens,
-                "cached_tokens": self.cached_tokens, "prefilled_tokens": self.prefilled_tokens}

@@ -1,5 +1,6 @@
-"""The OpenAI wire format as the handoff proxy (kvtransfer.serve.proxy) speaks it: relaying and parsing an engine's
-server-sent events, and a /v1/completions answer (whole or streamed) turned into a /v1/chat/completions one."""
+"""The OpenAI wire format as the handoff proxy (kvtransfer.serve.proxy) speaks it: its headers and the fields it
+passes on, relaying and parsing an engine's server-sent events, and a /v1/completions answer (whole or streamed)
+turned into a /v1/chat/completions one."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,22 @@ try:
     import httpx
 except ImportError:  # pragma: no cover - the [serve] / [dev] extra installs it
     httpx = None
+
+SESSION_HEADER = "x-kvtransfer-session"
+MODEL_HEADER = "x-kvtransfer-model"
+STATUS_HEADER = "x-kvtransfer"
+WRITE_THROUGH_HEADER = "x-kvtransfer-write-through"
+MAPPED_SALT = "kvtransfer-mapped"  # the consumer connector's mapped_cache_salt; a session's salt is "<this>:<digest>"
+CLIENT_PARAMS = ("kvtransfer", "kvtransfer_tag")  # the client kv_transfer_params that reach the consumer
+MAX_KEY = 256  # characters of a session id
+MAX_TOKEN_ID = 2 ** 31 - 1  # a token id beyond any vocabulary (and beyond what the store hashes as int64) is refused
+# chat fields a completion request cannot carry: such a request is forwarded to the target as chat, unmapped
+CHAT_ONLY = ("tools", "tool_choice", "functions", "function_call", "response_format", "documents",
+             "continue_final_message", "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
+             "guided_choice", "guided_grammar")
+# chat fields consumed by the conversion itself
+CHAT_CONVERTED = ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
+                  "chat_template", "chat_template_kwargs", "echo")
 
 
 async def _relay(reply) -> Any:

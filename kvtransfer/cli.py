@@ -28,6 +28,19 @@ def launcher_threads() -> int | None:
     return int(cpus) if cpus else None
 
 
+def check_config_groups(plain: dict) -> None:
+    """Refuse this job's resolved config when a key override gave a single value where the config has a group of
+    keys (kvtransfer.config.runconfig.check_groups), before anything loads; call inside the Hydra app."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+
+    from kvtransfer.config.runconfig import check_groups, group_overrides
+
+    # the structure to keep: the same group choices (pair=..., mapper=...), none of the key overrides
+    chosen = group_overrides(HydraConfig.get().overrides.task, conf_dir())
+    check_groups(plain, OmegaConf.to_container(compose(config_name="config", overrides=chosen), resolve=False))
+
+
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 def main(cfg: DictConfig) -> None:
     """Run the configured stages for one (job's) config and print the summary's retention rows."""
@@ -41,6 +54,7 @@ def main(cfg: DictConfig) -> None:
 
     warn_once_per_run()  # lm-eval repeats its generation_kwargs warning per mode and task: show each warning once
     plain = OmegaConf.to_container(cfg, resolve=True)
+    check_config_groups(plain)
     if plain.get("dry_run"):  # stand-in models, the real data sources, tiny sizes (kvtransfer.dryrun)
         from kvtransfer.dryrun import dry_run
 

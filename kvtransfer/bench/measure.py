@@ -136,8 +136,8 @@ def bench_pair(pair: str, tokens: Sequence[int] = DEFAULT_TOKENS, *, layers: int
                 if "skipped" in row or act > memory_fraction * timing.available_bytes(device):
                     row.setdefault("skipped", f"prefill activations ~{act / 2**30:.1f} GiB")
                     continue
-                g = torch.Generator().manual_seed(T)
-                ids = [torch.randint(1, tgt_cfg.vocab_size, (1, T), generator=g).to(device) for _ in range(n_inputs)]
+                g = torch.Generator().manual_seed(T)  # device: seeded CPU draw (the same numbers on every device), moved to `device` after
+                ids = [torch.randint(1, tgt_cfg.vocab_size, (1, T), generator=g).to(device) for _ in range(n_inputs)]  # device: seeded CPU draw, moved
                 r = timing.time_fn(lambda i: prefill(model, i), ids, warmup=warmup, repeats=repeats, device=device)
                 row.update(prefill_ms=r["median_ms"], prefill_ms_min=r["min_ms"], prefill_ms_max=r["max_ms"],
                            prefill_ms_q1=r["q1_ms"], prefill_ms_q3=r["q3_ms"])
@@ -199,9 +199,9 @@ def calibration_throughput(pair: str = "qwen3_14b_32b", *, layers: int = 1, batc
     src = build_shapes_only(real_config(src_name, layers), device=device, dtype=dtype, seed=1)
     tgt = build_shapes_only(real_config(tgt_name, layers), device=device, dtype=dtype, seed=2)
     s, t = kv_shape(src), kv_shape(tgt)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)  # device: seeded CPU draw (the same numbers on every device), moved to `device` after
     vocab = min(src.config.vocab_size, tgt.config.vocab_size)
-    ids = [torch.randint(1, vocab, (batch, seq), generator=g).to(device) for _ in range(2)]
+    ids = [torch.randint(1, vocab, (batch, seq), generator=g).to(device) for _ in range(2)]  # device: seeded CPU draw, moved
     sc, tc = RopeCodec(src, initial_positions=seq), RopeCodec(tgt, initial_positions=seq)
     moments = Moments(list(range(layers)), list(range(layers)), s.width, t.width, device=device)
 

@@ -84,12 +84,12 @@ def build_shapes_only(config, *, device="cpu", dtype=torch.float32, seed: int = 
     with torch.device(device), no_init_weights():
         body = AutoModel.from_config(config, dtype=dtype)
     g = torch.Generator(device="cpu").manual_seed(seed)
-    pool = (torch.randn(1 << 24, generator=g) * 0.02).to(device, dtype)
+    pool = (torch.randn(1 << 24, generator=g) * 0.02).to(device, dtype)  # device: seeded CPU draw, moved
     for param in body.parameters():
         if param.dim() < 2:
             continue
         flat, n = param.view(-1), param.numel()
-        offset = int(torch.randint(0, pool.numel(), (1,), generator=g))
+        offset = int(torch.randint(0, pool.numel(), (1,), generator=g))  # device: host-side draw, read as an int
         for start in range(0, n, pool.numel()):
             m = min(pool.numel(), n - start)
             src = torch.roll(pool, offset)[:m] if start == 0 else pool[:m]
@@ -118,12 +118,12 @@ def random_mapper(source_config, target_config, k: int, *, n_target_layers: int 
     or "band" (k consecutive layers around the proportional depth: zero-copy view path)."""
     s, t = kv_shape(source_config), kv_shape(target_config)
     n_t = n_target_layers or t.n_layers
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # device: draws host-side layer indices (selected_layers lives on the CPU)
     if selection == "random":
-        sel = torch.stack([torch.randperm(s.n_layers, generator=g)[:k] for _ in range(n_t)])
+        sel = torch.stack([torch.randperm(s.n_layers, generator=g)[:k] for _ in range(n_t)])  # device: host-side layer indices
     elif selection == "band":
         centre = [round(i * (s.n_layers - 1) / max(1, t.n_layers - 1)) for i in range(n_t)]
-        sel = torch.tensor([[min(max(0, c - k // 2), s.n_layers - k) + j for j in range(k)] for c in centre])
+        sel = torch.tensor([[min(max(0, c - k // 2), s.n_layers - k) + j for j in range(k)] for c in centre])  # device: host-side layer indices
     else:
         raise ValueError(f"selection must be 'random' or 'band', got {selection!r}")
     p, q = k * s.width, t.width
@@ -143,7 +143,7 @@ ROPE_STRIP_FLOPS, ROPE_APPLY_FLOPS = 4, 3  # per element: 2 mul + 1 add (+1 div 
 
 def dtype_size(dtype: torch.dtype) -> int:
     """Bytes per element of `dtype`."""
-    return torch.empty((), dtype=dtype).element_size()
+    return torch.empty((), dtype=dtype, device="meta").element_size()  # meta: a size, no allocation
 
 
 def mapper_cost(source_config, target_config, k: int, tokens: int, *, n_target_layers: int,

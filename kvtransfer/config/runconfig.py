@@ -10,12 +10,16 @@ and the resource plan (`kvtransfer.plan`), so the two can never read a key diffe
     source_features(mapper)   -> what the calibration and the map read of the source: "kv", or its hidden states
                                  (mapper=hidden, kvtransfer.core.hidden)
     learning_rates(mapper)    -> mapper.lr as a list: several only for mapper=trained (chosen on the stop split)
+    group_overrides(overrides, conf) -> the overrides that choose a config group's option (pair=..., mapper=mlp)
+    check_groups(cfg, defaults)      -> refuses a single value typed where the config has a group of keys
+                                        (eval.gate=true for eval.gate.enabled=true), naming the group's keys
 
 Part of the core: imports only the core (no Hydra, no runner, no plan).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 STAGES = ("calibrate", "fit", "eval", "bench", "report")
 DIRECTIONS = ("forward", "reverse")
@@ -131,3 +135,47 @@ def learning_rates(mapper: dict) -> list[float]:
 def needs_feature_sample(mapper: dict) -> bool:
     """Whether a mapper config fits on the calibration's kept feature rows (mapper=mlp, weighting=attention_mass)."""
     return mapper.get("kind", "ridge") == "mlp" or mapper.get("weighting", "none") == "attention_mass"
+
+
+def group_overrides(overrides, conf: str | Path) -> list[str]:
+    """The Hydra overrides among `overrides` (strings as typed) that choose an option of a config group, i.e. whose
+    key names a directory of the config directory `conf` (pair=qwen3_14b_32b, mapper=mlp, +experiment=...); the
+    config composed with only these is the one whose structure the user's key overrides must keep (hydra/...
+    launcher choices are left out: they shape no key of the run's config)."""
+    out = []
+    for override in overrides:
+        if "=" not in override:
+            continue
+        key = override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+        if key and not key.startswith("hydra") and (Path(conf) / key).is_dir():
+            out.append(override)
+    return out
+
+
+def check_groups(cfg: dict, defaults: dict) -> None:
+    """Refuse, before anything loads, a plain config that holds a single value (or a list) where `defaults` -- the
+    same config composed with the same group choices but none of the key overrides (`group_overrides`) -- holds a
+    group of keys: ValueError naming every such key, its group's keys and the spelling that sets one of them."""
+    problems = []
+
+    def spell(value) -> str:   # as typed on a command line
+        return "true" if value is True else "false" if value is False else "null" if value is None else str(value)
+
+    def walk(got: dict, want: dict, prefix: str) -> None:
+        for key, default in want.items():
+            if key not in got or not isinstance(default, dict):
+                continue
+            path, value = f"{prefix}{key}", got[key]
+            if isinstance(value, dict):
+                walk(value, default, f"{path}.")
+            elif default:
+                keys = list(default)
+                problems.append(f"{path} is a group of keys ({', '.join(map(str, keys))}), not a single value: set one "
+                                f"of them, e.g. {path}.{keys[0]}={spell(value)}")
+            else:
+                problems.append(f"{path} is a mapping (empty by default), not a single value: add entries to it, "
+                                f"e.g. +{path}.<name>={spell(value)}")
+
+    walk(cfg, defaults, "")
+    if problems:
+        raise ValueError("config: " + "; ".join(problems))

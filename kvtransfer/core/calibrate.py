@@ -40,9 +40,10 @@ class CalibrationMoments:
     heldout: HeldOut
 
 
-def subsample_positions(seq_len: int, stride: int) -> torch.Tensor:
-    """Positions kept for calibration: 0, stride, 2*stride, ... (position 0 keeps the attention sink)."""
-    return torch.arange(0, seq_len, stride)
+def subsample_positions(seq_len: int, stride: int, device=None) -> torch.Tensor:
+    """Positions kept for calibration: 0, stride, 2*stride, ... int64 on `device` (None: the CPU; position 0
+    keeps the attention sink)."""
+    return torch.arange(0, seq_len, stride, device=device)
 
 
 @torch.no_grad()
@@ -62,7 +63,7 @@ def kv_features(model, input_ids: torch.Tensor, *, stride: int = 4, key_space: s
     if key_space not in KEY_SPACES:
         raise ValueError(f"key_space must be one of {KEY_SPACES}, got {key_space!r}")
     check_features(features)
-    keep = subsample_positions(input_ids.shape[1], stride).to(input_ids.device)
+    keep = subsample_positions(input_ids.shape[1], stride, device=input_ids.device)
     if features == "kv":
         cache, hidden = prefill(model, input_ids), {}
         layers = range(len(cache)) if layers is None else layers
@@ -94,7 +95,7 @@ def split_heldout(n_sequences: int, heldout_fraction: float, seed: int) -> tuple
     """Sequence-level split: (train indices, held-out indices), deterministic in `seed`."""
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
-    order = torch.randperm(n_sequences, generator=torch.Generator().manual_seed(seed)).tolist()
+    order = torch.randperm(n_sequences, generator=torch.Generator().manual_seed(seed)).tolist()  # device: host-side order
     n_held = int(round(n_sequences * heldout_fraction))
     if heldout_fraction > 0 and n_held == 0:
         n_held = 1
@@ -165,7 +166,7 @@ def collect_moments(source, target, token_ids: torch.Tensor, *, stride: int = 4,
         raise ValueError(f"capture must be 'co-resident' or 'sequential', got {capture!r}")
     if capture == "sequential" and feature_dir is None:
         raise ValueError("capture='sequential' needs feature_dir= (where source features are stored)")
-    token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long)  # device: host-side ids, each batch moved to its model
     if token_ids.dim() != 2 or token_ids.shape[0] < 2:
         raise ValueError(f"token_ids must be [n_sequences >= 2, seq_len], got {tuple(token_ids.shape)}")
     train_idx, held_idx = split_heldout(token_ids.shape[0], heldout_fraction, seed)

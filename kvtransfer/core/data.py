@@ -87,4 +87,4 @@ def token_sequences(documents: Iterable[str], tokenizer, n_sequences: int, seq_l
     if len(sequences) < n_sequences:
         raise ValueError(f"calibration text yields only {len(sequences)} sequences of {seq_len} tokens, "
                          f"{n_sequences} requested: add text, or lower calib.n_sequences / calib.seq_len")
-    return torch.tensor(sequences, dtype=torch.long)
+    return torch.tensor(sequences, dtype=torch.long)  # device: host-side ids, each batch moved to its model

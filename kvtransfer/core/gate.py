@@ -80,9 +80,9 @@ def tail_score(target_model, mapped: KVLayers, prefix_ids: torch.Tensor, prefix_
     tail = int(tail)
     if tail < 1:
         raise ValueError(f"gate tail={tail}: the score needs at least one tail token (eval.gate.tail >= 1)")
-    nan = torch.full((batch,), math.nan, dtype=torch.float64)
+    nan = torch.full((batch,), math.nan, dtype=torch.float64)  # device: scores are host-side, as layer_errors returns them
     if seq <= tail:
-        out = nan, torch.full((batch, len(mapped)), math.nan, dtype=torch.float64)
+        out = nan, torch.full((batch, len(mapped)), math.nan, dtype=torch.float64)  # device: host-side, as above
         return (*out, None) if return_logits else out
     mask = torch.ones_like(prefix_ids) if prefix_mask is None else prefix_mask
     head = [(k[:, :, :-tail], v[:, :, :-tail]) for k, v in mapped]
@@ -146,7 +146,7 @@ def fit_thresholds(scores, *, recompute_rate: float, full_rate: float, fraction:
     r, f = float(recompute_rate), float(full_rate)
     if r < 0 or f < 0 or r + f > 1:
         raise ValueError(f"gate rates recompute_rate={r}, full_rate={f}: each >= 0 and together <= 1")
-    s = torch.as_tensor([float(x) for x in scores], dtype=torch.float64)
+    s = torch.as_tensor([float(x) for x in scores], dtype=torch.float64)  # device: host-side scores (Python floats)
     s = s[torch.isfinite(s)]
     if s.numel() == 0:
         raise ValueError("no finite gate score on the calibration text: use longer calibration sequences than "

@@ -206,7 +206,7 @@ class Mapper(MapperBase):
         bias = torch.stack([torch.stack([fit.weights[kind][t].bias for kind in ("k", "v")]) for t in range(n_t)])
         r2 = {split: {kind: v.tolist() for kind, v in per.items()} for split, per in fit.r2.items()}
         return cls(weight=weight.float(), bias=bias.float(),
-                   selected_layers=torch.tensor(fit.selected_layers, dtype=torch.long),
+                   selected_layers=torch.tensor(fit.selected_layers, dtype=torch.long),  # device: host-side layer indices (a map keeps them on the CPU)
                    source=model_identity(source_model), target=model_identity(target_model), key_space=key_space,
                    lam=fit.lam, calibration=dict(calibration or {}, observations=fit.observations), r2=r2)
 
@@ -448,7 +448,7 @@ class FactoredMapper(MapperBase):
         up = None if fit.rank is None else stack(fit.up)
         return cls(columns=fit.columns.long(), down=stack(fit.down), up=up, bias=stack(fit.bias),
                    support=fit.support, weighting=fit.weighting,
-                   selected_layers=torch.tensor(fit.selected_layers, dtype=torch.long),
+                   selected_layers=torch.tensor(fit.selected_layers, dtype=torch.long),  # device: host-side layer indices (a map keeps them on the CPU)
                    source=model_identity(source_model), target=model_identity(target_model), key_space=key_space,
                    lam=fit.lam, calibration=dict(calibration or {}, observations=fit.observations, **fit.info),
                    r2={split: {kind: v.tolist() for kind, v in per.items()} for split, per in fit.r2.items()})

@@ -121,7 +121,7 @@ class Moments(FeatureLayout):
         """Bytes of the statistics a `Moments` of widths (dx, dy) holds in `dtype` (a torch dtype), K and V:
         cxx [Dx, Dx] + cxy [Dx, Dy] in dtype, mean_x [Dx] + mean_y [Dy] + cyy [Dy] in float64 when `wide`
         (else in dtype). The resource plan sizes the moments with this, so a layout change moves the plan."""
-        size = torch.empty((), dtype=dtype).element_size()
+        size = torch.empty((), dtype=dtype, device="meta").element_size()  # meta: a size, no allocation
         small = 8 if wide else size
         return len(KINDS) * ((dx * dx + dx * dy) * size + (dx + 2 * dy) * small)
 
@@ -318,7 +318,7 @@ def _block_columns(all_layers: list[int], layers, width: int) -> torch.Tensor:
     missing = [layer for layer in layers if layer not in all_layers]
     if missing:
         raise ValueError(f"layers {missing} are not in these moments (have {all_layers})")
-    return torch.cat([torch.arange(width) + all_layers.index(layer) * width for layer in layers])
+    return torch.cat([torch.arange(width) + all_layers.index(layer) * width for layer in layers])  # device: host-side columns, moved where used
 
 
 @dataclass
@@ -348,7 +348,7 @@ class HeldOut(FeatureLayout):
     features: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.select = torch.as_tensor(self.select, dtype=torch.long).cpu()
+        self.select = torch.as_tensor(self.select, dtype=torch.long).cpu()  # device: host-side row selection
         if not self.features:
             rows = self.capacity
             z = lambda *s: torch.zeros(*s, dtype=self.dtype, device=self.device)  # noqa: E731
@@ -360,19 +360,19 @@ class HeldOut(FeatureLayout):
         """Keep min(capacity, total) of `total` observations, chosen uniformly with `seed` (all of them when
         capacity is None or >= total)."""
         if capacity is None or capacity >= total:
-            select = torch.arange(total)
+            select = torch.arange(total)  # device: host-side row selection
         else:
             if capacity < 0:
                 raise ValueError(f"heldout observations must be >= 0, got {capacity}")
-            gen = torch.Generator().manual_seed(seed + 7919)
-            select = torch.randperm(total, generator=gen)[:capacity].sort().values
+            gen = torch.Generator().manual_seed(seed + 7919)  # device: draws the host-side row selection
+            select = torch.randperm(total, generator=gen)[:capacity].sort().values  # device: host-side row selection
         return cls(list(source_layers), list(target_layers), source_width, target_width, select, **kw)
 
     @staticmethod
     def nbytes_at(rows: int, dx: int, dy: int, dtype=torch.float32) -> int:
         """Bytes of a `HeldOut` keeping `rows` rows of widths (dx, dy): x [rows, Dx] and y [rows, Dy] per kind in
         `dtype`, plus the int64 row selection (`select`)."""
-        return len(KINDS) * rows * (dx + dy) * torch.empty((), dtype=dtype).element_size() + rows * 8
+        return len(KINDS) * rows * (dx + dy) * torch.empty((), dtype=dtype, device="meta").element_size() + rows * 8
 
     @property
     def nbytes(self) -> int:
@@ -396,7 +396,7 @@ class HeldOut(FeatureLayout):
     def add(self, x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> None:
         """Offer the next batch of observations (x[kind] [m, Dx], y[kind] [m, Dy]); keeps the selected rows."""
         m = next(iter(x.values())).shape[0]
-        lo, hi = torch.searchsorted(self.select, torch.tensor([self.seen, self.seen + m])).tolist()
+        lo, hi = torch.searchsorted(self.select, torch.tensor([self.seen, self.seen + m], device=self.select.device)).tolist()
         rows = self.select[lo:hi] - self.seen
         for kind in KINDS:
             if x[kind].shape != (m, self.dx) or y[kind].shape != (m, self.dy):

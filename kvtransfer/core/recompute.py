@@ -70,7 +70,7 @@ def choose_tokens(n_tokens: int, fraction: float, select: str, *, native_sink: i
     if select not in SELECTIONS:
         raise ValueError(f"recompute selection {select!r}: use one of {SELECTIONS}")
     sink = min(max(0, int(native_sink)), n_tokens)
-    cand = torch.arange(sink, n_tokens)
+    cand = torch.arange(sink, n_tokens)  # device: host-side positions (records list them; recompute_row moves them)
     n = int(round(float(fraction) * len(cand)))
     if n == 0:
         return cand[:0]
@@ -79,11 +79,12 @@ def choose_tokens(n_tokens: int, fraction: float, select: str, *, native_sink: i
     if select == "recent":
         return cand[-n:]
     if select == "random":
-        g = torch.Generator().manual_seed(int(seed))
-        return cand[torch.randperm(len(cand), generator=g)[:n]].sort().values
+        g = torch.Generator().manual_seed(int(seed))  # device: draws host-side positions
+        return cand[torch.randperm(len(cand), generator=g)[:n]].sort().values  # device: host-side positions
     if deviation is None or deviation.shape != (n_tokens,):
         raise ValueError(f"selection 'deviation' needs a deviation per token [{n_tokens}] (token_deviation)")
-    order = torch.argsort(deviation[sink:].double(), descending=True, stable=True)[:n]
+    # ranked on the CPU: the deviation lives with the mapped cache, and a CUDA index cannot index host positions
+    order = torch.argsort(deviation[sink:].double().cpu(), descending=True, stable=True)[:n]
     return cand[order].sort().values
 
 

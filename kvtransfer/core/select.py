@@ -26,7 +26,7 @@ def r2_matrix(moments: Moments, *, heldout: Moments | HeldOut | None = None, hea
     wrap = progress or (lambda it, **_: it)
     out = {"train": {}, "heldout": {}}
     for kind in KINDS:
-        train = torch.zeros(len(moments.target_layers), len(moments.source_layers), dtype=torch.float64)
+        train = torch.zeros(len(moments.target_layers), len(moments.source_layers), dtype=torch.float64)  # device: host-side table of scalars
         held = torch.zeros_like(train)
         for j, s in enumerate(wrap(moments.source_layers, desc=f"R² matrix ({kind})")):
             # one factorisation of this source layer's block serves every target layer

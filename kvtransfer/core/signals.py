@@ -98,7 +98,7 @@ def tail_nll_gain(mapped_logits: torch.Tensor, nocontext_logits: torch.Tensor, t
     for m < 2."""
     m = tail_ids.shape[1]
     if m < 2:
-        return torch.full((tail_ids.shape[0],), math.nan, dtype=torch.float64)
+        return torch.full((tail_ids.shape[0],), math.nan, dtype=torch.float64)  # device: host-side, as the result below
     target = tail_ids[:, 1:, None].to(mapped_logits.device)
 
     def nll(logits):
@@ -116,7 +116,7 @@ def first_layer_error(model, mapped_layer0: tuple[torch.Tensor, torch.Tensor], p
     `native_sink`; NaN where none remains. prefix_ids [batch, P] left-padded, prefix_mask 0/1 (None: all real)."""
     batch, seq = prefix_ids.shape
     mk, mv = mapped_layer0
-    out = torch.full((batch,), math.nan, dtype=torch.float64)
+    out = torch.full((batch,), math.nan, dtype=torch.float64)  # device: host-side scores, as layer_errors returns them
     for b in range(batch):
         n = seq if prefix_mask is None else int(prefix_mask[b].sum())
         sink = min(max(0, int(native_sink)), n)
@@ -172,7 +172,7 @@ def request_signals(target_model, mapped: KVLayers, prefix_ids: torch.Tensor, pr
         logit_names = [n for n in names if n in ("tail_kl", "tail_nll_gain")]
         if logit_names:
             batch = prefix_ids.shape[0]
-            nan = torch.full((batch,), math.nan, dtype=torch.float64)
+            nan = torch.full((batch,), math.nan, dtype=torch.float64)  # device: host-side scores, as tail_kl's
             if logits is None:
                 values = {n: nan for n in (*logit_names, *(ENTROPIES if "tail_kl" in logit_names else ()))}
             else:

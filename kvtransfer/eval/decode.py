@@ -15,11 +15,12 @@ def chunks(items: list, n: int):
 def pad(rows: list[list[int]], pad_id: int, side: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows -> (ids [batch, max_len], 0/1 mask [batch, max_len]) padded on `side`."""
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    # filled row by row on the host, then moved to `device` in one copy each
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # device: host-side, moved below
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # device: host-side, moved below
     for i, r in enumerate(rows):
         sl = slice(width - len(r), width) if side == "left" else slice(0, len(r))
-        ids[i, sl] = torch.tensor(r, dtype=torch.long)
+        ids[i, sl] = torch.tensor(r, dtype=torch.long)  # device: host-side, as ids
         mask[i, sl] = 1
     return ids.to(device), mask.to(device)
 

@@ -132,18 +132,21 @@ def mean_map(mapper: MapperBase, mean_y: torch.Tensor) -> Mapper:
 def random_map(mapper: MapperBase, mean_x: torch.Tensor, mean_y: torch.Tensor, seed: int = 0) -> Mapper:
     """The `random_map` control of a linear map: weight [L_t, 2, p, q] Gaussian (seeded), each target head's
     column block scaled to the Frobenius norm of the fitted map's block, bias = mean_y - mean_x @ weight (the
-    calibration mean still maps to the calibration mean). Raises ValueError for a non-linear map kind."""
+    calibration mean still maps to the calibration mean); weight and bias float32 on the map's device, the draw
+    the same on every device for a seed. Raises ValueError for a non-linear map kind."""
     _check_linear(mapper, "random_map")
     w = mapper.weight.detach().float().cpu()
     n_t, kinds, p, q = w.shape
     d = _target_head_dim(mapper, q)
-    gen = torch.Generator().manual_seed(int(seed))
-    rand = torch.randn(w.shape, generator=gen, dtype=torch.float32)
+    # drawn on the CPU (the fitted weight is read there too) so a seed gives the same map on every device; the
+    # draw then meets the calibration means on theirs
+    gen = torch.Generator().manual_seed(int(seed))  # device: seeded CPU draw, moved to mean_x's device below
+    rand = torch.randn(w.shape, generator=gen, dtype=torch.float32)  # device: seeded CPU draw, moved below
     blocks_fit = w.reshape(n_t, kinds, p, q // d, d).pow(2).sum(dim=(2, 4)).sqrt()      # [L, 2, heads]
     blocks_rand = rand.reshape(n_t, kinds, p, q // d, d).pow(2).sum(dim=(2, 4)).sqrt()
     scale = (blocks_fit / blocks_rand.clamp_min(1e-30))[:, :, None, :, None]
     rand = (rand.reshape(n_t, kinds, p, q // d, d) * scale).reshape(w.shape)
-    bias = mean_y.float() - torch.einsum("lkp,lkpq->lkq", mean_x.float(), rand)
+    bias = mean_y.float() - torch.einsum("lkp,lkpq->lkq", mean_x.float(), rand.to(mean_x.device))
     common = {f.name: getattr(mapper, f.name) for f in dataclasses.fields(MapperBase) if f.init}
     return Mapper(weight=rand.to(mapper.weight.device), bias=bias.to(mapper.weight.device), **common)
 

@@ -55,8 +55,8 @@ def support_columns(support: str, k: int, n_kv_s: int, d_s: int, n_kv_t: int) ->
         raise ValueError(f"mapper.support must be one of {SUPPORTS}, got {support!r}")
     width = n_kv_s * d_s
     if support == "full":
-        return [torch.arange(k * width)]
-    return [torch.cat([torch.arange(j * width + s * d_s, j * width + (s + 1) * d_s) for j in range(k) for s in group])
+        return [torch.arange(k * width)]  # device: host-side columns, moved where used
+    return [torch.cat([torch.arange(j * width + s * d_s, j * width + (s + 1) * d_s) for j in range(k) for s in group])  # device: host-side
             for group in head_groups(n_kv_s, n_kv_t)]
 
 
@@ -91,7 +91,7 @@ def query_energy(model, token_ids: torch.Tensor, *, batch_size: int = 8) -> torc
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     n_q = cfg.num_attention_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
-    sums = torch.zeros(len(layers), n_q, d, dtype=torch.float64)
+    sums = torch.zeros(len(layers), n_q, d, dtype=torch.float64)  # device: host-side accumulator (the hook moves each sum)
     count = 0
     hooks = []
     for i, layer in enumerate(layers):
@@ -131,7 +131,7 @@ def attention_mass(model, token_ids: torch.Tensor, positions: torch.Tensor, *, b
     n, seq = token_ids.shape
     lo = seq - seq // 4
     counts = (seq - torch.clamp(positions, min=lo)).double()  # queries in the window that see each position
-    out = torch.zeros(n, len(layers), len(positions), dtype=torch.float32)
+    out = torch.zeros(n, len(layers), len(positions), dtype=torch.float32)  # device: host-side result (the hook moves each row)
     rows = slice(0, 0)
     hooks = []
     for i, layer in enumerate(layers):
@@ -306,11 +306,11 @@ def fit_family(moments: Moments, selected_layers: list[list[int]], *, n_kv_s: in
                 mean_x = moments.stats[kind]["mean_x"][cols].double()
                 mean_y = moments.stats[kind]["mean_y"][moments.target_columns(t)].double()
             eps = moments_eps(moments)
-            full = torch.zeros(cxx.shape[0], moments.target_width, dtype=torch.float64)
+            full = torch.zeros(cxx.shape[0], moments.target_width, dtype=torch.float64, device=cxx.device)
             downs, ups = [], []
             for g, gcols in enumerate(groups):
                 out = slice(g * q_g, (g + 1) * q_g)
-                a = cxx[gcols][:, gcols] + lam * torch.eye(len(gcols), dtype=torch.float64)
+                a = cxx[gcols][:, gcols] + lam * torch.eye(len(gcols), dtype=torch.float64, device=cxx.device)
                 b = cxy[gcols, out]
                 w = solve_spd(a, b, rcond=len(gcols) * eps)
                 if rank is None:
@@ -326,7 +326,7 @@ def fit_family(moments: Moments, selected_layers: list[list[int]], *, n_kv_s: in
                 downs.append(dn)
                 ups.append(upm)
                 full[gcols, out] = dn @ upm
-            b_full = mean_y.cpu() - mean_x.cpu() @ full
+            b_full = mean_y - mean_x @ full
             down[kind].append(torch.stack(downs))
             up[kind].append(torch.stack(ups) if ups else None)
             bias[kind].append(b_full)

@@ -56,8 +56,8 @@ class FeatureSampler:
 
     def kept_rows(self, batch_index: int, rows: int) -> torch.Tensor:
         """Indices (sorted) of the rows this sampler keeps of train batch `batch_index` with `rows` rows."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_index)
-        return torch.randperm(rows, generator=g)[: self.per_batch].sort().values
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_index)  # device: draws host-side rows
+        return torch.randperm(rows, generator=g)[: self.per_batch].sort().values  # device: host-side rows, moved where used
 
     @staticmethod
     def rows_at(max_rows: int, batch_rows: list[int]) -> int:
@@ -119,16 +119,16 @@ def fit_mlp(sample: dict[str, torch.Tensor], selected_layers: list[list[int]], s
     wrap = progress or (lambda it, **_: it)
     layers, r2 = [], {"k": [], "v": []}
     for t in wrap(range(n_t), desc="mlp fit"):
-        cols = torch.cat([torch.arange(source_width) + s * source_width for s in selected_layers[t]])
+        cols = torch.cat([torch.arange(source_width) + s * source_width for s in selected_layers[t]])  # device: indexes the host-side sample
         x = torch.stack([sample["xk"][:, cols], sample["xv"][:, cols]]).to(device)  # [2, n, p]
         y = torch.stack([sample["yk"][:, t * q:(t + 1) * q], sample["yv"][:, t * q:(t + 1) * q]]).to(device)
         params = _init(x, y, target_heads, d_t, hidden, device)
         trainable = [params[name] for name in ("w1", "b1", "w2", "b2", "w3", "b3")]
         opt = torch.optim.Adam(trainable, lr=lr)
-        g = torch.Generator().manual_seed(seed + t)
+        g = torch.Generator().manual_seed(seed + t)  # device: seeded CPU draw of the batch order, moved after
         y_norm = (y - params["y_mean"][:, None]) / params["y_std"][:, None]
         for _ in range(epochs):
-            for idx in torch.randperm(n, generator=g).split(batch_tokens):
+            for idx in torch.randperm(n, generator=g).split(batch_tokens):  # device: seeded CPU draw, moved below
                 idx = idx.to(device)
                 pred = mlp_forward(params, x[:, idx], denormalise=False)
                 loss = torch.mean((pred - y_norm[:, idx]) ** 2)
@@ -143,7 +143,7 @@ def fit_mlp(sample: dict[str, torch.Tensor], selected_layers: list[list[int]], s
                 r2[kind].append((1 - sse / sst).tolist())
         layers.append({name: t_.detach().cpu() for name, t_ in params.items()})
     stacked = {name: torch.stack([layer[name] for layer in layers]) for name in MLPMapper._NAMES}
-    return MLPMapper(**stacked, selected_layers=torch.tensor(selected_layers, dtype=torch.long),
+    return MLPMapper(**stacked, selected_layers=torch.tensor(selected_layers, dtype=torch.long),  # device: host-side layer indices (a map keeps them on the CPU)
                      source=model_identity(source_model), target=model_identity(target_model), key_space=key_space,
                      calibration=dict(calibration or {}, observations=n), r2={"train": r2})
 

@@ -138,7 +138,7 @@ class E2EData:
         if missing:
             raise ValueError(f"source layers {missing} were not collected (collected: {self.used_layers})")
         w_s = self.source_k.shape[-1] // len(self.used_layers)
-        return torch.cat([torch.arange(w_s) + self.used_layers.index(s) * w_s for s in selected])
+        return torch.cat([torch.arange(w_s) + self.used_layers.index(s) * w_s for s in selected])  # device: host-side columns, moved where used
 
 
 def check_target(model) -> None:
@@ -187,7 +187,7 @@ def collect_e2e(source, target, token_ids: torch.Tensor, used_layers: list[int],
     n, total = token_ids.shape
     if not 1 <= context < total:
         raise ValueError(f"context={context} must leave at least one continuation token of the {total} given")
-    ctx_pos = torch.arange(context)
+    ctx_pos = torch.arange(context)  # device: host-side positions (RopeCodec moves them to its tables)
     cos, sin = (x[0, 0].cpu().to(dtype) for x in codec_for(target).cos_sin(ctx_pos))  # [C, d_t]
     src_codec = codec_for(source)
     n_sink = min(int(native_sink), context)
@@ -226,7 +226,7 @@ def mapped_layers(data: E2EData, rows: list[int], weight: torch.Tensor, bias: to
     weight [L_t, 2, p, q], bias [L_t, 2, q] (in their dtype and device): what `transfer.transfer` builds for
     those contexts, to rounding; differentiable in weight and bias."""
     dev, dt = weight.device, weight.dtype
-    idx = torch.as_tensor(rows, dtype=torch.long)
+    idx = torch.as_tensor(rows, dtype=torch.long)  # device: indexes the host-side E2EData
     xk, xv = data.source_k[idx].to(dev, dt), data.source_v[idx].to(dev, dt)
     cos, sin = (data.cos.to(dev, dt), data.sin.to(dev, dt)) if data.rotate else (None, None)
     out = []
@@ -243,7 +243,7 @@ def mapped_logprobs(target, data: E2EData, rows: list[int], weight: torch.Tensor
     on the continuation; float64 when the map is float64, else float32; differentiable in weight and bias."""
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
     mdt, dev = target.dtype, next(target.parameters()).device
-    idx = torch.as_tensor(rows, dtype=torch.long)
+    idx = torch.as_tensor(rows, dtype=torch.long)  # device: indexes the host-side E2EData
     layers = [(k.to(mdt), v.to(mdt)) for k, v in mapped_layers(data, rows, weight, bias, selected)]
     hidden = _body_on_cache(target, place_on_layers(layers, target), data.continuation[idx].to(dev), data.context)
     return target.get_output_embeddings()(hidden).to(acc).log_softmax(-1)
@@ -253,7 +253,7 @@ def mapped_logprobs(target, data: E2EData, rows: list[int], weight: torch.Tensor
 def native_logprobs(target, data: E2EData, rows: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """log p_native [b, T, V] of sequences `rows` in `dtype`: the LM head on the stored native hidden states."""
     dev = next(target.parameters()).device
-    hidden = data.native_hidden[torch.as_tensor(rows, dtype=torch.long)].to(dev, target.dtype)
+    hidden = data.native_hidden[torch.as_tensor(rows, dtype=torch.long)].to(dev, target.dtype)  # device: indexes the host-side E2EData
     return target.get_output_embeddings()(hidden).to(dtype).log_softmax(-1)
 
 

@@ -68,7 +68,7 @@ def query_positions(seq_len: int, n_queries: int) -> torch.Tensor:
     (n = seq_len keeps them all), so every context length up to the whole sequence is read."""
     if not 1 <= n_queries <= seq_len:
         raise ValueError(f"mapper.query_positions={n_queries} must be in 1..seq_len ({seq_len})")
-    return torch.tensor([((j + 1) * seq_len) // n_queries - 1 for j in range(n_queries)], dtype=torch.long)
+    return torch.tensor([((j + 1) * seq_len) // n_queries - 1 for j in range(n_queries)], dtype=torch.long)  # device: host-side positions
 
 
 def split_stop(train_index: list[int], n_fit: int, n_stop: int, seed: int) -> tuple[list[int], list[int]]:
@@ -83,7 +83,7 @@ def split_stop(train_index: list[int], n_fit: int, n_stop: int, seed: int) -> tu
         raise ValueError(f"the calibration's train split has {len(train_index)} sequences, too few for "
                          f"mapper.stop_sequences={n_stop} plus one to train on: lower mapper.stop_sequences or "
                          "raise calib.n_sequences")
-    order = torch.randperm(len(train_index), generator=torch.Generator().manual_seed(seed + 7919)).tolist()
+    order = torch.randperm(len(train_index), generator=torch.Generator().manual_seed(seed + 7919)).tolist()  # device: host-side order
     stop = sorted(train_index[i] for i in order[:n_stop])
     fit = sorted(train_index[i] for i in order[n_stop:n_stop + n_fit])
     return fit, stop
@@ -215,11 +215,11 @@ def relative_loss(problem: LayerProblem, rows: list[int], weight: torch.Tensor, 
 def minibatches(fit_rows: list[int], batch: int, seed: int) -> Iterator[list[int]]:
     """Endless minibatches of `batch` rows of `fit_rows`: seeded shuffled epochs, an epoch's remainder carried into
     the next batch (so every row is seen once per epoch)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # device: draws host-side row orders
     order: list[int] = []
     while True:
         if len(order) < batch:  # a new epoch over the fit sequences
-            order += [fit_rows[i] for i in torch.randperm(len(fit_rows), generator=gen).tolist()]
+            order += [fit_rows[i] for i in torch.randperm(len(fit_rows), generator=gen).tolist()]  # device: host-side order
         rows, order = order[:batch], order[batch:]
         yield rows
 
@@ -355,7 +355,7 @@ class LayerLocalData:
         if missing:
             raise ValueError(f"source layers {missing} were not collected (collected: {self.used_layers})")
         w_s = self.source_k.shape[-1] // len(self.used_layers)
-        cols = torch.cat([torch.arange(w_s) + self.used_layers.index(s) * w_s for s in selected])
+        cols = torch.cat([torch.arange(w_s) + self.used_layers.index(s) * w_s for s in selected])  # device: indexes the host-side features
         return LayerProblem(x_k=self.source_k[..., cols], x_v=self.source_v[..., cols], queries=self.queries[t],
                             native_out=self.native_out[t], sink_k=self.sink_k[t], sink_v=self.sink_v[t],
                             o_proj=self.o_proj[t], scaling=self.scaling[t], positions=self.positions, n_kv=self.n_kv,
@@ -423,7 +423,7 @@ def collect_layer_local(source, target, token_ids: torch.Tensor, used_layers: li
     _check_attention(target)
     n, seq = token_ids.shape
     positions = query_positions(seq, n_queries)
-    all_pos = torch.arange(seq)
+    all_pos = torch.arange(seq)  # device: host-side positions (RopeCodec moves them to its tables)
     cos, sin = (x[0, 0].cpu() for x in codec_for(target).cos_sin(all_pos))  # [S, d_t]
     src_codec = codec_for(source)
     n_sink = min(int(native_sink), seq)

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from ..config.paths import conf_dir
+from ..config.runconfig import check_groups, group_overrides
 from .build import make_plan
 from .knobs import get
 from .node import NODES, Node, detect_node, node_from_spec
@@ -23,15 +24,18 @@ from .text import format_plan, write_plan
 
 
 def compose_config(overrides: list[str]) -> dict:
-    """The run's resolved config from conf/ (Hydra compose API; out_dir defaults to a placeholder)."""
+    """The run's resolved config from conf/ (Hydra compose API; out_dir defaults to a placeholder). ValueError, as
+    run.py gives it, for a single value typed where the config has a group of keys (runconfig.check_groups)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     if not any(o.split("=", 1)[0].lstrip("+~") == "out_dir" for o in overrides):
         overrides = ["out_dir=plan", *overrides]
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)
+        cfg = OmegaConf.to_container(compose(config_name="config", overrides=list(overrides)), resolve=True)
+        defaults = compose(config_name="config", overrides=group_overrides(overrides, conf_dir()))
+    check_groups(cfg, OmegaConf.to_container(defaults, resolve=False))
+    return cfg
 
 
 def _parser() -> argparse.ArgumentParser:

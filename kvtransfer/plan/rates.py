@@ -78,9 +78,9 @@ def measure_cpu() -> dict:
 
     out = {}
     for name, dtype, n in (("float64", torch.float64, 384), ("float32", torch.float32, 512)):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a, b = torch.randn(n, n, dtype=dtype, device="cpu"), torch.randn(n, n, dtype=dtype, device="cpu")
         out[name] = 2 * n ** 3 / _best_seconds(lambda: a @ b)
-    src = torch.randn(8 << 20)
+    src = torch.randn(8 << 20, device="cpu")
     dst = torch.empty_like(src)
     out["bw"] = 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src))
     _MEASURED["cpu"] = out

@@ -65,8 +65,8 @@ def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | 
         if n_tok > limit:
             rows.append(dict(row, skipped=f"beyond max_position_embeddings={limit}"))
             continue
-        g = torch.Generator().manual_seed(n_tok)
-        ids = [torch.randint(1, source.config.vocab_size, (1, n_tok), generator=g).to(device) for _ in range(n_inputs)]
+        g = torch.Generator().manual_seed(n_tok)  # device: seeded CPU draw (the same numbers on every device), moved to `device` after
+        ids = [torch.randint(1, source.config.vocab_size, (1, n_tok), generator=g).to(device) for _ in range(n_inputs)]  # device: seeded CPU draw, moved
         # (cache, hidden states or None): a hidden-state map (kvtransfer.core.hidden) also reads the source's normed
         # layer inputs, captured from the same prefill
         caches = [prefill_with_hidden(source, i, layers=used_layers(mapper.selected_layers)) if mapper.needs_hidden

@@ -114,6 +114,6 @@ def mean_r2(mapper_r2: dict) -> dict:
     out: dict = {}
     for split, per in mapper_r2.items():
         for kind, values in per.items():
-            flat = torch.tensor(values, dtype=torch.float64)
+            flat = torch.tensor(values, dtype=torch.float64)  # device: host-side summary of Python lists
             out.setdefault(kind, {})[split] = float(flat.mean())
     return out

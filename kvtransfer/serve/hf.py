@@ -19,6 +19,6 @@ def prefill_layers(model, token_ids: list[int]) -> list[tuple[torch.Tensor, torc
     name = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
     ids = torch.tensor([token_ids], device=model.device)
     cache = DynamicCache(config=model.config)
-    body(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(ids.shape[1])[None],
+    body(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(ids.shape[1], device=ids.device)[None],
          use_cache=True, **{name: cache})
     return [(k[0], v[0]) for k, v in cache_to_layers(cache)]

@@ -138,7 +138,7 @@ class ServeMap:
         Positions below `native_sink` get the target's own sink K/V instead of mapped ones.
         """
         batched = [(k[None], v[None]) for k, v in source_layers]
-        mapped = map_layers(batched, self.mapper, torch.arange(lo, hi), source_codec=self.source_codec,
+        mapped = map_layers(batched, self.mapper, torch.arange(lo, hi, device=batched[0][0].device), source_codec=self.source_codec,
                             target_codec=self.target_codec, target_n_kv=self.target_n_kv, out_dtype=self.dtype)
         out = [(k[0], v[0]) for k, v in mapped]
         if lo < self.native_sink:
@@ -164,10 +164,10 @@ def identity_mapper(config, *, model_id: str = "", context_start: str = "prefix_
 
     shape = kv_shape(config)
     width = shape.n_kv * shape.head_dim
-    weight = torch.eye(width).expand(shape.n_layers, 2, width, width).clone()
+    weight = torch.eye(width).expand(shape.n_layers, 2, width, width).clone()  # device: built on the CPU like a loaded map (Mapper.to moves it)
     if noise:
-        weight += noise * torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed))
+        weight += noise * torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed))  # device: seeded CPU draw into the CPU weight
     ident = identity_from_config(config, model_id) | ({"weights": weights} if weights is not None else {})
-    return Mapper(weight=weight, bias=torch.zeros(shape.n_layers, 2, width), source=ident, target=ident,
-                  selected_layers=torch.arange(shape.n_layers)[:, None], native_sink=native_sink,
+    return Mapper(weight=weight, bias=torch.zeros(shape.n_layers, 2, width), source=ident, target=ident,  # device: built on the CPU like a loaded map (Mapper.to moves it)
+                  selected_layers=torch.arange(shape.n_layers)[:, None], native_sink=native_sink,  # device: host-side layer indices (a map keeps them on the CPU)
                   calibration={"context_start": context_start, "start_ids": list(start_ids or [])})

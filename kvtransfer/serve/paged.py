@@ -49,13 +49,13 @@ def slot_mapping(block_ids: list[int] | torch.Tensor, block_size: int, start: in
     block_ids: the request's blocks in token order (block j holds tokens j*block_size ..). Raises
     ValueError when the blocks do not cover `stop` tokens.
     """
-    blocks = torch.as_tensor(block_ids, dtype=torch.long)
+    blocks = torch.as_tensor(block_ids, dtype=torch.long)  # device: a list becomes host-side, a tensor keeps its device
     if not 0 <= start <= stop:
         raise ValueError(f"token range [{start}, {stop}) is not a range")
     if stop > blocks.numel() * block_size:
         raise ValueError(f"{blocks.numel()} blocks of {block_size} hold {blocks.numel() * block_size} tokens, "
                          f"not {stop}")
-    tokens = torch.arange(start, stop)
+    tokens = torch.arange(start, stop, device=blocks.device)
     return blocks[tokens // block_size] * block_size + tokens % block_size
 
 

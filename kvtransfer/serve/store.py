@@ -58,7 +58,7 @@ class BadEntry(ValueError):
 
 
 def _ids_bytes(token_ids) -> bytes:
-    return torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().astype("<i8").tobytes()
+    return torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().astype("<i8").tobytes()  # device: host bytes for a key
 
 
 def prompt_key(token_ids) -> str:
@@ -192,7 +192,7 @@ class KVStore:
         if not isinstance(model, dict) or not isinstance(model.get("key"), str):
             raise ValueError("model must be a serving identity with a 'key' (kvtransfer.serve.ident.serving_identity)")
         B = self.block_size
-        ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+        ids = torch.as_tensor(list(token_ids), dtype=torch.int64)  # device: host-side ids, written to a file
         n = ids.numel()
         if not _is_int(first) or first < 0 or first % B or first > n:
             raise ValueError(f"first={first!r}: a multiple of the block size {B} within the prompt's {n} tokens")
@@ -451,7 +451,7 @@ def _read_block(path: Path) -> tuple[dict, dict[str, torch.Tensor], str]:
             h.update(view[base + a:base + b])
             dtype = _TORCH_DTYPES[spec["dtype"]]
             tensors[name] = torch.frombuffer(view[base + a:base + b], dtype=dtype).view(spec["shape"]) \
-                if b > a else torch.empty(spec["shape"], dtype=dtype)
+                if b > a else torch.empty(spec["shape"], dtype=dtype)  # device: read from a file, as frombuffer
     except (ValueError, KeyError, TypeError, RuntimeError, AttributeError) as err:
         raise BadEntry("corrupt", f"{path}: not a readable block ({type(err).__name__}: {err})") from err
     return header, tensors, h.hexdigest()

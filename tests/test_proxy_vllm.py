@@ -6,7 +6,8 @@ Runs experiments/handoff/load_tiny.py at a small size (4 sessions x 4 turns, the
 its report: nothing crashed; every switch of a warm session sends nothing to the producer and maps what the
 source's turns stored; later turns prefill only their new tokens (the target's own prefix cache); every target
 turn serves what the target computes itself (identity map: the harness's transfer == the target's own prefill);
-every store fault is a counted fallback followed by a handoff that maps again; a takeover is a 403; bad requests
+every store fault is a counted fallback followed by a handoff that maps again; another key on a session's id is
+a session of its own; bad requests
 are 400s that leave no state; a dead producer is a target prefill and two dead engines a 502 from a proxy that
 stays up.
 """
@@ -65,7 +66,11 @@ def test_faults_are_counted_fallbacks_and_the_next_handoff_maps(report):
         assert faults[name]["after"].startswith("mapped "), name
     # the store lost a handed-over session's blocks: its next turn is served from the target's own cache
     assert faults["evicted"]["header"].startswith("cached "), faults["evicted"]
-    assert faults["takeover"] == {"owner": 200, "thief": 403}
+    # another key on the same id: its own cold session (a save step), no hit of the owner's cached blocks
+    second = faults["second_key"]
+    assert second["owner"] == second["other"] == 200, second
+    assert second["other_kvtransfer"]["save_s"] is not None and not second["other_kvtransfer"]["cached"], second
+    assert second["owner_switch"].startswith("mapped "), second
     bad = faults["distinct_bad_sessions"]
     assert bad["codes"] == {"400": 2000} and bad["sessions_after"] == bad["sessions_before"]
     assert bad["rss_kb_after"] - bad["rss_kb_before"] < 20_000, bad  # no per-request state kept

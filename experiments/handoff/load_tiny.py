@@ -19,8 +19,11 @@ Phase 2 (faults), each followed by a good handoff that must map again:
   truncated entry, corrupt entry (bytes flipped inside K tensors, header intact), foreign-weights entry
   (the target's architecture, other weights), evicted entry (deleted between a session's handoff and its next
   turn), bad requests (not JSON, wrong types, unknown model), the producer killed (then its handoffs), the
-  consumer killed (the proxy answers from the source); a takeover attempt (another API key on a session); 2,000 bad
-  requests with distinct session ids (the proxy's RSS before and after; sessions and locks left).
+  consumer killed (the proxy answers from the source); another API key on a session's id (its own session: a
+  cold switch of its own, nothing of the first key's); 2,000 bad requests with distinct session ids (the proxy's
+  RSS before and after; sessions and locks left).
+Every session request carries an API key (`Authorization: Bearer load`); the proxy's secret is OUT_DIR/proxy.secret,
+so the script can name a session's store namespace (the spoilt blocks are the session's own).
 Counted: requests, mapped, fallbacks by reason (the proxy's and the consumer connector's), crashes (a process
 that died without being killed, or a proxy 5xx), differing responses.
 """
@@ -43,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TARGET = ROOT / "models/tiny/qwen3-tiny-3m"
 START = 0
 PY = sys.executable
+KEY = "Bearer load"  # the API key of every session request
 
 
 def kv(role: str, store: Path, **extra) -> str:
@@ -94,7 +98,7 @@ class Run:
                 "ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": True}
         t0 = time.perf_counter()
         r = await self.client.post(self.proxy + "/v1/completions", json=body,
-                                   headers={"x-kvtransfer-session": session})
+                                   headers={"x-kvtransfer-session": session, "authorization": KEY})
         rec = {"phase": phase, "session": session, "prompt": len(ids), "to_target": to_target, "status": r.status_code,
                "seconds": time.perf_counter() - t0, "header": r.headers.get("x-kvtransfer")}
         if r.status_code == 200:
@@ -172,25 +176,28 @@ async def faults(run: Run, producer: subprocess.Popen, consumer: subprocess.Pope
     notes = {}
 
     async def handoff_then_spoil(name, spoil):
+        from kvtransfer.serve.proxy import read_secret
+        from kvtransfer.serve.proxy_state import Sessions
         from kvtransfer.serve.store import KVStore
 
-        ids = body(200)
-        save = await run.client.post(source_url + "/v1/completions",
-                                     json={"model": "tiny-8101", "prompt": ids, "max_tokens": 1})
-        assert save.status_code == 200, save.text
+        ids, session = body(200), f"fault-{name}"
+        save = await run.turn(ids, session, False, f"fault:{name}_source")  # written through under its namespace
+        assert save["status"] == 200, save
         # the producer writes in the background, and may still be writing an earlier session's blocks: find this
-        # prompt's own chain by its hashes (not by which files are new) and wait for its last full block
+        # session's chain by its namespace and hashes (not by which files are new) and wait for its last full block
+        keys = Sessions(read_secret(run.out / "proxy.secret"))
+        ns = keys.namespace(keys.owner_of(KEY), session)
         store = KVStore(run.store)
         full = len(ids) // store.block_size * store.block_size
         deadline = time.time() + 60
-        while ((tip := store.tip(ids)) is None or tip[2] < full) and time.time() < deadline:
+        while ((tip := store.tip(ids, ns=ns)) is None or tip[2] < full) and time.time() < deadline:
             await asyncio.sleep(0.1)
         assert tip is not None and tip[2] == full, f"the producer stored {tip} of {full} tokens within 60 s"
-        last = store.block_path(tip[0], tip[1])
+        last = store.block_path(tip[0], tip[1], ns)
         assert block_index(last) == full // store.block_size - 1, last
         spoil(last)  # the prompt's last stored block
-        # the proxy hands over again (the producer rewrites nothing: entries are never overwritten)
-        rec = await run.turn(ids, f"fault-{name}", True, f"fault:{name}")
+        # the session's switch (the producer rewrites nothing: a warm switch sends it nothing)
+        rec = await run.turn(ids, session, True, f"fault:{name}")
         good = await run.turn(body(150), f"fault-{name}-after", True, f"after:{name}")
         notes[name] = {"header": rec.get("header"), "after": good.get("header")}
 
@@ -233,14 +240,19 @@ async def faults(run: Run, producer: subprocess.Popen, consumer: subprocess.Pope
     rec = await run.turn(ids2, "fault-evicted", True, "fault:evicted")
     notes["evicted"] = {"header": rec.get("header")}
 
-    # a takeover: another API key posts to a session opened with one
+    # another API key on a session's id: a session of its own (a cold switch, its own save step), nothing of the
+    # first key's (no hit in the target's cache under the first key's salt); the first key's switch still maps
     owner = {"x-kvtransfer-session": "fault-owned", "authorization": "Bearer owner"}
     ids = body(40)
     first = await run.client.post(run.proxy + "/v1/completions", headers=owner,
                                   json={"model": "source", "prompt": ids, "max_tokens": 2})
-    thief = await run.client.post(run.proxy + "/v1/completions", headers={**owner, "authorization": "Bearer thief"},
+    other = await run.client.post(run.proxy + "/v1/completions", headers={**owner, "authorization": "Bearer other"},
                                   json={"model": "target", "prompt": ids, "max_tokens": 2})
-    notes["takeover"] = {"owner": first.status_code, "thief": thief.status_code}
+    then = await run.client.post(run.proxy + "/v1/completions", headers=owner,
+                                 json={"model": "target", "prompt": ids, "max_tokens": 2})
+    notes["second_key"] = {"owner": first.status_code, "other": other.status_code,
+                           "other_kvtransfer": other.json().get("kvtransfer") if other.status_code == 200 else None,
+                           "owner_switch": then.headers.get("x-kvtransfer")}
 
     # bad requests with distinct session ids: the proxy keeps no state for them
     rss_before = proxy_rss(run.proxy_pid)
@@ -298,7 +310,7 @@ async def main_async(args) -> dict:
                                      stats=out / "consumer_stats.json"), out / "consumer.log")
     proxy = subprocess.Popen([PY, "-m", "kvtransfer.serve.proxy", "--source", "http://127.0.0.1:8101", "--target",
                               "http://127.0.0.1:8102", "--mapper", str(out / "identity"), "--store", str(store),
-                              "--port", "8100"],
+                              "--secret-file", str(out / "proxy.secret"), "--port", "8100"],
                              stdout=(out / "proxy.log").open("w"), stderr=subprocess.STDOUT,
                              env=os.environ | {"PYTHONPATH": str(ROOT)}, start_new_session=True)
     try:

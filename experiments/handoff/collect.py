@@ -87,9 +87,15 @@ def fault_table(rep: dict) -> str:
     bad = f["bad_requests"]
     lines.append(f"| bad requests | {len(bad)} malformed bodies | HTTP {', '.join(map(str, sorted(set(bad))))} "
                  f"(all {len(bad)}) | - | - |")
-    t = f.get("takeover")
+    t = f.get("takeover")  # reports before sessions were keyed by (API key, id)
     if t:
         lines.append(f"| takeover | another API key on an open session | HTTP {t['thief']} (owner: {t['owner']}) | - | - |")
+    k = f.get("second_key")
+    if k:
+        other = k.get("other_kvtransfer") or {}
+        lines.append(f"| second key | another API key on an open session's id | HTTP {k['other']}: a session of its own "
+                     f"(save step {other.get('save_s') is not None}, cached {other.get('cached') or 0}) | - | "
+                     f"owner's switch: {k['owner_switch']} |")
     b = f.get("distinct_bad_sessions")
     if b:
         lines.append(f"| distinct bad sessions | {sum(b['codes'].values())} bad requests, each with its own 2 KB session "

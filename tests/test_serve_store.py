@@ -185,7 +185,9 @@ def test_mis_shaped_and_truncated_blocks_fall_back(tmp_path, models):
 # ---------------------------------------------------------------- request fields
 @pytest.mark.parametrize("params", [{"kvtransfer_source_len": "5"}, {"kvtransfer_source_len": 2.5},
                                     {"kvtransfer_source_len": True}, {"kvtransfer_source_len": -1},
-                                    {"kvtransfer": ["off"]}, {"kvtransfer": 1}, ["off"], "off"])
+                                    {"kvtransfer": ["off"]}, {"kvtransfer": 1}, ["off"], "off",
+                                    {"kvtransfer_ns": "../x"}, {"kvtransfer_ns": "ABCD"}, {"kvtransfer_ns": 12},
+                                    {"kvtransfer_ns": "a" * 65}, {"kvtransfer_ns": "_"}])
 def test_a_malformed_request_field_is_a_bad_request_never_an_exception(tmp_path, models, params):
     store = KVStore(tmp_path, block_size=16)
     prompt = _prompt(40)
@@ -195,7 +197,8 @@ def test_a_malformed_request_field_is_a_bad_request_never_an_exception(tmp_path,
     d = safe_decide(prompt, 0, store, _spec(models), params=params)
     assert (d.reason, d.matched) == ("bad_request", 0)
     assert safe_decide(prompt, 0, store, _spec(models), params={"kvtransfer_source_len": 20}).hi == 16
-    assert parse_params({"kvtransfer": "off", "other_connector": [1]}) == (True, None)
+    assert parse_params({"kvtransfer": "off", "other_connector": [1]}) == (True, None, "")
+    assert parse_params({"kvtransfer_ns": "0a" * 32}) == (False, None, "0a" * 32)
 
 
 def test_safe_decide_turns_any_fault_into_a_counted_error(tmp_path, models, monkeypatch):

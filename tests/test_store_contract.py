@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvtransfer.core.io import atomic_save_tensors
+from kvtransfer.serve.policy import MAPPED, MapSpec, safe_decide
 from kvtransfer.serve.store import FORMAT, VERSION, KVStore, checksum
 
 KEY, OTHER_KEY = "0123456789abcdef", "fedcba9876543210"
@@ -154,6 +155,18 @@ def test_the_same_tokens_in_two_namespaces_share_no_hash_and_no_block(store_fact
     for ns, value in ((A, 0.5), (B, 0.25)):
         k, _ = store.read(store.lookup(doc, KEY, ns=ns), doc, 0, 16)[0]
         assert torch.equal(k[0, :, 0], torch.arange(16, dtype=torch.float32) + value)
+
+
+def test_a_tenants_decision_never_maps_another_tenants_blocks(store_factory):
+    store = store_factory.make()
+    doc = _ids(20)
+    store.write(doc, _layers(20), IDENT, ns=A)
+    spec = MapSpec(KEY)
+    assert safe_decide(doc, 0, store, spec, params={"kvtransfer_ns": A}).reason == MAPPED
+    for params in ({"kvtransfer_ns": B}, None, {}):
+        d = safe_decide(doc, 0, store, spec, params=params)
+        assert (d.reason, d.matched) == ("no_entry", 0), d
+    assert safe_decide(doc, 0, store, spec, params={"kvtransfer_ns": "../a"}).reason == "bad_request"
 
 
 def test_deleting_a_namespace_leaves_every_other_namespace_whole_even_on_shared_tokens(store_factory):

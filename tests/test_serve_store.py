@@ -17,7 +17,7 @@ from kvtransfer.core.io import atomic_save_tensors
 from kvtransfer.serve import policy
 from kvtransfer.serve.ident import serving_identity
 from kvtransfer.serve.policy import MAPPED, Counters, Decider, MapSpec, decide, parse_params, safe_decide
-from kvtransfer.serve.store import BadEntry, KVStore, checksum, save_prefill
+from kvtransfer.serve.store import VERSION, BadEntry, KVStore, checksum, save_prefill
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,15 +125,15 @@ def test_flipped_k_bytes_fail_the_checksum(tmp_path, models):
 def _raw_block(store, ident, prompt, *, header_fix=None, tensors_fix=None):
     """Block 0 of `prompt` written by hand with its header or tensors changed (a buggy or hostile producer)."""
     h = store.hashes(prompt, ident["key"])[0]
-    parent = __import__("hashlib").sha256(f"kvtransfer.kv_store/{ident['key']}/{store.block_size}".encode()).hexdigest()
+    parent = store.seed(ident["key"])
     B = store.block_size
     ids = torch.tensor(prompt[:B])
     k = torch.zeros(ident["n_layers"], ident["n_kv"], B, ident["head_dim"])
     tensors = {"token_ids": ids, "k": k, "v": k.clone()}
     if tensors_fix:
         tensors = tensors_fix(tensors)
-    header = {"format": "kvtransfer.kv_block", "version": 2, "model": ident, "block": 0, "parent": parent, "hash": h,
-              "block_size": B, "dtype": "float32", "checksum": checksum(ids, k, k)}
+    header = {"format": "kvtransfer.kv_block", "version": VERSION, "model": ident, "ns": "", "block": 0,
+              "parent": parent, "hash": h, "block_size": B, "dtype": "float32", "checksum": checksum(ids, k, k)}
     if header_fix:
         header = header_fix(header)
     path = store.block_path(ident["key"], h)
@@ -151,6 +151,9 @@ MALFORMED = {  # name -> (header change, the reason the decision must give)
     "not_a_dict": (lambda h: [h], "corrupt"),
     "dtype_list": (lambda h: h | {"dtype": ["float32"]}, "corrupt"),
     "foreign_key": (lambda h: h | {"model": h["model"] | {"key": "0" * 16}}, "wrong_pair"),
+    "other_namespace": (lambda h: h | {"ns": "ab"}, "corrupt"),  # a block copied in from another namespace
+    "ns_list": (lambda h: h | {"ns": [""]}, "corrupt"),
+    "old_version": (lambda h: h | {"version": 2}, "corrupt"),
 }
 
 
@@ -159,6 +162,9 @@ def test_a_malformed_block_header_is_a_counted_fallback_never_an_exception(tmp_p
     fix, reason = MALFORMED[name]
     store = KVStore(tmp_path, block_size=16)
     prompt = _prompt(40)
+    good = _raw_block(store, models["src_id"], prompt)
+    assert decide(prompt, 0, store, _spec(models)).reason == MAPPED  # the hand-written block itself is valid ...
+    good.unlink()
     _raw_block(store, models["src_id"], prompt, header_fix=fix)
     d = decide(prompt, 0, store, _spec(models))  # decide itself does not raise
     assert (d.reason, d.matched) == (reason, 0), d.detail
@@ -179,7 +185,9 @@ def test_mis_shaped_and_truncated_blocks_fall_back(tmp_path, models):
 # ---------------------------------------------------------------- request fields
 @pytest.mark.parametrize("params", [{"kvtransfer_source_len": "5"}, {"kvtransfer_source_len": 2.5},
                                     {"kvtransfer_source_len": True}, {"kvtransfer_source_len": -1},
-                                    {"kvtransfer": ["off"]}, {"kvtransfer": 1}, ["off"], "off"])
+                                    {"kvtransfer": ["off"]}, {"kvtransfer": 1}, ["off"], "off",
+                                    {"kvtransfer_ns": "../x"}, {"kvtransfer_ns": "ABCD"}, {"kvtransfer_ns": 12},
+                                    {"kvtransfer_ns": "a" * 65}, {"kvtransfer_ns": "_"}])
 def test_a_malformed_request_field_is_a_bad_request_never_an_exception(tmp_path, models, params):
     store = KVStore(tmp_path, block_size=16)
     prompt = _prompt(40)
@@ -189,7 +197,8 @@ def test_a_malformed_request_field_is_a_bad_request_never_an_exception(tmp_path,
     d = safe_decide(prompt, 0, store, _spec(models), params=params)
     assert (d.reason, d.matched) == ("bad_request", 0)
     assert safe_decide(prompt, 0, store, _spec(models), params={"kvtransfer_source_len": 20}).hi == 16
-    assert parse_params({"kvtransfer": "off", "other_connector": [1]}) == (True, None)
+    assert parse_params({"kvtransfer": "off", "other_connector": [1]}) == (True, None, "")
+    assert parse_params({"kvtransfer_ns": "0a" * 32}) == (False, None, "0a" * 32)
 
 
 def test_safe_decide_turns_any_fault_into_a_counted_error(tmp_path, models, monkeypatch):
@@ -295,7 +304,7 @@ def test_a_size_cap_evicts_least_recently_used_blocks(tmp_path, models):
     prompts = [_prompt(16, seed=s) for s in range(6)]
     store.write(prompts[0], _layers(ident, 16, 0), ident)
     one = store.usage()
-    capped = KVStore(tmp_path, max_bytes=3 * one)
+    capped = KVStore(tmp_path, max_bytes=3 * one, evict_to=1.0)  # no hysteresis: the order of eviction is tested
     import os
     for s, p in enumerate(prompts[1:4], 1):
         capped.write(p, _layers(ident, 16, s), ident)

@@ -35,8 +35,18 @@ def atomic_write_json(path: str | Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
 
 
-def atomic_save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
-    """Save tensors as safetensors at `path` atomically; `metadata` (JSON-able) goes in the header."""
+def atomic_save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None, *,
+                        sync_dir: bool = True) -> int:
+    """Save tensors as safetensors at `path` atomically and durably; `metadata` (JSON-able) goes in the header.
+    Returns the file's size in bytes.
+
+    The temporary file (`.<name>.*.tmp` beside `path`) is fsynced before the rename, and the directory after it, so a
+    crash or power loss leaves the old file, the whole new one or an orphaned temporary file -- never a torn file
+    under `path` (a rename without the fsync can reach the disk before the data does). The directory fsync is
+    best effort: filesystems that refuse it (some network mounts) are not an error. sync_dir=False leaves it to the
+    caller (`fsync_dir`), who may sync each directory once after many files: the rename is then durable later,
+    but the file is never torn.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -44,10 +54,33 @@ def atomic_save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta
     try:
         header = {"kvtransfer": json.dumps(metadata or {}, default=str)}
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=header)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:  # fsync flushes the file's data whatever mode the descriptor was opened in
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if sync_dir:
+        fsync_dir(path.parent)
+    return size
+
+
+def fsync_dir(directory: str | Path) -> None:
+    """fsync a directory (makes a rename inside it durable); an OSError (a filesystem that refuses) is ignored."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def load_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:

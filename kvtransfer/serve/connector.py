@@ -15,7 +15,10 @@ extra config
                    (default: no cap)
     store_retention_s  producer: blocks unused this long are removed (default: kept)
     async_save     producer: write in the background (default true; false writes inside the forward step)
-    save_queue_bytes  producer: gathered K/V waiting for the writer, at most (default 1 GiB; beyond it a step waits)
+    save_queue_bytes  producer: gathered K/V waiting for the writer, at most (default 1 GiB; a save beyond it is
+                   dropped and counted: a slow or hung store never stalls a forward step)
+    save_drain_s   producer: at shutdown, seconds the writer may take to finish its queue before the rest is
+                   abandoned (default 10)
     mapper         consumer: a saved mapper directory (kvtransfer.core.mapper)
     source_model   consumer: the source model's directory (its config builds the source RoPE)
     native_tail    consumer: prompt tokens the target always computes itself (default 1, the paper's)
@@ -29,7 +32,13 @@ extra config
     per request    kv_transfer_params (SamplingParams.extra_args["kv_transfer_params"]; the OpenAI server's
                    `kv_transfer_params` body field): {"kvtransfer": "off"} asks for a normal prefill;
                    {"kvtransfer_source_len": n} maps at most the first n prompt tokens; {"kvtransfer_tag": "..."}
-                   names the request in the stats file. A field of the wrong type is reason "bad_request".
+                   names the request in the stats file; {"kvtransfer_ns": ns} ("" or 1..64 lowercase hex: the
+                   handoff proxy sets it per tenant session, on both engines) is the store namespace the producer
+                   writes the prompt's blocks in and the consumer looks them up in (default "", shared). A field of
+                   the wrong type is reason "bad_request" (a producer then stores nothing for the request).
+    parallelism    one rank per engine: tensor or pipeline parallelism splits a model's KV over ranks, and the store
+                   holds whole-model blocks, so the connector refuses tensor_parallel_size or
+                   pipeline_parallel_size > 1 at start
     response       the consumer returns {"kvtransfer": {"reason", "mapped", "cached", "prefilled", "prompt",
                    "detail"}} as the finished request's kv_transfer_params (the OpenAI response's
                    `kv_transfer_params` field; RequestOutput.kv_transfer_params offline)
@@ -64,7 +73,7 @@ from typing import Any
 import torch
 
 from . import gating, paged
-from .policy import MAPPED, Counters, Decider, MapSpec, Timings
+from .policy import MAPPED, BadRequest, Counters, Decider, MapSpec, Timings, request_namespace
 from .specs import LoadSpec, SaveSpec, layer_index
 from .store import KVStore, Prefix
 from .writer import StoreWriter
@@ -126,6 +135,20 @@ def _cpu_attention_isa(vllm_config, dtype: torch.dtype, head_dim: int) -> str:
                          str(vllm_config.cache_config.cache_dtype))
 
 
+def check_parallelism(vllm_config) -> None:
+    """ValueError, naming the fix, when the engine splits a model's KV cache over ranks (tensor_parallel_size or
+    pipeline_parallel_size > 1): each rank would gather or map only its share of the KV heads or layers, while the
+    store holds (and checks) whole-model blocks."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    for knob, flag, part in (("tensor_parallel_size", "--tensor-parallel-size", "KV heads"),
+                             ("pipeline_parallel_size", "--pipeline-parallel-size", "layers")):
+        n = getattr(parallel, knob, 1)
+        if n is not None and n != 1:
+            raise ValueError(f"{knob}={n}: the kvtransfer connector stores and maps whole-model KV blocks, and each "
+                             f"rank of this engine holds only its share of the {part}; run the engines with {flag} 1 "
+                             f"(scale out with more engine replicas instead)")
+
+
 def worker_layout(vllm_config, dtype: torch.dtype, head_dim: int) -> paged.PagedLayout:
     """The paged layout of the attention backend this worker registered (kvtransfer.serve.paged.select_layout).
 
@@ -161,6 +184,7 @@ class KVTransferConnector(KVConnectorBase_V1):
     """Producer saves prompt K/V to a KVStore; consumer maps a source entry into the target's paged cache."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
+        check_parallelism(vllm_config)  # before anything is opened: the engine fails to start, saying why
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         extra = cfg.kv_connector_extra_config or {}
@@ -205,6 +229,7 @@ class KVTransferConnector(KVConnectorBase_V1):
         self._alloc: dict[str, list[int]] = {}  # scheduler: request -> its block ids when external tokens were promised
         self.writer = StoreWriter(self.store, max_pending_bytes=int(extra.get("save_queue_bytes", 1 << 30)),
                                   background=_flag(extra.get("async_save", True))) if self.producer else None
+        self.save_drain_s = float(extra.get("save_drain_s", 10.0))
         if self.writer is not None:
             self.timings.writer = self.writer.stats
         self.spec = None if self.producer else self._scheduler_spec(role)
@@ -331,7 +356,8 @@ class KVTransferConnector(KVConnectorBase_V1):
                 prompt = prompt_all[:n_blocks * prefix.block_size]
                 meta.loads.append(LoadSpec(req_id, prefix.model_key, list(prefix.hashes[:n_blocks]), decision.lo,
                                            decision.hi, blocks, prompt, gate_hi=gate_hi,
-                                           native_sink=self.spec.native_sink, prompt_len=len(prompt_all)))
+                                           native_sink=self.spec.native_sink, prompt_len=len(prompt_all),
+                                           ns=prefix.ns))
                 first, last = decision.lo // self.block_size, (decision.hi - 1) // self.block_size
                 self._loading[req_id] = set(blocks[first:last + 1])
                 self._alloc.pop(req_id, None)
@@ -348,7 +374,8 @@ class KVTransferConnector(KVConnectorBase_V1):
 
     def _plan_saves(self, scheduler_output, meta: ServeMetadata) -> None:
         """A SaveSpec for every request whose prompt prefill completes in this step and whose full blocks the store
-        does not all hold yet (from its first missing block on)."""
+        does not all hold yet (from its first missing block on), in the request's namespace (`kvtransfer_ns`; a
+        malformed one: the request is not stored, counted "save_bad_request")."""
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -359,12 +386,20 @@ class KVTransferConnector(KVConnectorBase_V1):
             prompt = list(request.prompt_token_ids or [])
             if before + scheduler_output.num_scheduled_tokens.get(req_id, 0) >= len(prompt) > 0:
                 self._saved.add(req_id)
+                try:
+                    ns = request_namespace(getattr(request, "kv_transfer_params", None))
+                except BadRequest as err:
+                    log.warning("kvtransfer: request %s is not stored: %s", req_id, err)
+                    self.counters.count("save_bad_request")
+                    continue
                 B = self.store.block_size
                 end = len(prompt) // B * B  # only full blocks are stored
-                first = self.store.stored_blocks(prompt[:end], self._identity()["key"]) * B
+                # on vLLM's scheduler thread: one stat per stored block, stopping at the first missing one (see
+                # KVStore.stored_blocks) -- no header is opened
+                first = self.store.stored_blocks(prompt[:end], self._identity()["key"], ns) * B
                 if first < end:  # an earlier turn of this conversation stored the blocks before `first`
                     meta.saves.append(SaveSpec(req_id, prompt, list(self._kv_cache_manager.get_block_ids(req_id)[0]),
-                                               first=first, end=end))
+                                               first=first, end=end, ns=ns))
 
     def update_connector_output(self, connector_output) -> None:
         """Scheduler side: a mapped request whose blocks the worker reported as load errors is re-classified
@@ -405,7 +440,7 @@ class KVTransferConnector(KVConnectorBase_V1):
 
     def shutdown(self):
         if self.writer is not None:
-            self.writer.close()
+            self.writer.close(self.save_drain_s)  # a hung store: abandoned after the deadline, never a hung shutdown
         self.counters.flush()
         self.timings.flush()
         try:
@@ -470,7 +505,7 @@ class KVTransferConnector(KVConnectorBase_V1):
         if self._smap is None:
             raise RuntimeError(self._smap_error or "no mapper")
         t0 = time.perf_counter()
-        prefix = Prefix(spec.model_key, self.store.block_size, tuple(spec.hashes))
+        prefix = Prefix(spec.model_key, self.store.block_size, tuple(spec.hashes), ns=spec.ns)
         end = max(spec.hi, spec.gate_hi)
         source = self.store.read(prefix, spec.prompt, spec.lo, end)  # checksums, ids vs the prompt
         t1 = time.perf_counter()
@@ -523,7 +558,7 @@ class KVTransferConnector(KVConnectorBase_V1):
             try:
                 end = len(spec.token_ids) if spec.end is None else spec.end
                 self.writer.submit(spec.req_id, spec.token_ids[:end], [parts[i] for i in sorted(parts)],
-                                   self._identity(), spec.first)
+                                   self._identity(), spec.first, spec.ns)
                 self.timings.touch()
             except Exception as err:  # noqa: BLE001 -- a failed save (disk full, ...) is a future miss, not a failure
                 log.error("kvtransfer: could not store request %s: %s", spec.req_id, err)

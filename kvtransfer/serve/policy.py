@@ -4,7 +4,8 @@ Everything is checked before vLLM is promised a token (a promise the worker then
 recompute under kv_load_failure_policy="recompute"): the request's fields have the right types, the
 mapper is usable for this engine, the prompt starts with the mapper's position-0 tokens (its
 context_start), and the store holds a prefix of the prompt written by the mapper's source model (same
-architecture *and* weights: kvtransfer.serve.ident) whose block headers check out. Any failure -> 0
+architecture *and* weights: kvtransfer.serve.ident), in the request's namespace (`kvtransfer_ns`), whose block
+headers check out. Any failure -> 0
 matched tokens and a normal prefill, with a reason that is logged and counted (`Counters`).
 
 `decide` is a pure function of (prompt, num_computed, store contents, spec, request fields); `safe_decide`
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.io import atomic_write_json
-from .store import BadEntry, KVStore, Prefix
+from .store import BadEntry, KVStore, Prefix, check_namespace
 
 log = logging.getLogger("kvtransfer.serve")
 
@@ -79,15 +80,31 @@ def salted_by(cache_salt, salt: str) -> bool:
     return isinstance(cache_salt, str) and (cache_salt == salt or cache_salt.startswith(salt + ":"))
 
 
-def parse_params(params) -> tuple[bool, int | None]:
-    """(off, source_len) from a request's kv_transfer_params; BadRequest naming the field on a wrong type.
+NS_FIELD = "kvtransfer_ns"  # kv_transfer_params field: the request's store namespace (the handoff proxy sets it)
+
+
+def request_namespace(params) -> str:
+    """The store namespace of a request's kv_transfer_params ("" when it names none); BadRequest for a value that is
+    not "" or 1..64 lowercase hex characters."""
+    ns = params.get(NS_FIELD) if isinstance(params, dict) else None
+    if ns is None:
+        return ""
+    try:
+        return check_namespace(ns)
+    except ValueError as err:
+        raise BadRequest(f"kv_transfer_params.{NS_FIELD}: {err}") from None
+
+
+def parse_params(params) -> tuple[bool, int | None, str]:
+    """(off, source_len, ns) from a request's kv_transfer_params; BadRequest naming the field on a wrong type.
 
     {"kvtransfer": "off"} asks for a normal prefill ("on"/absent: map when possible); {"kvtransfer_source_len": n}
-    (an int >= 0) limits the lookup to the first n prompt tokens. Unknown keys are ignored (other connectors'
-    and the proxy's fields travel in the same dict).
+    (an int >= 0) limits the lookup to the first n prompt tokens; {"kvtransfer_ns": ns} ("" or 1..64 lowercase hex,
+    set by the handoff proxy) is the store namespace looked up (default "", the shared one). Unknown keys are
+    ignored (other connectors' and the proxy's fields travel in the same dict).
     """
     if params is None:
-        return False, None
+        return False, None, ""
     if not isinstance(params, dict):
         raise BadRequest(f"kv_transfer_params must be an object, not {type(params).__name__}")
     mode = params.get("kvtransfer")
@@ -96,11 +113,11 @@ def parse_params(params) -> tuple[bool, int | None]:
     n = params.get("kvtransfer_source_len")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
         raise BadRequest(f"kv_transfer_params.kvtransfer_source_len={n!r}: a non-negative integer number of tokens")
-    return mode == "off", n
+    return mode == "off", n, request_namespace(params)
 
 
 def decide(prompt: list[int], num_computed: int, store: KVStore, spec: MapSpec, *, prefix_caching: bool = False,
-           salted: bool = False, source_len: int | None = None, off: bool = False) -> Decision:
+           salted: bool = False, source_len: int | None = None, off: bool = False, ns: str = "") -> Decision:
     """The decision for one request whose first `num_computed` prompt tokens are already in the cache.
 
     prefix_caching / salted: with vLLM's prefix cache on, only requests carrying the connector's cache
@@ -108,7 +125,8 @@ def decide(prompt: list[int], num_computed: int, store: KVStore, spec: MapSpec, 
     every other request's and session's and never serve another's exact prefix-cache hit. A request whose
     first num_computed tokens vLLM's prefix cache already holds (this session's earlier turns) and that the store
     cannot extend is reason "cached": its summary counts those tokens as cached, not mapped. source_len: map at most the first source_len prompt tokens. off: the request asked
-    for a normal prefill. The mapped range is tokens lo..hi-1 with lo = num_computed and hi = the longest stored
+    for a normal prefill. ns: the store namespace looked up (the request's; another namespace's blocks are never
+    seen). The mapped range is tokens lo..hi-1 with lo = num_computed and hi = the longest stored
     prefix, capped to leave the last `native_tail` prompt tokens to the target.
     """
     if off:
@@ -122,7 +140,7 @@ def decide(prompt: list[int], num_computed: int, store: KVStore, spec: MapSpec, 
         return Decision("context_start", detail=f"the prompt does not start with the mapper's position-0 ids "
                                                 f"{list(spec.start_ids)}")
     key_ids = prompt if source_len is None else prompt[:source_len]
-    prefix = store.lookup(key_ids, spec.source_hash)
+    prefix = store.lookup(key_ids, spec.source_hash, ns)
     lo = num_computed
     if lo > 0 and min(prefix.n_tokens, len(prompt) - spec.native_tail) <= lo:
         return Decision(CACHED, lo=lo, hi=lo, tail=len(prompt) - lo,
@@ -132,7 +150,7 @@ def decide(prompt: list[int], num_computed: int, store: KVStore, spec: MapSpec, 
         if prefix.detail:
             reason, _, detail = prefix.detail.partition(": ")
             return Decision(reason, detail=detail)
-        other = store.others(key_ids, spec.source_hash)
+        other = store.others(key_ids, spec.source_hash, ns)
         if other:
             return Decision("wrong_pair", detail=f"the store holds this prompt from model {other[0]}, not the "
                                                  f"mapper's source {spec.source_hash} (other weights or architecture)")
@@ -149,13 +167,13 @@ def safe_decide(prompt, num_computed, store: KVStore, spec: MapSpec, *, params=N
     """`decide` for a request as vLLM hands it (its raw kv_transfer_params): never raises. A malformed field is
     reason "bad_request"; any other exception (a store or code fault) is reason "error", with the exception named."""
     try:
-        off, source_len = parse_params(params)
+        off, source_len, ns = parse_params(params)
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise BadRequest("the request has no prompt token ids")
         if not isinstance(num_computed, int) or num_computed < 0:
             raise BadRequest(f"num_computed_tokens={num_computed!r}")
         return decide(prompt, num_computed, store, spec, prefix_caching=prefix_caching, salted=salted,
-                      source_len=source_len, off=off)
+                      source_len=source_len, off=off, ns=ns)
     except BadRequest as err:
         return Decision("bad_request", detail=str(err))
     except BadEntry as err:

@@ -1,24 +1,31 @@
-"""The prefix store a producer writes and a consumer reads: fixed-size token blocks, chained hashes.
+"""The prefix store a producer writes and a consumer reads: fixed-size token blocks, chained hashes, namespaces.
 
-    <root>/store.json                              {"format": "kvtransfer.kv_store", "block_size": B}
-    <root>/<model key>/<h[:2]>/<h>.safetensors     one block: tokens j*B .. (j+1)*B - 1 of some prompt
+    <root>/store.json                                   {"format": "kvtransfer.kv_store", "layout": 2, "block_size": B}
+    <root>/<model key>/<ns dir>/<h[:2]>/<h>.safetensors  one block: tokens j*B .. (j+1)*B - 1 of some prompt
 
-    model key  kvtransfer.serve.ident: the producer's architecture *and* weights (16 hex)
-    h          chained hash, as vLLM's prefix cache: h_0 = sha256("kvtransfer.kv_store/<model key>/<B>"),
+    model key  kvtransfer.serve.ident: the producer's architecture *and* weights (16 lowercase hex)
+    ns         the namespace: "" (shared, directory "_") or 1..64 lowercase hex characters (directory = ns). The
+               handoff proxy gives each tenant's session its own (request field `kvtransfer_ns`), so one tenant's
+               blocks are never found, mapped or deleted under another's.
+    h          chained hash, as vLLM's prefix cache: h_0 = sha256("kvtransfer.kv_store/<model key>/<B>/<ns>"),
                h_{j+1} = sha256(h_j || token ids of block j as little-endian int64); block j is named h_{j+1}.
-               A block therefore stands for the whole prefix 0 .. (j+1)*B - 1, through that model.
+               A block therefore stands for the whole prefix 0 .. (j+1)*B - 1, through that model, in that
+               namespace: the same tokens in two namespaces never share a hash or a file.
     tensors    token_ids int64 [B]; k, v [n_layers, n_kv, B, head_dim] (keys post-RoPE, as the model caches them)
-    header     (safetensors metadata "kvtransfer", JSON) {"format": "kvtransfer.kv_block", "version": 2,
-               "model": identity, "block": j, "parent": h_j, "hash": h_{j+1}, "block_size": B, "dtype",
+    header     (safetensors metadata "kvtransfer", JSON) {"format": "kvtransfer.kv_block", "version": 3,
+               "model": identity, "ns": ns, "block": j, "parent": h_j, "hash": h_{j+1}, "block_size": B, "dtype",
                "checksum": sha256 of the token_ids, k and v bytes}
 
-Only full blocks are stored (a prompt's last n % B tokens are the target's to compute), and no block is
+Only full blocks are stored (a prompt's last n % B tokens are the target's to compute), and no whole block is
 stored twice: turn t + 1 of a conversation writes only the blocks turn t did not, and a consumer maps the
-longest stored prefix of any prompt (`lookup`). Blocks are written atomically (temporary file + rename,
-kvtransfer.core.io) and never overwritten. A write or read stamps the mtimes of the prompt's whole chain, block 0
-the newest, so least-recently-used eviction (`max_bytes`) takes a chain's tail before its head and never leaves a
-block unreachable behind a missing one; `retention_s` removes blocks nobody used for that long, and `delete_chain`
-a session's chain.
+longest stored prefix of any prompt (`lookup`). Blocks are written atomically and durably (temporary file, fsync,
+rename, directory fsync: kvtransfer.core.io) and never overwritten -- except a torn one (a file whose size is not
+the size its own header declares, left by a crash before writes were fsynced), which counts as missing: the next
+write replaces it. A write or read stamps the mtimes of the prompt's whole chain, block 0 the newest, so
+least-recently-used eviction (`max_bytes`) takes a chain's tail before its head and never leaves a block
+unreachable behind a missing one. `retention_s` removes blocks nobody used for that long, `delete_namespace` a
+session's namespace (directory by directory: no header is read, no `parent` followed), and eviction / expiry
+remove temporary files orphaned by a killed writer once they are an hour old.
 
 Several processes may share one directory (two engines, or engines on two nodes that mount the same
 shared filesystem with atomic rename, e.g. NFSv4 / Lustre / CephFS): a reader sees a whole block or none;
@@ -30,7 +37,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -39,13 +48,43 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..core.io import atomic_save_tensors
+from ..core.io import atomic_save_tensors, fsync_dir
 from .ident import identity_from_config  # noqa: F401 -- re-exported (older imports)
 
-FORMAT, VERSION, STORE_FORMAT = "kvtransfer.kv_block", 2, "kvtransfer.kv_store"
+FORMAT, VERSION, STORE_FORMAT = "kvtransfer.kv_block", 3, "kvtransfer.kv_store"
+LAYOUT = 2  # store.json's "layout": 1 (no field) had no namespace level and another chain seed
 DEFAULT_BLOCK_SIZE = 16
+SHARED_NS_DIR = "_"  # the directory of namespace "" (a session namespace is hex, so never "_")
+TMP_MAX_AGE_S = 3600.0  # a temporary file this old belongs to a writer that died (a block takes well under this)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_MODEL_KEY = re.compile(r"[0-9a-f]{16}")
+_NS = re.compile(r"[0-9a-f]{1,64}")
+_HASH = re.compile(r"[0-9a-f]{64}")
+_MAX_HEADER = 1 << 20  # a block header (identity + shapes) is ~1 KB; a larger length field is a torn or foreign file
+
+log = logging.getLogger("kvtransfer.serve")
+
+
+def check_namespace(ns) -> str:
+    """`ns` itself if it is a store namespace -- "" (shared) or 1..64 lowercase hex characters -- else ValueError."""
+    if isinstance(ns, str) and (ns == "" or _NS.fullmatch(ns)):
+        return ns
+    raise ValueError(f"namespace {ns!r}: use \"\" (the shared namespace) or 1..64 lowercase hex characters "
+                     f"(e.g. a hex digest naming a tenant's session)")
+
+
+def check_model_key(model_key) -> str:
+    """`model_key` itself if it is a store model key (16 lowercase hex: kvtransfer.serve.ident.weights_key), else
+    ValueError (a key is a directory name: nothing else may reach the filesystem)."""
+    if isinstance(model_key, str) and _MODEL_KEY.fullmatch(model_key):
+        return model_key
+    raise ValueError(f"model key {model_key!r} is not 16 lowercase hex characters: pass the producer's "
+                     f"kvtransfer.serve.ident serving identity's 'key'")
+
+
+def _ns_dir(ns: str) -> str:
+    return ns or SHARED_NS_DIR
 
 
 class BadEntry(ValueError):
@@ -80,13 +119,15 @@ def _is_int(x) -> bool:
 
 @dataclass(frozen=True)
 class Prefix:
-    """The longest stored prefix of a prompt: `n_blocks` consecutive blocks (hashes in order) of `block_size`."""
+    """The longest stored prefix of a prompt: `n_blocks` consecutive blocks (hashes in order) of `block_size`, found
+    under model `model_key` in namespace `ns`."""
 
     model_key: str
     block_size: int
     hashes: tuple[str, ...] = ()
     model: dict = field(default_factory=dict)
     detail: str = ""  # why the chain stopped before the prompt's last full block (a bad block), if it did
+    ns: str = ""
 
     @property
     def n_blocks(self) -> int:
@@ -98,99 +139,170 @@ class Prefix:
 
 
 class KVStore:
-    """A directory of blocks: `write` (producer side), `lookup` / `read` (consumer side), `evict`.
+    """A directory of blocks: `write` (producer side), `lookup` / `read` (consumer side), `evict`, `expire`,
+    `delete_namespace`.
 
     block_size: tokens per block; fixed by the first process that opens the directory (store.json, created
     exclusively) -- a different value asked later is ignored in favour of the directory's. max_bytes: size cap of
-    all blocks (None: no cap), enforced after a write that takes the tracked usage over it, by LRU eviction.
+    all blocks (None: no cap): a write that takes the tracked usage over it evicts least-recently-used blocks down
+    to evict_to * max_bytes (the gap is what the next writes fill before the store is scanned again).
     retention_s: blocks not written or read for this long are removed (checked at most once a minute by writes).
+    `stats` counts torn blocks rewritten, orphaned temporary files removed, blocks evicted / expired, and scans.
     """
 
     def __init__(self, root: str | Path, *, block_size: int | None = None, max_bytes: int | None = None,
-                 retention_s: float | None = None):
+                 retention_s: float | None = None, evict_to: float = 0.9):
         self.root = Path(root)
         if retention_s is not None and (not isinstance(retention_s, (int, float)) or retention_s <= 0):
             raise ValueError(f"retention_s={retention_s!r}: a positive number of seconds")
         self.retention_s = retention_s
         self._expired_at = 0.0
-        self._usage: int | None = None  # bytes of all blocks, tracked after the first eviction scan
+        self._usage: int | None = None  # bytes of all blocks: learnt by the first scan, then tracked per write
         if block_size is not None and (not _is_int(block_size) or block_size < 1):
             raise ValueError(f"block_size={block_size!r}: a positive integer number of tokens")
         if max_bytes is not None and (not _is_int(max_bytes) or max_bytes < 0):
             raise ValueError(f"max_bytes={max_bytes!r}: a non-negative integer number of bytes")
-        self.max_bytes = max_bytes
-        self.block_size = self._fix_block_size(block_size)
+        if isinstance(evict_to, bool) or not isinstance(evict_to, (int, float)) or not 0 < evict_to <= 1:
+            raise ValueError(f"evict_to={evict_to!r}: the fraction of max_bytes eviction leaves, in (0, 1]")
+        self.max_bytes, self.evict_to = max_bytes, float(evict_to)
+        self._whole_sizes: set[int] = set()  # file sizes of blocks seen whole (header-declared size == file size)
+        self.stats = {"torn_rewritten": 0, "tmp_removed": 0, "evicted": 0, "expired": 0, "scans": 0}
+        self.block_size = self._open_meta(block_size)
 
-    def _fix_block_size(self, asked: int | None) -> int:
+    def _meta(self, block_size: int) -> dict:
+        return {"format": STORE_FORMAT, "layout": LAYOUT, "block_size": block_size}
+
+    def _open_meta(self, asked: int | None) -> int:
+        """The directory's block size from store.json (created exclusively when missing); ValueError for a file
+        that is not a store of this layout."""
         meta = self.root / "store.json"
         if not meta.is_file():
-            _create_exclusive(meta, {"format": STORE_FORMAT, "block_size": asked or DEFAULT_BLOCK_SIZE})
+            _create_exclusive(meta, self._meta(asked or DEFAULT_BLOCK_SIZE))
         try:
-            got = json.loads(meta.read_text()).get("block_size")
+            data = json.loads(meta.read_text())
+            fmt, layout, got = data.get("format"), data.get("layout", 1), data.get("block_size")
         except (OSError, ValueError, AttributeError) as err:
             raise ValueError(f"{meta} is unreadable ({err}): remove it (the store's block size is recorded there)")
+        if fmt != STORE_FORMAT:
+            raise ValueError(f"{meta}: format {fmt!r} is not a kvtransfer store's ({STORE_FORMAT!r}); point the "
+                             f"store at a new directory")
+        if layout != LAYOUT:
+            age = "an older" if _is_int(layout) and layout < LAYOUT else "another"
+            raise ValueError(f"{self.root} was written by {age} kvtransfer (layout {layout!r}; this one reads layout "
+                             f"{LAYOUT}): point the store at a new directory or remove it")
         if not _is_int(got) or got < 1:
             raise ValueError(f"{meta}: block_size {got!r} is not a positive integer; remove the file")
         return got
 
+    def _ensure_meta(self) -> None:
+        """Re-create store.json when the directory was removed under a running store (so the next process to open
+        it agrees on this block size instead of finding blocks without one)."""
+        meta = self.root / "store.json"
+        if not meta.exists():
+            _create_exclusive(meta, self._meta(self.block_size))
+
     # ---------------------------------------------------------------- keys
-    def hashes(self, token_ids, model_key: str) -> list[str]:
-        """Chained hashes h_1 .. h_m of the m = len(token_ids) // block_size full blocks of a prompt."""
+    def hashes(self, token_ids, model_key: str, ns: str = "") -> list[str]:
+        """Chained hashes h_1 .. h_m (64 hex each) of the m = len(token_ids) // block_size full blocks of a prompt
+        (token ids: ints) under model `model_key` in namespace `ns`."""
         ids = list(token_ids)
-        h = self.seed(model_key)
+        B = self.block_size
+        m = len(ids) // B
+        raw = _ids_bytes(ids[:m * B])  # one conversion; each block hashes its 8 * B bytes of it
+        h = self.seed(model_key, ns)
         out = []
-        for j in range(len(ids) // self.block_size):
-            h = hashlib.sha256(h.encode() + _ids_bytes(ids[j * self.block_size:(j + 1) * self.block_size])).hexdigest()
+        for j in range(m):
+            h = hashlib.sha256(h.encode() + raw[8 * B * j:8 * B * (j + 1)]).hexdigest()
             out.append(h)
         return out
 
-    def seed(self, model_key: str) -> str:
-        """h_0: the chain's root hash for a model key and this store's block size."""
-        return hashlib.sha256(f"{STORE_FORMAT}/{model_key}/{self.block_size}".encode()).hexdigest()
+    def seed(self, model_key: str, ns: str = "") -> str:
+        """h_0 (64 hex): the chain's root hash for a model key, this store's block size and a namespace."""
+        check_model_key(model_key)
+        check_namespace(ns)
+        return hashlib.sha256(f"{STORE_FORMAT}/{model_key}/{self.block_size}/{ns}".encode()).hexdigest()
 
-    def block_path(self, model_key: str, h: str) -> Path:
-        return self.root / model_key / h[:2] / f"{h}.safetensors"
+    def block_path(self, model_key: str, h: str, ns: str = "") -> Path:
+        """The file of block `h` (64 hex) of model `model_key` in namespace `ns`; ValueError for a key, hash or
+        namespace that is not one (none can name a path outside the store)."""
+        check_model_key(model_key)
+        if not isinstance(h, str) or not _HASH.fullmatch(h):
+            raise ValueError(f"{h!r} is not a block hash (64 lowercase hex characters)")
+        return self._path(model_key, h, _ns_dir(check_namespace(ns)))
+
+    def _path(self, model_key: str, h: str, ns_dir: str) -> Path:
+        """block_path without the checks (for hashes this store computed from checked arguments)."""
+        return self.root / model_key / ns_dir / h[:2] / f"{h}.safetensors"
 
     def model_keys(self) -> list[str]:
-        """Model keys with a directory in the store."""
-        try:
-            return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
-        except OSError:
-            return []
+        """Model keys with a directory in the store (only names that are model keys: the consumer's `sinks/`, a
+        launcher's `logs/` and the like are not models)."""
+        return sorted(e.name for e in _subdirs(self.root) if _MODEL_KEY.fullmatch(e.name))
 
-    def others(self, token_ids, model_key: str) -> list[str]:
-        """Keys of other models that stored the first block of these token ids (for a clear wrong_pair reason)."""
+    def others(self, token_ids, model_key: str, ns: str = "") -> list[str]:
+        """Keys of other models that stored the first block of these token ids in namespace `ns` (for a clear
+        wrong_pair reason)."""
         out = []
         for key in self.model_keys():
             if key != model_key:
-                first = self.hashes(list(token_ids)[:self.block_size], key)
-                if first and self.block_path(key, first[0]).is_file():
+                first = self.hashes(list(token_ids)[:self.block_size], key, ns)
+                if first and self._whole_size(self._path(key, first[0], _ns_dir(ns))) is not None:
                     out.append(key)
         return out
 
+    def _whole_size(self, path: Path) -> int | None:
+        """The size in bytes of the block file at `path` if it is whole, else None (missing, or torn: its size is
+        not the one its header declares). One stat; see `_is_whole`."""
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return None
+        return size if self._is_whole(path, size) else None
+
+    def _is_whole(self, path: Path, size: int) -> bool:
+        """Whether the file at `path`, `size` bytes, is as long as its header declares. The header is read only for
+        a size not yet seen whole (a few per process: one per identity, dtype and header length), so checking a
+        chain costs one stat per block."""
+        if size in self._whole_sizes:
+            return True
+        if _declared_size(path) != size:
+            return False
+        if len(self._whole_sizes) < 256:  # bounded: a store of crafted files cannot grow it without limit
+            self._whole_sizes.add(size)
+        return True
+
     # ---------------------------------------------------------------- producer
-    def stored_blocks(self, token_ids, model_key: str) -> int:
-        """How many leading full blocks of `token_ids` the store holds for `model_key` (file existence only: what a
-        producer need not gather again; `lookup` checks headers)."""
-        n = 0
-        for h in self.hashes(token_ids, model_key):
-            if not self.block_path(model_key, h).is_file():
+    def stored_blocks(self, token_ids, model_key: str, ns: str = "") -> int:
+        """How many leading full blocks of `token_ids` the store holds whole for `model_key` in namespace `ns` (what
+        a producer need not gather again; `lookup` checks headers).
+
+        Cost (it runs on vLLM's scheduler thread): one stat per block up to the first missing or torn one -- about
+        2,000 for a 32K-token prompt whose blocks are all stored, milliseconds on a local disk -- plus, once per
+        process, one header read per block file size (see `_whole_size`).
+        """
+        n, ns_dir = 0, _ns_dir(check_namespace(ns))
+        for h in self.hashes(token_ids, model_key, ns):
+            if self._whole_size(self._path(model_key, h, ns_dir)) is None:
                 break
             n += 1
         return n
 
-    def write(self, token_ids, layers: list[tuple[torch.Tensor, torch.Tensor]], model: dict, *, first: int = 0) -> int:
+    def write(self, token_ids, layers: list[tuple[torch.Tensor, torch.Tensor]], model: dict, *, first: int = 0,
+              ns: str = "") -> int:
         """Store the full blocks of prompt `token_ids` (n ids) from token `first` on (a multiple of the block size:
-        the blocks before it are already stored); `layers`: per-layer (keys, values) [n_kv, n - first, head_dim] of
-        tokens first..n-1.
+        the blocks before it are already stored) in namespace `ns`; `layers`: per-layer (keys, values)
+        [n_kv, n - first, head_dim] of tokens first..n-1 (float32 / bfloat16 / float16).
 
-        model: a serving identity (kvtransfer.serve.ident, with "key"). Blocks already stored are skipped. Every
-        block of the prompt's chain gets a fresh mtime, block 0 the newest, so least-recently-used eviction takes
-        a chain's tail first and never strands a block behind a missing one. Returns the number of blocks written.
-        ValueError on shapes that are not the model's or a `first` that is not on a block boundary.
+        model: a serving identity (kvtransfer.serve.ident, with "key"). Whole blocks already stored are skipped; a
+        torn one is replaced. Every block of the prompt's chain gets a fresh mtime, block 0 the newest, so
+        least-recently-used eviction takes a chain's tail first and never strands a block behind a missing one.
+        Returns the number of blocks written. ValueError on shapes that are not the model's, a `first` that is not
+        on a block boundary, or a bad namespace; OSError (a full disk, ...) from the block that failed (the blocks
+        before it are whole, it leaves no file).
         """
         if not isinstance(model, dict) or not isinstance(model.get("key"), str):
             raise ValueError("model must be a serving identity with a 'key' (kvtransfer.serve.ident.serving_identity)")
+        key, ns_dir = check_model_key(model["key"]), _ns_dir(check_namespace(ns))
         B = self.block_size
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64)  # device: host-side ids, written to a file
         n = ids.numel()
@@ -208,35 +320,55 @@ class KVStore:
         # one copy into block-major order [n_blocks, L, n_kv, B, d], on an integer view of the same bytes (CPU
         # copies of bfloat16 take a slow path; the bytes are all that is stored)
         keys, values = (_blocked([_raw(kv[i])[:, :m] for kv in layers], B).view(k0.dtype) for i in (0, 1))
-        hashes = self.hashes(ids.tolist(), model["key"])
+        hashes = self.hashes(ids.tolist(), key, ns)
+        seed = self.seed(key, ns)
         written, paths = 0, []
-        for j, h in enumerate(hashes):
-            path = self.block_path(model["key"], h)
-            paths.append(path)
-            if j * B < first or path.exists():
-                continue
-            a = j - first // B
-            bid, k, v = ids[j * B:(j + 1) * B], keys[a], values[a]
-            header = {"format": FORMAT, "version": VERSION, "model": model, "block": j,
-                      "parent": hashes[j - 1] if j else self.seed(model["key"]), "hash": h, "block_size": B,
-                      "dtype": dtype, "checksum": checksum(bid, k, v)}
-            atomic_save_tensors(path, {"token_ids": bid, "k": k, "v": v}, header)
-            written += 1
-            if self._usage is not None:
-                self._usage += _size(path)
+        renamed: set[Path] = set()  # directories that got a block: each fsynced once, after the loop
+        try:
+            for j, h in enumerate(hashes):
+                path = self._path(key, h, ns_dir)
+                paths.append(path)
+                if j * B < first:
+                    continue
+                try:
+                    old = os.stat(path).st_size
+                except OSError:
+                    old = None
+                if old is not None:
+                    if self._is_whole(path, old):
+                        continue
+                    self.stats["torn_rewritten"] += 1  # a crash's leftover: replaced by the rename below
+                    log.warning("kvtransfer: store block %s is torn (%d bytes, not the size its header declares); "
+                                "rewriting it", path, old)
+                if not written:
+                    self._ensure_meta()
+                a = j - first // B
+                bid, k, v = ids[j * B:(j + 1) * B], keys[a], values[a]
+                header = {"format": FORMAT, "version": VERSION, "model": model, "ns": ns, "block": j,
+                          "parent": hashes[j - 1] if j else seed, "hash": h, "block_size": B, "dtype": dtype,
+                          "checksum": checksum(bid, k, v)}
+                # the file is fsynced before its rename (never torn); only the renames' durability waits for the
+                # directory fsyncs below, one per directory instead of one per block
+                size = atomic_save_tensors(path, {"token_ids": bid, "k": k, "v": v}, header, sync_dir=False)
+                renamed.add(path.parent)
+                written += 1
+                if self._usage is not None:
+                    self._usage += size - (old or 0)
+        finally:
+            for directory in renamed:
+                fsync_dir(directory)
         _touch_chain(paths)
-        if written and self.max_bytes is not None:
-            if self._usage is None or self._usage > self.max_bytes:
-                self.evict()
-        if written and self.retention_s is not None:
+        if written and self.max_bytes is not None and (self._usage is None or self._usage > self.max_bytes):
+            self.evict()
+        if written and self.retention_s is not None and time.time() - self._expired_at >= 60:
             self.expire()
         return written
 
     # ---------------------------------------------------------------- consumer
-    def check_header(self, path: Path, model_key: str, j: int, parent: str, h: str) -> dict:
-        """The header of block j (hash h, parent hash `parent`) at `path`, checked against its tensors' shapes
-        without reading them; raises BadEntry(reason, message). Every field is type-checked (a header written
-        by anything else cannot raise anything but BadEntry)."""
+    def check_header(self, path: Path, model_key: str, j: int, parent: str, h: str, ns: str = "") -> dict:
+        """The header of block j (hash h, parent hash `parent`, namespace `ns`) at `path`, checked against its
+        tensors' shapes without reading them; raises BadEntry(reason, message). Every field is type-checked (a
+        header written by anything else cannot raise anything but BadEntry)."""
         try:
             with safe_open(str(path), framework="pt") as f:
                 header = json.loads((f.metadata() or {}).get("kvtransfer", "{}"))
@@ -256,6 +388,8 @@ class KVStore:
                 or header.get("hash") != h):
             raise BadEntry("corrupt", f"{path}: header names block {header.get('block')!r} / hash "
                                       f"{str(header.get('hash'))[:12]}, expected block {j} / {h[:12]}")
+        if header.get("ns") != ns:
+            raise BadEntry("corrupt", f"{path}: header names namespace {str(header.get('ns'))[:64]!r}, not {ns!r}")
         if not _is_int(header.get("block_size")) or header["block_size"] != self.block_size:
             raise BadEntry("mis-shaped", f"{path}: block_size {header.get('block_size')!r}, store's {self.block_size}")
         if not isinstance(header.get("dtype"), str) or header["dtype"] not in _DTYPES \
@@ -269,20 +403,22 @@ class KVStore:
             raise BadEntry("mis-shaped", f"{path}: token_ids is {shapes.get('token_ids')}, not ({self.block_size},) I64")
         return header
 
-    def lookup(self, token_ids, model_key: str) -> Prefix:
-        """The longest stored prefix of `token_ids` written by model `model_key` (headers checked, data not read).
+    def lookup(self, token_ids, model_key: str, ns: str = "") -> Prefix:
+        """The longest stored prefix of `token_ids` written by model `model_key` in namespace `ns` (headers checked,
+        data not read).
 
-        The chain stops at the first missing block, or at a block whose header is bad (then `detail` says why,
-        prefixed with its BadEntry reason: "<reason>: <message>").
+        The chain stops at the first missing block, or at a block whose header is bad or torn (then `detail` says
+        why, prefixed with its BadEntry reason: "<reason>: <message>").
         """
-        parent = self.seed(model_key)
+        parent = self.seed(model_key, ns)
+        ns_dir = _ns_dir(ns)
         found, model, detail = [], {}, ""
-        for j, h in enumerate(self.hashes(token_ids, model_key)):
-            path = self.block_path(model_key, h)
+        for j, h in enumerate(self.hashes(token_ids, model_key, ns)):
+            path = self._path(model_key, h, ns_dir)
             if not path.is_file():
                 break
             try:
-                header = self.check_header(path, model_key, j, parent, h)
+                header = self.check_header(path, model_key, j, parent, h, ns)
             except BadEntry as err:
                 detail = f"{err.reason}: {err}"
                 break
@@ -292,10 +428,11 @@ class KVStore:
             model = header["model"]
             found.append(h)
             parent = h
-        return Prefix(model_key, self.block_size, tuple(found), model, detail)
+        return Prefix(model_key, self.block_size, tuple(found), model, detail, ns)
 
     def read(self, prefix: Prefix, token_ids, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (keys, values) [n_kv, hi - lo, head_dim] of tokens lo..hi-1 from the blocks of `prefix`.
+        """Per-layer (keys, values) [n_kv, hi - lo, head_dim] of tokens lo..hi-1 from the blocks of `prefix` (in its
+        namespace).
 
         token_ids: the request's prompt (at least hi ids): each block's stored ids must equal its slice.
         Every block read is checksum-verified. Raises BadEntry: "evicted" (a block is gone), "checksum"
@@ -308,7 +445,7 @@ class KVStore:
                                         f"stored tokens of a {len(prompt)}-token prompt")
         ks, vs = [], []
         for j in range(lo // B, (hi - 1) // B + 1):
-            path = self.block_path(prefix.model_key, prefix.hashes[j])
+            path = self.block_path(prefix.model_key, prefix.hashes[j], prefix.ns)
             header, tensors, digest = _read_block(path)
             try:
                 bid, k, v = tensors["token_ids"], tensors["k"], tensors["v"]
@@ -323,105 +460,167 @@ class KVStore:
             a, b = max(lo, j * B) - j * B, min(hi, (j + 1) * B) - j * B
             ks.append(k[:, :, a:b])
             vs.append(v[:, :, a:b])
-        _touch_chain([self.block_path(prefix.model_key, h) for h in prefix.hashes[:(hi - 1) // B + 1]])
+        _touch_chain([self._path(prefix.model_key, h, _ns_dir(prefix.ns))
+                      for h in prefix.hashes[:(hi - 1) // B + 1]])
         dtype = ks[0].dtype
         keys = torch.cat([_raw(k) for k in ks], dim=2).view(dtype)  # an integer view: see `write`
         values = torch.cat([_raw(v) for v in vs], dim=2).view(dtype)
         return [(keys[i], values[i]) for i in range(keys.shape[0])]
 
     # ---------------------------------------------------------------- size
-    def blocks(self) -> list[tuple[float, int, Path]]:
-        """(mtime, bytes, path) of every block file (files that vanish while listed are skipped)."""
+    def _files(self, ns: str | None = None):
+        """(path, is_block) of every block and temporary file in the store's block directories
+        (<model key>/<ns dir>/<xx>/; only `ns`'s when given). Directories are listed, never followed through a
+        symlink, so nothing outside the store is reached; names are checked at every level."""
+        only = None if ns is None else _ns_dir(ns)
+        for key in self.model_keys():
+            for ns_entry in _subdirs(self.root / key):
+                name = ns_entry.name
+                if only is not None and name != only:
+                    continue
+                if only is None and not (name == SHARED_NS_DIR or _NS.fullmatch(name)):
+                    continue
+                for xx in _subdirs(ns_entry.path):
+                    if len(xx.name) != 2:
+                        continue
+                    for f in _scandir(xx.path):
+                        try:
+                            if not (f.is_file(follow_symlinks=False) or f.is_symlink()):
+                                continue
+                        except OSError:
+                            continue
+                        if f.name.endswith(".safetensors") and not f.name.startswith("."):
+                            yield f.path, True
+                        elif f.name.startswith(".") and f.name.endswith(".tmp"):
+                            yield f.path, False
+
+    def _scan(self, now: float | None = None) -> list[tuple[float, int, Path]]:
+        """(mtime, bytes, path) of every block (files that vanish while listed are skipped); removes temporary files
+        older than TMP_MAX_AGE_S on the way (a killed writer's), counted in stats["tmp_removed"]."""
+        now = time.time() if now is None else now
         out = []
-        for path in self.root.glob("*/??/*.safetensors"):
+        self.stats["scans"] += 1
+        for path, is_block in self._files():
             try:
-                st = path.stat()
+                st = os.stat(path, follow_symlinks=False)
             except OSError:
                 continue
-            out.append((st.st_mtime, st.st_size, path))
+            if is_block:
+                out.append((st.st_mtime, st.st_size, Path(path)))
+            elif now - st.st_mtime > TMP_MAX_AGE_S:
+                try:
+                    os.unlink(path)
+                    self.stats["tmp_removed"] += 1
+                except OSError:
+                    pass
         return out
 
+    def blocks(self) -> list[tuple[float, int, Path]]:
+        """(mtime in seconds, bytes, path) of every block file, all namespaces (files that vanish while listed are
+        skipped)."""
+        return self._scan()
+
     def usage(self) -> int:
-        """Bytes of all blocks."""
+        """Bytes of all blocks (a scan)."""
         return sum(size for _, size, _ in self.blocks())
 
     def evict(self, max_bytes: int | None = None) -> int:
-        """Remove least-recently-used blocks (oldest mtime first) until the blocks take at most `max_bytes`
-        (default the store's cap); returns the number removed. Within a chain the tail is always older than its
-        head (`write` / `read` stamp them so), so eviction shortens chains from the end instead of breaking them.
-        Safe beside readers and other evictors: a block another process removed first is skipped, and a reader of
-        a removed block falls back."""
-        cap = self.max_bytes if max_bytes is None else max_bytes
-        if cap is None:
-            return 0
-        blocks = sorted(self.blocks(), key=lambda b: (b[0], str(b[2])))
+        """Remove least-recently-used blocks (oldest mtime first), all namespaces; returns the number removed.
+
+        max_bytes given: down to at most max_bytes. Default: only when the blocks take more than the store's cap,
+        and then down to evict_to * cap (hysteresis: the writes that follow fill the gap before the next scan, so a
+        full store is scanned once per (1 - evict_to) * cap bytes written, not on every write). Within a chain the
+        tail is always older than its head (`write` / `read` stamp them so), so eviction shortens chains from the
+        end instead of breaking them. Safe beside readers and other evictors: a block another process removed first
+        is skipped, and a reader of a removed block falls back."""
+        if max_bytes is None:
+            if self.max_bytes is None:
+                return 0
+            over, goal = self.max_bytes, int(self.max_bytes * self.evict_to)
+        else:
+            over = goal = max_bytes
+        blocks = sorted(self._scan(), key=lambda b: (b[0], str(b[2])))
         total, removed = sum(b[1] for b in blocks), 0
-        for _, size, path in blocks:
-            if total <= cap:
-                break
-            try:
-                path.unlink()
-                removed += 1
-            except FileNotFoundError:
-                pass
-            except OSError:
-                continue
-            total -= size
+        if total > over:
+            for _, size, path in blocks:
+                if total <= goal:
+                    break
+                try:
+                    path.unlink()
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue
+                total -= size
         self._usage = total
+        self.stats["evicted"] += removed
         return removed
 
     def expire(self, retention_s: float | None = None, now: float | None = None) -> int:
-        """Remove every block not written or read for `retention_s` seconds (default the store's retention; the
-        store holds users' conversations); returns the number removed. Runs at most once a minute from `write`."""
+        """Remove every block, all namespaces, not written or read for `retention_s` seconds (default the store's
+        retention; none: no block), and temporary files older than TMP_MAX_AGE_S (a killed writer's, counted in
+        stats["tmp_removed"]); returns the number of blocks removed. `write` calls it at most once a minute."""
         keep = self.retention_s if retention_s is None else retention_s
         now = time.time() if now is None else now
-        if keep is None or (retention_s is None and now - self._expired_at < 60):
-            return 0
         self._expired_at = now
         removed = 0
-        for mtime, _, path in self.blocks():
-            if now - mtime > keep:
+        for mtime, size, path in self._scan(now):
+            if keep is not None and now - mtime > keep:
                 try:
                     path.unlink()
-                    removed += 1
                 except OSError:
-                    pass
-        if removed:
-            self._usage = None
+                    continue
+                removed += 1
+                if self._usage is not None:
+                    self._usage -= size
+        self.stats["expired"] += removed
+        return removed
+
+    def delete_namespace(self, ns: str) -> int:
+        """Remove every block of namespace `ns` (1..64 lowercase hex), under every model key, with its temporary
+        files; returns the number of blocks removed. Only the namespace's directories are listed: no header is read
+        and no `parent` field followed, so no block's content can make it delete anything else. ValueError for ""
+        (the shared namespace belongs to no session) or a malformed namespace."""
+        if check_namespace(ns) == "":
+            raise ValueError("delete_namespace(\"\"): the shared namespace belongs to no session; its blocks leave "
+                             "by eviction (max_bytes) or retention (retention_s)")
+        removed = 0
+        for path, is_block in self._files(ns):
+            size = 0
+            if is_block and self._usage is not None:
+                try:
+                    size = os.stat(path, follow_symlinks=False).st_size
+                except OSError:
+                    continue
+            try:
+                os.unlink(path)  # a symlink is unlinked itself, never its target
+            except OSError:
+                continue
+            if is_block:
+                removed += 1
+                if self._usage is not None:
+                    self._usage -= size
+        for key in self.model_keys():  # the emptied directories (a write racing in keeps its own: rmdir fails)
+            ns_path = self.root / key / ns
+            for xx in _subdirs(ns_path):
+                _rmdir(xx.path)
+            _rmdir(ns_path)
         return removed
 
     def delete_chain(self, tip: str) -> int:
-        """Remove the block named `tip` and every block before it in its chain (following each header's parent):
-        what a deleted session leaves in the store. Blocks another session shares are removed too (that session
-        falls back to a prefill, or re-stores them). Returns the number removed; an unknown tip removes nothing."""
-        if not isinstance(tip, str) or len(tip) != 64 or any(c not in "0123456789abcdef" for c in tip):
-            raise ValueError(f"tip {tip!r} is not a block hash (64 lowercase hex characters)")
-        removed = 0
-        for key in self.model_keys():
-            h = tip
-            while True:
-                path = self.block_path(key, h)
-                try:
-                    with safe_open(str(path), framework="pt") as f:
-                        header = json.loads((f.metadata() or {}).get("kvtransfer", "{}"))
-                    path.unlink()
-                    removed += 1
-                except Exception:  # noqa: BLE001 -- missing or unreadable: the chain ends here
-                    break
-                parent = header.get("parent") if isinstance(header, dict) else None
-                if not isinstance(parent, str) or parent == self.seed(key):
-                    break
-                h = parent
-        self._usage = None
-        return removed
+        """Removed: it followed block headers' `parent` fields, which a crafted header could point anywhere, and it
+        deleted blocks other sessions share. Raises NotImplementedError naming the replacement."""
+        raise NotImplementedError("KVStore.delete_chain was removed: give each session a namespace (request field "
+                                  "kvtransfer_ns) and delete it with KVStore.delete_namespace(ns)")
 
-    def tip(self, token_ids, model_key: str | None = None) -> tuple[str, str, int] | None:
-        """(model key, hash, tokens) of the last stored block of `token_ids`'s chain under `model_key` (default:
-        whichever model in the store holds the first block); None when nothing is stored."""
+    def tip(self, token_ids, model_key: str | None = None, ns: str = "") -> tuple[str, str, int] | None:
+        """(model key, hash, tokens) of the last stored block of `token_ids`'s chain in namespace `ns` under
+        `model_key` (default: whichever model in the store holds the first block); None when nothing is stored."""
         for key in ([model_key] if model_key else self.model_keys()):
-            n = self.stored_blocks(token_ids, key)
+            n = self.stored_blocks(token_ids, key, ns)
             if n:
-                return key, self.hashes(list(token_ids)[:n * self.block_size], key)[-1], n * self.block_size
+                return key, self.hashes(list(token_ids)[:n * self.block_size], key, ns)[-1], n * self.block_size
         return None
 
 
@@ -469,11 +668,51 @@ def _blocked(layers: list[torch.Tensor], block: int) -> torch.Tensor:
     return x.view(L, h, m // block, block, d).permute(2, 0, 1, 3, 4).contiguous()
 
 
-def _size(path: Path) -> int:
+def _scandir(path):
+    """os.scandir's entries of `path` (none when it is gone or unreadable)."""
     try:
-        return path.stat().st_size
+        with os.scandir(path) as it:
+            return list(it)
     except OSError:
-        return 0
+        return []
+
+
+def _subdirs(path):
+    """The entries of `path` that are directories themselves (a symlink to one is not)."""
+    out = []
+    for e in _scandir(path):
+        try:
+            if e.is_dir(follow_symlinks=False):
+                out.append(e)
+        except OSError:
+            pass
+    return out
+
+
+def _rmdir(path) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def _declared_size(path: Path) -> int | None:
+    """The size in bytes a safetensors file declares (8 + header length + its tensors' data), None when its header
+    is unreadable (a torn or foreign file)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little")
+            if len(head) < 8 or not 0 < n <= _MAX_HEADER:
+                return None
+            raw = f.read(n)
+        meta = json.loads(raw)
+        ends = [spec["data_offsets"][1] for name, spec in meta.items() if name != "__metadata__"]
+        if len(raw) < n or not ends or not all(_is_int(e) and e >= 0 for e in ends):
+            return None
+        return 8 + n + max(ends)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
 
 
 def _create_exclusive(path: Path, data: dict) -> None:

@@ -1,15 +1,17 @@
 """The producer's store writes, off the forward step: gathered K/V go to one background thread that writes them.
 
 vLLM calls the connector's `wait_for_save` at the end of every forward step, and every request in the batch waits
-for it; a store write (hashing, serialising, one file per block) takes seconds at thousands of tokens. So the
-worker only gathers a prompt's new blocks out of the paged cache (a copy: the paged blocks may be reused as soon as
-the step ends) and hands them to `StoreWriter.submit`, which returns at once. One thread writes them in the
+for it; a store write (hashing, serialising, fsyncing one file per block) takes seconds at thousands of tokens. So
+the worker only gathers a prompt's new blocks out of the paged cache (a copy: the paged blocks may be reused as
+soon as the step ends) and hands them to `StoreWriter.submit`, which returns at once. One thread writes them in the
 order they came (a conversation's later turn never lands before its earlier one).
 
-Bounded: at most `max_pending_bytes` of gathered K/V wait in memory; a submit beyond that waits for the writer
-(backpressure, counted as `waited_s`) instead of growing the worker's memory without limit. A consumer that looks
-up a prompt whose write is still in flight maps the blocks already written and prefills the rest (blocks are
-written in chain order, each atomically). `background=False` writes inside `submit` (the old synchronous path).
+Bounded, and never blocking: at most `max_pending_bytes` of gathered K/V wait in memory. A save that would take
+the pending bytes over the cap is dropped and counted (`stats["dropped"]`, logged once per `log_every` drops):
+a slow or hung store (a stuck network mount) costs future misses, never a stalled forward step. `close` drains
+within a deadline and then abandons what is left (the thread is a daemon). A consumer that looks up a prompt whose
+write is still in flight maps the blocks already written and prefills the rest (blocks are written in chain order,
+each atomically). `background=False` writes inside `submit` (the old synchronous path).
 """
 from __future__ import annotations
 
@@ -30,57 +32,75 @@ def _nbytes(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
 
 
 class StoreWriter:
-    """Writes (token ids, per-layer K/V, identity, first) to a KVStore on a background thread; `stats` counts
-    writes, blocks, bytes, failures and the seconds submits waited."""
+    """Writes (token ids, per-layer K/V, identity, first, namespace) to a KVStore on a background thread; `stats`
+    counts saves submitted, blocks and bytes written, failed, dropped (over the byte cap, or after close) and
+    abandoned (still pending at close's deadline) saves, and the seconds spent writing."""
 
-    def __init__(self, store: KVStore, *, max_pending_bytes: int = 1 << 30, background: bool = True):
+    def __init__(self, store: KVStore, *, max_pending_bytes: int = 1 << 30, background: bool = True,
+                 log_every: int = 100):
         self.store, self.max_pending_bytes, self.background = store, int(max_pending_bytes), background
-        self.stats = {"submitted": 0, "written_blocks": 0, "written_bytes": 0, "failed": 0, "waited_s": 0.0,
-                      "write_s": 0.0}
-        self._pending = 0
+        self.log_every = max(1, int(log_every))
+        self.stats = {"submitted": 0, "written_blocks": 0, "written_bytes": 0, "failed": 0, "dropped": 0,
+                      "dropped_bytes": 0, "abandoned": 0, "write_s": 0.0}
+        self._pending = 0  # bytes queued or being written
+        self._jobs = 0  # saves queued or being written
+        self._closed = False
         self._cond = threading.Condition()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
 
     def submit(self, req_id: str, token_ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]],
-               model: dict, first: int = 0) -> None:
-        """Queue one prompt's blocks from token `first` on (layers: [n_kv, len(token_ids) - first, head_dim] each).
-        Returns at once unless the pending bytes are over the cap; never raises for a failed write (it is logged
-        and counted when it happens)."""
+               model: dict, first: int = 0, ns: str = "") -> bool:
+        """Queue one prompt's blocks from token `first` on, in store namespace `ns` (layers: per layer (keys,
+        values) [n_kv, len(token_ids) - first, head_dim]). True: queued (or written, background=False); False:
+        dropped -- the pending bytes would pass the cap (a save alone larger than the cap is taken when nothing is
+        pending), or the writer is closed. Never blocks in the background mode; never raises for a failed write
+        (it is logged and counted when it happens)."""
         size = _nbytes(layers)
         self.stats["submitted"] += 1
         if not self.background:
-            self._write(req_id, token_ids, layers, model, first, size)
-            return
-        t0 = time.perf_counter()
+            self._write(req_id, token_ids, layers, model, first, ns, size)
+            return True
         with self._cond:
-            while self._pending and self._pending + size > self.max_pending_bytes:
-                self._cond.wait(timeout=1.0)
-            self._pending += size
-        self.stats["waited_s"] += time.perf_counter() - t0
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="kvtransfer-store-writer", daemon=True)
-            self._thread.start()
-        self._queue.put((req_id, token_ids, layers, model, first, size))
+            drop = self._closed or (self._pending > 0 and self._pending + size > self.max_pending_bytes)
+            if drop:
+                self.stats["dropped"] += 1
+                self.stats["dropped_bytes"] += size
+                dropped, pending = self.stats["dropped"], self._pending
+            else:
+                self._pending += size
+                self._jobs += 1
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._run, name="kvtransfer-store-writer", daemon=True)
+                    self._thread.start()
+        if drop:
+            if dropped % self.log_every == 1 or self.log_every == 1:
+                why = ("the writer is closed" if self._closed else
+                       f"{pending} bytes already wait for the store (cap {self.max_pending_bytes}): its writes are "
+                       f"slow or hung")
+                log.warning("kvtransfer: dropped the store save of request %s (%d bytes): %s; %d saves dropped so far "
+                            "(logged once per %d)", req_id, size, why, dropped, self.log_every)
+            return False
+        self._queue.put((req_id, token_ids, layers, model, first, ns, size))
+        return True
 
     def _run(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
-                self._queue.task_done()
                 return
             try:
                 self._write(*job)
             finally:
                 with self._cond:
                     self._pending -= job[-1]
+                    self._jobs -= 1
                     self._cond.notify_all()
-                self._queue.task_done()
 
-    def _write(self, req_id, token_ids, layers, model, first, size) -> None:
+    def _write(self, req_id, token_ids, layers, model, first, ns, size) -> None:
         t0 = time.perf_counter()
         try:
-            blocks = self.store.write(token_ids, layers, model, first=first)
+            blocks = self.store.write(token_ids, layers, model, first=first, ns=ns)
             self.stats["written_blocks"] += blocks
             self.stats["written_bytes"] += size
         except Exception as err:  # noqa: BLE001 -- a failed save (disk full, ...) is a future miss, not a failure
@@ -89,19 +109,33 @@ class StoreWriter:
         self.stats["write_s"] += time.perf_counter() - t0
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every submitted write is done (True), or `timeout_s` passed (False)."""
+        """Wait until every submitted write is done (True), or `timeout_s` seconds passed (False)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while self._pending:
+            while self._jobs:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(timeout=left if left is not None else 1.0)
         return True
 
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Finish the queued writes (up to `timeout_s`) and stop the thread."""
-        if self._thread is not None and self._thread.is_alive():
-            self.flush(timeout_s)
-            self._queue.put(None)
-            self._thread.join(timeout=5.0)
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Stop taking saves, let the queued writes finish for at most `timeout_s` seconds, and stop the thread.
+        True: everything was written; False: the saves still pending at the deadline are abandoned (counted in
+        stats["abandoned"], logged) -- the thread is a daemon, so a hung write never keeps the process alive."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            again, self._closed = self._closed, True
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            drained = self.flush(max(0.0, deadline - time.monotonic()))
+            self._queue.put(None)  # after the queued jobs: the thread exits once they are done
+            if drained:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            abandoned = self._jobs
+        if abandoned and not again:  # a second close counts nothing twice
+            self.stats["abandoned"] += abandoned
+            log.error("kvtransfer: the store writer did not finish within %.1f s: %d saves abandoned (the store's "
+                      "writes are slow or hung)", timeout_s, abandoned)
+        return abandoned == 0

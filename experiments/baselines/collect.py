@@ -1,5 +1,8 @@
-"""results/baselines/README.md, tables/ and the cost figure from results/baselines/runs/*/ (summary.json + scores.json):
-is the map worth its cost against the target reading a truncated prompt?
+"""Is the map worth its cost against the target reading a truncated prompt? Reads results/baselines/runs/*/
+(summary.json, scores.json, config.json), the committed results/qwen25coder/runs/controls_ppl (the same windows'
+transfer / target / no_context NLLs) and experiments/baselines/split.yaml; writes results/baselines/README.md,
+results/baselines/figures/cost.png and the `baselines_headline` block of README.md (atomically); prints the
+README and the headline. Every SE, interval and interpolation is kvtransfer.eval.metrics' or .stats'.
 
     python experiments/baselines/collect.py
 
@@ -37,7 +40,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kvtransfer.core.io import atomic_write_bytes  # noqa: E402
-from kvtransfer.eval.metrics import gap_closed, native_token_worth, paired_bootstrap, ppl_gap_closed  # noqa: E402
+from kvtransfer.eval.coqa import coqa_summary_from_scores  # noqa: E402
+from kvtransfer.eval.stats import binomial_se, t_quantile  # noqa: E402
+from kvtransfer.eval.metrics import (equal_cost, gap_closed, native_token_worth, paired_bootstrap,  # noqa: E402
+                                     ppl_gap_closed)
 from kvtransfer.report import readme  # noqa: E402
 
 RUNS = ROOT / "results" / "baselines" / "runs"
@@ -184,45 +190,9 @@ def curve_points(nll: dict) -> list[int]:
     return sorted(int(m[len(CURVE):]) for m in nll if m.startswith(CURVE))
 
 
-def equal_cost(nll: dict, costs: dict, mode: str, curve: list[tuple[str, int | float]] | None = None) -> dict | None:
-    """The mapped mode against a curve of modes at its own cost (`costs` {mode: cost}, measured seconds or FLOPs
-    as a fraction of a re-prefill): the curve's gap closed interpolated linearly in cost at the mode's; difference ±
-    paired bootstrap SE over windows (the costs held fixed). curve: [(mode, label)], default the truncation curve
-    (label m)."""
-    curve = [(f"{CURVE}{m}", m) for m in curve_points(nll)] if curve is None else curve
-    x = costs.get(mode)
-    pts = frontier(nll, sorted((costs[c], label, c) for c, label in curve if costs.get(c) is not None and c in nll))
-    if x is None or len(pts) < 2 or x > pts[-1][0]:
-        return None
-    below = x < pts[0][0]  # the mode costs less than the curve's first point: compared with that (dearer) point
-    j = 0 if below else next(i for i in range(len(pts) - 1) if pts[i][0] <= x <= pts[i + 1][0])
-    (c0, m0, k0), (c1, m1, k1) = pts[j], pts[j + 1]
-    w = 0.0 if below or c1 == c0 else (x - c0) / (c1 - c0)
-    items = {"t": nll["target"], "f": nll["no_context"], "a": nll[mode], "m0": nll[k0], "m1": nll[k1]}
-
-    def stat(mu):
-        trunc = (1 - w) * gap_closed(mu["m0"], mu["t"], mu["f"]) + w * gap_closed(mu["m1"], mu["t"], mu["f"])
-        return np.stack([np.asarray(gap_closed(mu["a"], mu["t"], mu["f"]) - trunc), np.asarray(trunc)])
-
-    point = stat({k: np.mean(v) for k, v in items.items()})
-    idx = np.random.default_rng(SEED).integers(0, len(nll["target"]), size=(N_BOOT, len(nll["target"])))
-    boot = stat({k: np.asarray(v)[idx].mean(-1) for k, v in items.items()})
-    return {"cost": x, "between": (m0, m1), "truncation": float(point[1]), "difference": float(point[0]),
-            "difference_se": float(np.nanstd(boot[0], ddof=1)), "below_curve": below,
-            "curve_cost": c0 if below else None, "curve_m": m0 if below else None}
-
-
-def frontier(nll: dict, pts: list[tuple]) -> list[tuple]:
-    """The points (cost, label, mode), sorted by cost, that close more of the gap than every cheaper one: what the
-    money buys at best. A measured cost need not rise with the tokens read (a CPU forward's time is mostly reading
-    the weights, and the first timed batches carry warm-up), so a dearer point that closes less is dropped."""
-    out, best = [], -math.inf
-    for pt in pts:
-        g = float(gap_closed(np.mean(nll[pt[2]]), np.mean(nll["target"]), np.mean(nll["no_context"])))
-        if g > best:
-            out.append(pt)
-            best = g
-    return out
+def truncation_curve(nll: dict) -> list[tuple[str, int]]:
+    """The truncation curve [(mode, m)] of the modes that ran, in m order."""
+    return [(f"{CURVE}{m}", m) for m in curve_points(nll)]
 
 
 def rule_curve(nll: dict, rule: str = "recent") -> list[tuple[str, float]]:
@@ -244,7 +214,7 @@ def gate_rates(events: list[dict | None], idx: list[int]) -> dict | None:
     out = {"windows": n}
     for action in ("map", "recompute", "full"):
         q = sum(r.get("action") == action for r in rows) / n
-        out[action], out[f"{action}_se"] = q, math.sqrt(q * (1 - q) / n)
+        out[action], out[f"{action}_se"] = q, binomial_se(q, n)
     return out
 
 
@@ -304,7 +274,7 @@ def analyse(merged: dict) -> dict:
                 for field, name in (("seconds_rel", "gate_vs_rule_seconds"), ("flops_rel", "gate_vs_rule_flops")):
                     costs = {k: v[field] for k, v in res["modes"].items() if v.get(field) is not None}
                     costs["target"] = 1.0   # the re-prefill: the rule at r = 1, the unit of every cost here
-                    res[name] = equal_cost(nll, costs, "gated", curve=rule_curve(nll))
+                    res[name] = equal_cost(nll, costs, "gated", rule_curve(nll), n_boot=N_BOOT, seed=SEED)
             ms = [k for k in curve_points(nll) if k < p]
             if ms:
                 res["worth"] = {mode: native_token_worth(nll, {k: nll[f"{CURVE}{k}"] for k in ms}, mode=mode,
@@ -312,8 +282,8 @@ def analyse(merged: dict) -> dict:
                                 for mode in nll if mapped_mode(mode)}
                 for field, name in (("seconds_rel", "equal_cost"), ("flops_rel", "equal_flops")):
                     costs = {k: v[field] for k, v in res["modes"].items() if v.get(field) is not None}
-                    res[name] = {mode: e for mode in nll if mapped_mode(mode)
-                                 and (e := equal_cost(nll, costs, mode)) is not None}
+                    res[name] = {mode: e for mode in nll if mapped_mode(mode) and (e := equal_cost(
+                        nll, costs, mode, truncation_curve(nll), n_boot=N_BOOT, seed=SEED)) is not None}
             out[(st, p, half)] = res
     return out
 
@@ -524,9 +494,26 @@ def figure(results: dict, path: Path) -> bool:
     return True
 
 
+def coqa_rows(runs: dict | None) -> dict:
+    """The real pair's CoQA rows ({"coqa_twins", "drift_summary"}) of `real_coqa`: recomputed from its per-turn F1s
+    (scores.json) where it kept them, so every SE is the current one (clustered by conversation), else its summary's.
+    A recomputed F1 that is not the summary's is an error: the scores and the summary are not one run."""
+    r = (runs or {}).get("real_coqa") or {}
+    s = r.get("summary") or {}
+    per_turn = (r.get("scores") or {}).get("coqa")
+    if not per_turn:
+        return {k: s.get(k) or [] for k in ("coqa_twins", "drift_summary")}
+    new = coqa_summary_from_scores(per_turn)
+    for key, fields in (("coqa_twins", ("twin_f1", "transfer_f1")), ("drift_summary", ("target_f1", "transfer_f1"))):
+        for a, b in zip(new.get(key) or [], s.get(key) or []):
+            if any(a[f] != b[f] for f in fields):
+                raise ValueError(f"real_coqa: {key} recomputed from scores.json differs from its summary: {a} vs {b}")
+    return {k: new.get(k) or [] for k in ("coqa_twins", "drift_summary")}
+
+
 def coqa_sentence(runs: dict | None) -> str | None:
     """CoQA's twins in one clause: the mapped story / prompt against the target reading its last m tokens."""
-    rows = ((runs or {}).get("real_coqa") or {}).get("summary", {}).get("coqa_twins") or []
+    rows = coqa_rows(runs)["coqa_twins"]
     if not rows:
         return None
     out = []
@@ -652,12 +639,12 @@ def tiny_lines(runs: dict) -> list[str]:
 def coqa_lines(runs: dict) -> list[str]:
     """The CoQA twins' table of the real pair's `real_coqa` run (its summary's coqa_twins and drift_summary)."""
     r = runs.get("real_coqa")
-    rows = (r or {}).get("summary", {}).get("coqa_twins") or []
+    found = coqa_rows(runs)
+    rows = found["coqa_twins"]
     if not rows:
         return ["No CoQA run on the real pair has finished (run.sh step 7).", ""]
-    s = r["summary"]
-    env = s.get("environment") or {}
-    target = {d["protocol"]: d for d in s.get("drift_summary") or []}
+    env = r["summary"].get("environment") or {}
+    target = {d["protocol"]: d for d in found["drift_summary"]}
     table_rows = []
     for protocol in dict.fromkeys(x["protocol"] for x in rows):
         t = target.get(protocol) or {}
@@ -670,10 +657,15 @@ def coqa_lines(runs: dict) -> list[str]:
                          f"{x['transfer_minus_twin']:+.3f} ± {_num(x['transfer_minus_twin_se'])}")
         table_rows.append(cells)
     ms = sorted({x["tokens"] for x in rows})
+    df = rows[0].get("se_df")
+    se_words = ("SEs and the paired transfer - twin SE from a bootstrap over whole conversations." if df is None else
+                "SEs and the paired transfer - twin SE clustered by conversation (from each conversation's total); "
+                f"with {df + 1} conversations a 95 % interval is ± "
+                f"{t_quantile(0.975, df):.2f} SE (Student t, {df} degrees of freedom), not ± 1.96 SE.")
     return [f"### CoQA against its twins (`real_coqa`, commit `{str(env.get('commit'))[:7]}"
             f"{', dirty' if env.get('dirty') else ''}`)", "",
-            "Mean CoQA F1 over every turn of every conversation; SEs and the paired transfer - twin SE from a bootstrap "
-            "over whole conversations. The twin `truncate_tokens_<m>` is the target reading the start id and the last "
+            "Mean CoQA F1 over every turn of every conversation; " + se_words + " The twin `truncate_tokens_<m>` is "
+            "the target reading the start id and the last "
             "m tokens: of each turn's whole prompt (`every_turn`, where the map carries the whole prompt), or of the "
             "story, the turns then read natively (`once`, where the map carries the story).", "",
             readme.md_table(["protocol", "conversations x turns", "target F1", "transfer F1",

@@ -1,5 +1,6 @@
-"""results/gate/README.md from results/gate/runs/*/ (summary.json + scores.json): the recompute curve, the gated
-rows beside transfer / no_context / target, the gate's action counts, and the signal's ROC AUC.
+"""The recompute curve, the gated rows beside transfer / no_context / target, the gate's action counts, and the
+signal's ROC AUC. Reads results/gate/runs/*/ (summary.json, scores.json, config.json); writes results/gate/README.md
+(atomically) and prints it. Every SE is kvtransfer.eval.metrics', .stats' or kvtransfer.core.gate's (the AUC's).
 
     python experiments/gate/collect.py
 
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kvtransfer.eval.metrics import paired_difference  # noqa: E402
+from kvtransfer.eval.stats import mean_se  # noqa: E402
 from kvtransfer.core.gate import bootstrap_auc  # noqa: E402
 from kvtransfer.eval.items import pair_items, task_signal  # noqa: E402
 from kvtransfer.eval.repair import repair_mode  # noqa: E402
@@ -219,19 +221,13 @@ def goals(summary: dict) -> list[str]:
             f"{'met by ' + '; '.join(hits) if hits else 'not met by any repair mode of this run'}.", ""]
 
 
-def _mean_se(xs: list[float]) -> tuple[float, float]:
-    n = len(xs)
-    m = sum(xs) / n
-    return m, (sum((x - m) ** 2 for x in xs) / (n - 1) / n) ** 0.5 if n > 1 else math.nan
-
-
 def task_rows(summary: dict, scores: dict) -> list[dict]:
     """Per task of a run: {"task", "n", "modes": {mode: (accuracy, SE)}, "minus_floor": {mode: paired difference},
     "gate": gate summary of the gated mode, "signal": kvtransfer.eval.items.task_signal or None}."""
     out = []
     for task, row in sorted((summary.get("tasks") or {}).items()):
         per = scores.get("tasks", {}).get(task, {})
-        modes = {m: _mean_se(per[m]) for m in ("target", "no_context", "transfer", "gated") if per.get(m)}
+        modes = {m: mean_se(per[m]) for m in ("target", "no_context", "transfer", "gated") if per.get(m)}
         minus = {m: paired_difference(per[m], per["no_context"]) for m in modes if m != "no_context"} \
             if "no_context" in per else {}
         items = (scores.get("task_items") or {}).get(task) or {}
@@ -434,7 +430,7 @@ def task_curve(runs: dict) -> list[str]:
                   "| tokens chosen by | r | accuracy (%) | minus transfer (pp) | minus no_context (pp) | cost (× re-prefill) "
                   "| run (commit) |", "|---|---|---|---|---|---|---|"]
         _, paired = pair_items({b: ref_items[b] for b in ("no_context", "transfer", "target")})
-        acc = {b: _mean_se([r["score"] for r in paired[b]]) for b in paired}
+        acc = {b: mean_se([r["score"] for r in paired[b]]) for b in paired}
         for b, r_label, cost in (("no_context", "–", "0"), ("transfer", "0", "0"), ("target", "1", "1")):
             dn = "" if b == "no_context" else _pp(paired_difference([r["score"] for r in paired[b]],
                                                                      [r["score"] for r in paired["no_context"]]))
@@ -451,7 +447,7 @@ def task_curve(runs: dict) -> list[str]:
                 recs, cost, name, commit = modes[m]
                 _, pp = pair_items({"m": recs, "transfer": ref_items["transfer"], "no_context": ref_items["no_context"]})
                 xs = [x["score"] for x in pp["m"]]
-                a, se = _mean_se(xs)
+                a, se = mean_se(xs)
                 dt = paired_difference(xs, [x["score"] for x in pp["transfer"]])
                 dn = paired_difference(xs, [x["score"] for x in pp["no_context"]])
                 lines.append(f"| {sel} | {r:g} | {_f(a, pct=True)} ± {_f(se, pct=True)} | {_pp(dt)} | {_pp(dn)} | "

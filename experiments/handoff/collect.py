@@ -4,7 +4,8 @@
 
 Reads load_tiny.json (experiments/handoff/load_tiny.py's report.json), and where present latency.json,
 overhead.json, conversation.json (experiments/handoff/real_pair.py) and store_io.json
-(experiments/handoff/store_io.py); writes one generated block per report. Written atomically.
+(experiments/handoff/store_io.py); writes one generated block per report into results/handoff/README.md
+(atomically); prints nothing. The conversation's SE is kvtransfer.eval.stats' (clustered by conversation).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))   # the checkout's kvtransfer, installed or not
 OUT = ROOT / "results/handoff"
+
+from kvtransfer.eval.stats import clustered_mean  # noqa: E402
 
 
 def _run_line(prov: dict) -> str:
@@ -151,12 +154,15 @@ def conversation_table(rep: dict) -> str:
                      f"{sum(r['same_answer'] for r in sel)} / {len(sel)} |")
     tgt = [r for r in rows if r["engine"] == "target"]
     if tgt:
-        d = [r["f1"] - r["target_only_f1"] for r in tgt]
-        se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+        # turns of one conversation share its story and history: the SE is clustered by conversation
+        d = clustered_mean([r["f1"] - r["target_only_f1"] for r in tgt], [r["conversation"] for r in tgt])
+        se = "–" if d["se"] is None else f"{d['se']:.3f}"
+        ci = "" if d["lo"] is None else (f"; 95 % interval [{d['lo']:+.3f}, {d['hi']:+.3f}], Student t with {d['df']} "
+                                         "degrees of freedom")
         lines.append(f"\nTarget turns (3-10): F1 handed over {statistics.mean(r['f1'] for r in tgt):.3f} vs target-only "
-                     f"{statistics.mean(r['target_only_f1'] for r in tgt):.3f} (paired difference {statistics.mean(d):+.3f} "
-                     f"± {se:.3f} SE over {len(d)} turns, turns of one conversation are not independent); answers equal "
-                     f"{sum(r['same_answer'] for r in tgt)} / {len(tgt)}.")
+                     f"{statistics.mean(r['target_only_f1'] for r in tgt):.3f} (paired difference {d['value']:+.3f} "
+                     f"± {se} SE clustered by conversation: {d['n']} turns of {d['clusters']} conversations{ci}); "
+                     f"answers equal {sum(r['same_answer'] for r in tgt)} / {len(tgt)}.")
     return "\n".join(lines)
 
 

@@ -3,10 +3,14 @@
     python experiments/qwen25coder/collect.py [--runs results/qwen25coder/runs] [--out results/qwen25coder]
                                               [--allow-dirty] [--check]
 
+Reads every run's summary.json and config.json under --runs (runs/*/figures/r2_*.png are copied), and the
+per-turn CoQA F1s of results/baselines/runs/real_coqa/scores.json (the main configuration's CoQA SEs, clustered
+by conversation, once they reproduce main_coqa's F1s turn for turn: with_coqa_ses).
 Writes summary.json (the main configuration's summary), tables/*.csv|md, figures/*.png and the generated
 blocks of results/qwen25coder/README.md and of the top-level README.md (`<!-- BEGIN generated:NAME -->`,
-kvtransfer.report.readme). Every number comes from a run's summary.json (read in the current schema,
-kvtransfer.eval.metrics.upgrade_summary); the outputs are derived, so rerunning this replaces them
+kvtransfer.report.readme); prints the runs it read and the missing ones. Every other number comes from a run's
+summary.json (read in the current schema, kvtransfer.eval.metrics.upgrade_summary), every SE from
+kvtransfer.eval.metrics / .stats; the outputs are derived, so rerunning this replaces them
 (atomically). Runs that have not finished yet are listed as missing, never invented. Writing from a tree
 with uncommitted code needs --allow-dirty; --check only compares the README blocks and exits 1 on a difference.
 """
@@ -23,7 +27,9 @@ import pandas as pd
 # the checkout this script is in, not an installed kvtransfer: its provenance is what the README header reports
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from kvtransfer.eval.coqa import coqa_summary_from_scores
 from kvtransfer.eval.metrics import format_with_se, upgrade_summary
+from kvtransfer.eval.stats import t_quantile
 from kvtransfer.core.io import atomic_write_bytes, atomic_write_json
 from kvtransfer.config.provenance import describe_commit, provenance_header, refuse_dirty_write
 from kvtransfer.report import readme
@@ -33,6 +39,10 @@ MAIN = "main"  # the run whose summary is results/qwen25coder/summary.json (fall
 # their tasks, CoQA drift and eval seconds are merged into the main summary, which names them in `merged_runs`
 MAIN_PARTS = ("main_gsm8k", "main_coqa")
 MAIN_PPL = "main_ppl"  # the main configuration's perplexity rerun with per-window NLLs (run.sh step 5e)
+# per-turn CoQA F1s of the main configuration's map: main_coqa kept only per-turn means; results/baselines' CoQA run
+# (the same map, conversations and protocols) kept each conversation's turns, so its clustered SEs are main's once
+# its per-turn means reproduce main_coqa's (with_coqa_ses)
+COQA_TURNS = Path(__file__).resolve().parents[2] / "results" / "baselines" / "runs" / "real_coqa" / "scores.json"
 PPL_REPRODUCED = 1e-4  # relative: float32 CPU kernels with another thread count, same windows and map
 
 
@@ -142,7 +152,29 @@ def main_summary(summaries: dict[str, dict]) -> tuple[str, dict] | None:
     merged = merge_main(summaries[name], parts)
     if name == MAIN and MAIN_PPL in summaries:
         merged = with_ppl_ses(merged, summaries[MAIN_PPL])
+    if name == MAIN and merged.get("drift_summary") and COQA_TURNS.exists():
+        merged = with_coqa_ses(merged, json.loads(COQA_TURNS.read_text())["coqa"],
+                               COQA_TURNS.parent.relative_to(COQA_TURNS.parents[4]).as_posix())
     return name, merged
+
+
+def with_coqa_ses(main: dict, turns: dict, source: str) -> dict:
+    """`main` with its pooled CoQA SEs recomputed, clustered by conversation (kvtransfer.eval.coqa.drift_summary),
+    from `turns` ({protocol: {mode: [[F1 per turn] per conversation]}}, a run's scores.json) once those reproduce
+    main's per-turn target and transfer F1s exactly; records the source in `coqa_ses_from`. Turns that do not
+    reproduce main are an error, not a source of SEs."""
+    new = coqa_summary_from_scores({p: {m: part[m] for m in ("target", "transfer")} for p, part in turns.items()})
+    got = {(r["protocol"], r["series"], r["turn"]): r["f1"] for r in new["drift"]}
+    want = {(r["protocol"], r["series"], r["turn"]): r["f1"] for r in main.get("drift") or []}
+    if got != want:
+        raise ValueError(f"{source}'s CoQA turns are not the main configuration's (per-turn F1s differ): its SEs are "
+                         "not main's")
+    pooled = {r["protocol"]: r for r in new["drift_summary"]}
+    out = json.loads(json.dumps(main))
+    for row in out["drift_summary"]:
+        row.update({k: v for k, v in pooled[row["protocol"]].items() if k.endswith("_se") or k == "se_df"})
+    out["coqa_ses_from"] = source
+    return out
 
 
 def with_ppl_ses(main: dict, rerun: dict) -> dict:
@@ -469,7 +501,7 @@ def top_readme_blocks(summaries: dict[str, dict]) -> dict[str, str]:
             "gap closed = (transfer − no context) / (target − no context) (`kvtransfer/eval/metrics.py`), on "
             "accuracy and on log-perplexity (nats/token); ± is a paired bootstrap SE over items. \"SE needs rerun\": "
             "that run kept its per-window scores only in the artifact cache; a rerun at this commit writes them "
-            f"(`scores.json`).{_ppl_se_note(s)} Generated by `{COLLECT}` from the runs' summaries.\n")
+            f"(`scores.json`).{_coqa_se_note(s)}{_ppl_se_note(s)} Generated by `{COLLECT}` from the runs' summaries.\n")
     return {"real_pair": table + "\n" + note}
 
 
@@ -479,6 +511,15 @@ def _gap_or_degenerate(r: dict) -> str:
     if r.get("stderr_gap_closed") == 0 and r.get("transfer") == r.get("no_context") == 0:
         return "**0 %** (transfer and floor 0 on every item: no SE)"
     return f"**{_fmt(r.get('gap_closed'), r.get('stderr_gap_closed'), pct=True)}**"
+
+
+def _coqa_se_note(s: dict) -> str:
+    """The CoQA rows' SE in words: clustered by conversation, with its t multiplier (empty for a bootstrap SE)."""
+    r = next(iter(s.get("drift_summary") or []), {})
+    if r.get("se_df") is None:
+        return ""
+    return (f" CoQA's ± is an SE clustered by conversation ({r['conversations']} conversations: a 95 % interval is "
+            f"± {t_quantile(0.975, r['se_df']):.2f} SE, Student t with {r['se_df']} degrees of freedom).")
 
 
 def _ppl_se_note(s: dict) -> str:

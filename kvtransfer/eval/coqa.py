@@ -21,11 +21,11 @@ import string
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..core.cache import cache_to_layers, forward_on_cache
 from .decode import greedy_decode
+from .stats import clustered_mean, clustered_ratio, mean_se
 
 UNTIL = ["\nQ:"]
 
@@ -162,34 +162,28 @@ def _extend(model, layers, pmask, ids: list[int]):
     return cache_to_layers(cache), mask
 
 
-def _se(values: list[float]) -> float | None:
-    """Standard error of a mean over conversations (sample sd / sqrt(n)); None for fewer than 2."""
-    if len(values) < 2:
-        return None
-    mean = sum(values) / len(values)
-    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
-
-
 def drift_curve(reference: list[list[dict]], mapped: list[list[dict]], max_turn: int = 10) -> list[dict]:
     """Per turn 1..max_turn: mean F1 of both runs over conversations that reach it (with its SE over
-    those conversations), and the gap."""
+    those conversations, kvtransfer.eval.stats.mean_se: one turn per conversation, so independent), and the gap."""
     rows = []
     for turn in range(1, max_turn + 1):
         ref = [c[turn - 1]["f1"] for c in reference if len(c) >= turn]
         got = [c[turn - 1]["f1"] for c in mapped if len(c) >= turn]
         if not ref:
             break
-        r, m = sum(ref) / len(ref), sum(got) / len(got)
+        (r, r_se), (m, m_se) = mean_se(ref), mean_se(got)
         rows.append({"turn": turn, "n": len(ref), "target_f1": r, "transfer_f1": m, "gap": r - m,
-                     "target_f1_se": _se(ref), "transfer_f1_se": _se(got)})
+                     "target_f1_se": r_se, "transfer_f1_se": m_se})
     return rows
 
 
-def drift_summary(reference: list[list[dict]], mapped: list[list[dict]], *, n_boot: int = 1000, seed: int = 0) -> dict:
-    """Mean F1 over every turn of every conversation for both runs, retention (mapped / reference) and
-    paired bootstrap SEs that resample whole conversations (turns of one conversation are not independent).
+def drift_summary(reference: list[list[dict]], mapped: list[list[dict]]) -> dict:
+    """Mean F1 over every turn of every conversation for both runs, retention (mapped / reference), the gap, and
+    SEs clustered by conversation (turns of one conversation are not independent; kvtransfer.eval.stats).
 
     reference / mapped: per conversation, per turn {"f1", ...} (the protocols' output), same conversations.
+    Every SE is the clustered SE from conversation totals with the small-sample factor C / (C - 1); `se_df` = C - 1
+    is the Student-t degrees of freedom of an interval (at C = 5, a 95 % interval is +- 2.78 SE, not 1.96).
     """
     if len(reference) != len(mapped) or not reference:
         raise ValueError("drift_summary needs the same (non-empty) list of conversations for both runs")
@@ -197,30 +191,23 @@ def drift_summary(reference: list[list[dict]], mapped: list[list[dict]], *, n_bo
     got = [[t["f1"] for t in c] for c in mapped]
     if [len(c) for c in ref] != [len(c) for c in got]:
         raise ValueError("drift_summary: the runs answered different numbers of turns per conversation")
-    sums = np.array([[sum(r), sum(g), len(r)] for r, g in zip(ref, got)], dtype=np.float64)  # [C, 3]
-
-    def stats(rows: np.ndarray):  # rows [..., C, 3] -> (target, transfer, retention) pooled over turns
-        tot = rows.sum(-2)
-        t, m = tot[..., 0] / tot[..., 2], tot[..., 1] / tot[..., 2]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return t, m, np.where(t > 0, m / np.where(t > 0, t, 1), np.nan)
-
-    t, m, ret = stats(sums)
-    idx = np.random.default_rng(seed).integers(0, len(sums), size=(n_boot, len(sums)))
-    bt, bm, bret = stats(sums[idx])
-    return {"conversations": len(sums), "turns": int(sums[:, 2].sum()), "target_f1": float(t),
-            "transfer_f1": float(m), "retention": float(ret), "target_f1_se": float(bt.std(ddof=1)),
-            "transfer_f1_se": float(bm.std(ddof=1)), "retention_se": float(np.nanstd(bret, ddof=1)),
-            "gap_se": float((bt - bm).std(ddof=1))}
+    ids = [c for c, turns in enumerate(ref) for _ in turns]
+    r_all, g_all = [f for c in ref for f in c], [f for c in got for f in c]
+    t, m = clustered_mean(r_all, ids), clustered_mean(g_all, ids)
+    ret = clustered_ratio(g_all, r_all, ids)
+    gap = clustered_mean([a - b for a, b in zip(r_all, g_all)], ids)
+    return {"conversations": len(ref), "turns": len(ids), "target_f1": t["value"], "transfer_f1": m["value"],
+            "retention": ret["value"], "target_f1_se": t["se"], "transfer_f1_se": m["se"], "retention_se": ret["se"],
+            "gap_se": gap["se"], "se_df": t["df"]}
 
 
-def coqa_summary(convs: dict, twins: list[str], *, max_turn: int = 10, n_boot: int = 1000, seed: int = 0) -> dict:
+def coqa_summary(convs: dict, twins: list[str], *, max_turn: int = 10) -> dict:
     """The summary's CoQA rows from {mode: {protocol: per-conversation turn records}} holding target, transfer and
     each truncation twin (mode truncate_tokens_<m>):
       drift: per protocol and turn, each series' mean F1 and SE (target, transfer, the twins);
       drift_summary: per protocol, drift_summary(target, transfer);
       coqa_twins: per twin and protocol, the twin's mean F1 over every turn beside the map's, and transfer - twin with
-        a paired bootstrap SE over whole conversations."""
+        its paired SE clustered by conversation (`se_df`: the t interval's degrees of freedom)."""
     drift, summary, twin_rows = [], [], []
     for protocol, mapped in convs["transfer"].items():
         for r in drift_curve(convs["target"][protocol], mapped, max_turn=max_turn):
@@ -228,18 +215,31 @@ def coqa_summary(convs: dict, twins: list[str], *, max_turn: int = 10, n_boot: i
                           "f1": r["target_f1"], "f1_se": r["target_f1_se"], "n": r["n"]})
             drift.append({"protocol": protocol, "turn": r["turn"], "series": f"transfer ({protocol})",
                           "f1": r["transfer_f1"], "f1_se": r["transfer_f1_se"], "n": r["n"], "gap": r["gap"]})
-        summary.append({"protocol": protocol, **drift_summary(convs["target"][protocol], mapped, n_boot=n_boot,
-                                                               seed=seed)})
+        summary.append({"protocol": protocol, **drift_summary(convs["target"][protocol], mapped)})
         for twin in twins:
             own = convs[twin][protocol]
             for r in drift_curve(own, own, max_turn=max_turn):
                 drift.append({"protocol": protocol, "turn": r["turn"], "series": f"{twin} ({protocol})",
                               "f1": r["target_f1"], "f1_se": r["target_f1_se"], "n": r["n"]})
-            d = drift_summary(own, mapped, n_boot=n_boot, seed=seed)
+            d = drift_summary(own, mapped)
             twin_rows.append({"protocol": protocol, "mode": twin, "tokens": int(twin.rpartition("_")[2]),
                               "conversations": d["conversations"], "turns": d["turns"], "twin_f1": d["target_f1"],
                               "twin_f1_se": d["target_f1_se"], "transfer_f1": d["transfer_f1"],
                               "transfer_f1_se": d["transfer_f1_se"],
                               "transfer_minus_twin": d["transfer_f1"] - d["target_f1"],
-                              "transfer_minus_twin_se": d["gap_se"]})
+                              "transfer_minus_twin_se": d["gap_se"], "se_df": d["se_df"]})
     return {"drift": drift, "drift_summary": summary, **({"coqa_twins": twin_rows} if twins else {})}
+
+
+def coqa_summary_from_scores(scores: dict, *, max_turn: int | None = None) -> dict:
+    """coqa_summary recomputed from a run's scores.json `coqa` part ({protocol: {mode: [[F1 per turn] per
+    conversation]}}, kvtransfer.runner.eval_stage): the twins are its modes other than target and transfer, in order."""
+    modes = list(dict.fromkeys(m for part in scores.values() for m in part))
+    for need in ("target", "transfer"):
+        if need not in modes:
+            raise KeyError(f"the CoQA scores hold no {need!r} turns: modes {modes}")
+    convs = {m: {p: [[{"f1": f} for f in conv] for conv in part[m]] for p, part in scores.items() if m in part}
+             for m in modes}
+    longest = max(len(conv) for part in scores.values() for per in part.values() for conv in per)
+    return coqa_summary(convs, [m for m in modes if m not in ("target", "transfer")],
+                        max_turn=longest if max_turn is None else max_turn)

@@ -19,6 +19,10 @@ Every number gets a paired bootstrap SE over items (or windows): one resample of
 to every mode at once, so the shared per-item difficulty cancels. Two maps evaluated on the same items
 are compared through the SE of their paired difference (`paired_difference`), never by each one's own SE.
 
+A map against the target reading only part of the context: `native_token_worth` (the tokens it is worth on the
+truncation curve) and `equal_cost` (the curve at the map's own cost, `frontier` its usable points). SEs that are
+not over items -- clustered by conversation, over timing repeats -- are kvtransfer.eval.stats.
+
 Pure numpy; no lm-eval or torch.
 """
 from __future__ import annotations
@@ -275,6 +279,79 @@ def native_token_worth(window_nll: Mapping[str, Sequence[float]], curve: Mapping
             "above": bool(point == np.inf), "hi_above": bool(hi == np.inf), "lo_below": bool(lo == -np.inf),
             "curve": {m: as_float(g) for m, g in zip(ms, pts)}, "gap_closed": as_float(level), "windows": int(n),
             "boot_above": float(np.mean(boot == np.inf)) if boot.size else None}
+
+
+def frontier(nll: Mapping[str, Sequence[float]], pts: Sequence[tuple]) -> list[tuple]:
+    """The points (cost, label, mode), sorted by cost, that close more of the log-perplexity gap (`nll` {"target",
+    "no_context", mode: per-window NLL}) than every cheaper one: what the money buys at best."""
+    # a measured cost need not rise with the tokens read (a CPU forward's time is mostly reading the weights, and
+    # the first timed batches carry warm-up), so a dearer point that closes less is dropped
+    out, best = [], -math.inf
+    for pt in pts:
+        g = float(gap_closed(np.mean(nll[pt[2]]), np.mean(nll["target"]), np.mean(nll["no_context"])))
+        if g > best:
+            out.append(pt)
+            best = g
+    return out
+
+
+def equal_cost(nll: Mapping[str, Sequence[float]], costs: Mapping[str, float], mode: str,
+               curve: Sequence[tuple[str, object]], *, n_boot: int = 1000, seed: int = 0,
+               cost_se: Mapping[str, float] | None = None) -> dict | None:
+    """`mode`'s gap closed minus the `curve`'s interpolated linearly in cost at `mode`'s cost, ± a paired bootstrap
+    SE over windows with the costs held fixed; with `cost_se` also the SE the costs' own timing error adds.
+
+    nll: {"target", "no_context", mode, each curve mode: [per-window mean NLL]}, one window order; costs: {mode: cost}
+    (measured seconds or FLOPs as a fraction of a re-prefill); curve: [(mode, label)] (the truncation curve: label m;
+    a fixed rule: label r), interpolated only between its `frontier` points. None when `mode` has no cost, the
+    curve has fewer than two priced points, or `mode` costs more than the curve's dearest point. Where `mode` costs
+    less than the curve's cheapest point it is compared with that (dearer) point: below_curve, curve_cost, curve_m.
+
+    Returns {"cost", "between": (label, label), "truncation": the curve's gap closed at that cost, "difference",
+    "difference_se" (windows), "below_curve", "curve_cost", "curve_m"}; with cost_se ({mode: SE of its cost}, e.g.
+    kvtransfer.eval.timing's SE of a median ratio) also "difference_se_timing" and "difference_se_total".
+
+    The timing term is the delta method on the interpolation, the frontier held where the point costs put it: with
+    slope s = (g1 - g0) / (c1 - c0) and w = (x - c0) / (c1 - c0), SE_timing = |s| sqrt(se_x^2 + (1 - w)^2 se_c0^2 +
+    w^2 se_c1^2), the three timings taken as independent; a mode below the curve is compared with a fixed point
+    (SE_timing 0). Windows and timings are independent sources of error: the total is their quadrature sum.
+    """
+    x = costs.get(mode)
+    pts = frontier(nll, sorted((costs[c], label, c) for c, label in curve if costs.get(c) is not None and c in nll))
+    if x is None or len(pts) < 2 or x > pts[-1][0]:
+        return None
+    below = x < pts[0][0]  # the mode costs less than the curve's first point: compared with that (dearer) point
+    j = 0 if below else next(i for i in range(len(pts) - 1) if pts[i][0] <= x <= pts[i + 1][0])
+    (c0, m0, k0), (c1, m1, k1) = pts[j], pts[j + 1]
+    w = 0.0 if below or c1 == c0 else (x - c0) / (c1 - c0)
+    items = {"t": nll["target"], "f": nll["no_context"], "a": nll[mode], "m0": nll[k0], "m1": nll[k1]}
+
+    def stat(mu):
+        trunc = (1 - w) * gap_closed(mu["m0"], mu["t"], mu["f"]) + w * gap_closed(mu["m1"], mu["t"], mu["f"])
+        return np.stack([np.asarray(gap_closed(mu["a"], mu["t"], mu["f"]) - trunc), np.asarray(trunc)])
+
+    point = stat({k: np.mean(v) for k, v in items.items()})
+    n = len(nll["target"])
+    # the resample of every equal-cost comparison since it was first published: keep this stream
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    boot = stat({k: np.asarray(v)[idx].mean(-1) for k, v in items.items()})
+    out = {"cost": x, "between": (m0, m1), "truncation": float(point[1]), "difference": float(point[0]),
+           "difference_se": float(np.nanstd(boot[0], ddof=1)), "below_curve": below,
+           "curve_cost": c0 if below else None, "curve_m": m0 if below else None}
+    if cost_se is not None:
+        if below or c1 == c0:
+            timing = 0.0
+        else:
+            g0, g1 = (float(gap_closed(np.mean(nll[k]), np.mean(nll["target"]), np.mean(nll["no_context"])))
+                      for k in (k0, k1))
+            missing = [k for k in (mode, k0, k1) if cost_se.get(k) is None]
+            if missing:  # an unknown timing error is not a zero one
+                raise KeyError(f"equal_cost: cost_se has no SE for {missing} (give 0.0 for an exact cost)")
+            se_x, se_0, se_1 = (float(cost_se[k]) for k in (mode, k0, k1))
+            timing = abs((g1 - g0) / (c1 - c0)) * math.sqrt(se_x ** 2 + (1 - w) ** 2 * se_0 ** 2 + w ** 2 * se_1 ** 2)
+        out["difference_se_timing"] = timing
+        out["difference_se_total"] = math.hypot(out["difference_se"], timing)
+    return out
 
 
 # task-row fields of schema 1 -> their schema-2 names (the SE of each is stderr_<name>)

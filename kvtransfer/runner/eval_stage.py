@@ -458,8 +458,8 @@ def summarise(per_mode: dict, ecfg: dict, seed: int = 0) -> dict:
     if "coqa" in per_mode.get("target", {}) and "coqa" in per_mode.get("transfer", {}):
         twins = [m for m in coqa_twins(ecfg) if "coqa" in per_mode.get(m, {})]
         rows = coqa_summary({m: per_mode[m]["coqa"] for m in ("target", "transfer", *twins)}, twins,
-                            max_turn=ecfg["coqa"]["turns"], n_boot=ecfg.get("bootstrap", 1000), seed=seed)
-        for key, part in rows.items():  # the bootstrap's ratios can be NaN: strict JSON holds None there
+                            max_turn=ecfg["coqa"]["turns"])
+        for key, part in rows.items():  # strict JSON: a non-finite number is None there
             out[key] = part if key == "drift" else [_finite(r) for r in part]
     return out
 

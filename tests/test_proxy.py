@@ -767,7 +767,7 @@ def test_a_switch_stops_waiting_when_the_store_does_not_grow_and_counts_it_parti
         await rig.chat(MSGS, session="s")
         t0 = time.perf_counter()
         r = await rig.chat(MSGS, model="tgt", session="s")
-        assert time.perf_counter() - t0 < 5.0 and r.status_code == 200
+        assert time.perf_counter() - t0 < rig.proxy.switch_wait_s / 6 and r.status_code == 200  # not the wait
         assert r.json()["kvtransfer"]["status"] == "fallback_reprefill"
         stats = (await rig.client.get("/kvtransfer/stats")).json()["handoff"]
         assert stats["switch_partial"] == 1
@@ -783,7 +783,7 @@ def test_a_rewritten_history_does_not_wait_for_blocks_that_cannot_come():
         await rig.chat(MSGS, session="s")
         t0 = time.perf_counter()
         r = await rig.chat([{"role": "user", "content": "hello again"}], model="tgt", session="s")
-        assert time.perf_counter() - t0 < 5.0 and r.status_code == 200
+        assert time.perf_counter() - t0 < rig.proxy.switch_wait_s / 6 and r.status_code == 200  # not the wait
         stats = (await rig.client.get("/kvtransfer/stats")).json()["handoff"]
         assert stats["history_rewritten"] == 1 and stats["switch_partial_rewritten"] == 1
     run(go())

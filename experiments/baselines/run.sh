@@ -62,6 +62,10 @@ run real_stdlib_b $REAL $STDLIB "eval.recompute_fraction=[]" "eval.modes=[$BASE,
 LONG="eval.ppl.prefixes=[1024]"
 run real_wikitext2_1024_b $REAL $LONG "eval.recompute_fraction=[]" \
   "eval.modes=[$BASE,$CURVE,truncate_tokens_256,truncate_tokens_512]"
+# 5b. worth as the context grows, on a fixed subsample that fits a session on 2 cores: P = 1,024 on WikiText-2, the
+#     first 24 long-enough articles' windows, the map against truncation to 16-512 tokens (~1 h on 2 free cores)
+run real_wikitext2_1024_w24 $REAL $LONG "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
+  "eval.modes=[$BASE,truncate_tokens_16,truncate_tokens_64,truncate_tokens_128,truncate_tokens_256,truncate_tokens_512]"
 # 6. calibration in the evaluated code domain: the map calibrated (as the main one, 160 x 256 tokens) on Python source
 #    -- the modules inside the standard library's packages, disjoint from the evaluated top-level modules -- and
 #    scored on both perplexity sets beside the main map (collect.py names its mode transfer_code_calib)

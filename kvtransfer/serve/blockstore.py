@@ -16,7 +16,6 @@ from __future__ import annotations
 import abc
 import os
 import re
-import time
 from collections import Counter
 from pathlib import Path
 from threading import Lock

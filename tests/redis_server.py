@@ -22,8 +22,8 @@ class RedisServer:
     def __init__(self, *args: str, password: str | None = None):
         exe = shutil.which("redis-server")
         if exe is None:
-            raise RuntimeError(f"redis-server is not installed: the Redis store's tests need a real server. Install it: "
-                               f"{INSTALL}")
+            raise RuntimeError(f"redis-server is not installed: the Redis store's tests need a real server. "
+                               f"Install it: {INSTALL}")
         self.port = free_port()
         cmd = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--protected-mode", "no", *args]
@@ -41,7 +41,8 @@ class RedisServer:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} did not answer PING (exit {self.proc.returncode})")
+                raise RuntimeError(f"redis-server on port {self.port} did not answer PING "
+                                   f"(exit {self.proc.returncode})")
             time.sleep(0.05)
 
     def client(self):

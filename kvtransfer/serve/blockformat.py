@@ -101,7 +101,7 @@ def checksum(token_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """sha256 hex of a block's bytes: token ids, then keys, then values (each contiguous, native byte order)."""
     h = hashlib.sha256()
     for t in (token_ids, k, v):
-        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())  # the buffer, not a copy
     return h.hexdigest()
 
 

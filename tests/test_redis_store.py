@@ -83,7 +83,7 @@ def test_maxmemory_lru_eviction_gives_shorter_prefixes_and_never_raises():
                     assert err.reason == "evicted"
                     continue
                 assert torch.equal(k, _layers(128, BIG, seed)[0][0][:, :prefix.n_tokens])
-        assert store.tier_stats()["errors"] == {}
+        assert set(store.tier_stats()["errors"]) <= {"read:evicted"}  # no fault: only LRU racing a read
     finally:
         server.stop()
 

@@ -13,7 +13,8 @@ import uuid
 import pytest
 import torch
 
-from kvtransfer.serve.blockstore import open_store, redact
+from kvtransfer.serve.blockstore import redact
+from kvtransfer.serve.stores import open_store
 from kvtransfer.serve.policy import MapSpec, safe_decide
 from kvtransfer.serve.redis_store import RedisStore, StoreUnavailable
 from kvtransfer.serve.store import BadEntry, KVStore

@@ -1,5 +1,5 @@
-"""`BlockStore`: what the connector (both engines) and the handoff proxy ask of a block store, and `open_store`,
-which opens one from a directory path or a URL.
+"""`BlockStore`: what the connector (both engines) and the handoff proxy ask of a block store
+(kvtransfer.serve.stores.open_store opens one from a directory path or a URL).
 
 Two implementations: the directory store (kvtransfer.serve.store.KVStore: the embedded default, no server) and the
 Redis store (kvtransfer.serve.redis_store.RedisStore: one store for engines and proxies on many hosts). Both hold the
@@ -14,7 +14,6 @@ Redis store gives every block a TTL (`retention_s`, refreshed on read) and leave
 from __future__ import annotations
 
 import abc
-import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -107,25 +106,6 @@ def redact(url: str) -> str:
     host = parts.netloc.rsplit("@", 1)[1]
     return urlunsplit((parts.scheme, f"{user}:***@{host}" if parts.password is not None else f"{user}@{host}",
                        parts.path, re.sub(r"(?i)(password=)[^&]*", r"\1***", parts.query), parts.fragment))
-
-
-def open_store(spec, **opts) -> BlockStore:
-    """The store at `spec`: a RedisStore for a redis:// or rediss:// URL (options: kvtransfer.serve.redis_store),
-    else a directory store (KVStore) at that path, created if missing. ValueError naming the fix for a bad spec."""
-    if isinstance(spec, os.PathLike):
-        spec = os.fspath(spec)
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"store {spec!r}: give a directory path or a redis://host:port/db URL")
-    if is_url(spec):
-        from .redis_store import RedisStore
-
-        return RedisStore(spec, **{k: v for k, v in opts.items() if k in RedisStore.OPTIONS})
-    if "://" in spec:
-        raise ValueError(f"store {redact(spec)}: only redis:// and rediss:// URLs are stores; a directory is a plain "
-                         f"path")
-    from .store import KVStore
-
-    return KVStore(spec, **{k: v for k, v in opts.items() if k in KVStore.OPTIONS})
 
 
 class TierStats:

@@ -81,7 +81,8 @@ import torch
 from . import gating, paged
 from .policy import MAPPED, BadRequest, Counters, Decider, MapSpec, Timings, request_namespace
 from .specs import LoadSpec, SaveSpec, layer_index
-from .blockstore import BlockStore, is_url, open_store
+from .blockstore import BlockStore, is_url
+from .stores import open_store
 from .store import Prefix
 from .writer import StoreWriter
 

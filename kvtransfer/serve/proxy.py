@@ -141,7 +141,7 @@ class HandoffProxy(EngineCalls, Switch):
         self.stats = Stats()
         self.store = None
         if store is not None:
-            from .blockstore import open_store
+            from .stores import open_store
 
             self.store = open_store(store, timeout_s=state_timeout_s)
         if state is None and store is not None and is_url(str(store)):

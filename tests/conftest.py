@@ -113,3 +113,13 @@ def local_tasks(bench_dir, tmp_path_factory):
     from kvtransfer.eval.tasks import task_manager
 
     return task_manager(bench_dir, include_defaults=False, out_dir=tmp_path_factory.mktemp("tasks"))
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A redis-server for the whole session (tests/redis_server.py): fails, naming the install, when it is missing."""
+    from redis_server import RedisServer
+
+    server = RedisServer()
+    yield server
+    server.stop()

@@ -57,6 +57,29 @@ def test_commands_start_a_producer_a_consumer_and_the_proxy_in_front(tmp_path):
     assert "--allow-anonymous-sessions" not in proxy
 
 
+def test_a_redis_store_url_is_passed_through_and_its_password_travels_in_the_environment(tmp_path):
+    (tmp_path / "src").mkdir()
+    args = _args(tmp_path)
+    args.store = "redis://:p%40ss-7f3a@10.0.0.5:6379/0?deployment=prod"
+    cmds = launch.commands(args, python="py")
+    for name, cmd in cmds.items():
+        assert not [a for a in cmd if "ss-7f3a" in a], name  # never on a command line (ps, logs)
+    url = "redis://10.0.0.5:6379/0?deployment=prod"
+    src, tgt = _kv(cmds["source"])["kv_connector_extra_config"], _kv(cmds["target"])["kv_connector_extra_config"]
+    assert src["store"] == tgt["store"] == url and cmds["proxy"][cmds["proxy"].index("--store") + 1] == url
+    assert "store_max_bytes" not in src and "store_max_bytes" not in tgt  # the server's maxmemory caps it
+    assert tgt["sink_dir"] == str((tmp_path / "state").resolve() / "sinks")  # this host's, not the store's
+    assert launch.store_env(args) == {"KVTRANSFER_REDIS_PASSWORD": "p@ss-7f3a"}
+    args.state = "redis://:other@10.0.0.6:6379/0"
+    with pytest.raises(SystemExit, match="different passwords"):
+        launch.store_env(args)
+    args.state = "redis://10.0.0.6:6379/1"
+    assert launch.commands(args, python="py")["proxy"][-2:] == ["--state", "redis://10.0.0.6:6379/1"]
+    directory = launch.commands(_args(tmp_path), python="py")  # a path stays a resolved path, with its cap
+    assert "sink_dir" not in _kv(directory["target"])["kv_connector_extra_config"]
+    assert "--state" not in directory["proxy"] and launch.store_env(_args(tmp_path)) == {}
+
+
 def test_options_reach_the_commands(tmp_path):
     template = tmp_path / "t.jinja"
     cmds = launch.commands(_args(tmp_path, max_model_len=2048, chat_template=template, store_max_gb=0.5),

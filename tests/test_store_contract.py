@@ -1,8 +1,10 @@
 """The KV store's contract, written against its public methods only and run over every store backend
-(`store_factory`; today the directory store, kvtransfer.serve.store.KVStore): write / lookup / read / tip /
-stored_blocks / delete_namespace / evict / expire, and two tenants on one store -- namespace A's blocks are never
+(`store_factory`: the directory store, kvtransfer.serve.store.KVStore, and the Redis store,
+kvtransfer.serve.redis_store.RedisStore, on a real redis-server started for the session): write / lookup / read /
+tip / stored_blocks / others / delete_namespace, and two tenants on one store -- namespace A's blocks are never
 found, mapped or deleted through namespace B, even for the same tokens of the same model, and no block's content
-(a crafted header) can make a deletion reach anything outside the store.
+(a crafted header) can make a deletion reach anything outside the store. Eviction and retention are each backend's
+own mechanism (the directory's scans here, Redis's maxmemory and TTLs in tests/test_redis_store.py).
 
 A backend plugs in with a `Backend`: `make(**options)` opens a store (block size 4), `plant(store, ...)` writes one
 block by hand as a buggy or hostile producer would, and `decoy()` puts something outside the store that nothing
@@ -19,6 +21,9 @@ import torch
 
 from kvtransfer.core.io import atomic_save_tensors
 from kvtransfer.serve.policy import MAPPED, MapSpec, safe_decide
+from kvtransfer.serve.blockformat import encode_block
+from kvtransfer.serve.blockstore import BlockStore
+from kvtransfer.serve.redis_store import RedisStore
 from kvtransfer.serve.store import FORMAT, VERSION, KVStore, checksum
 
 KEY, OTHER_KEY = "0123456789abcdef", "fedcba9876543210"
@@ -50,12 +55,42 @@ def _directory_backend(tmp_path) -> Backend:
     return Backend(lambda **kw: KVStore(root, **({"block_size": 4} | kw)), plant, decoy)
 
 
-BACKENDS = {"directory": _directory_backend}
+def _redis_backend(tmp_path, server) -> Backend:
+    deployment = f"contract-{tmp_path.name[-40:]}".replace("_", "-")  # a fresh key prefix per test
+    client = server.client()
+
+    def plant(store, model_key, ns, h, tensors, header):
+        client.set(store.key(model_key, h, ns), encode_block(tensors, header))
+
+    def decoy():
+        # another deployment's key, and a `parent` naming it
+        victim = "kvt:v1:victim:model"
+        client.set(victim, b"weights")
+        return lambda: bool(client.exists(victim)), victim
+
+    return Backend(lambda **kw: RedisStore(server.url, **({"block_size": 4, "deployment": deployment} | kw)),
+                   plant, decoy)
+
+
+BACKENDS = {"directory": _directory_backend, "redis": _redis_backend}
 
 
 @pytest.fixture(params=sorted(BACKENDS))
 def store_factory(request, tmp_path) -> Backend:
+    if request.param == "redis":
+        return _redis_backend(tmp_path, request.getfixturevalue("redis_server"))
     return BACKENDS[request.param](tmp_path)
+
+
+@pytest.fixture
+def directory_store_factory(tmp_path) -> Backend:
+    """The directory store alone: its eviction is a scan the store runs (max_bytes, evict, expire); a Redis store's
+    is the server's maxmemory policy and its TTLs (tests/test_redis_store.py)."""
+    return _directory_backend(tmp_path)
+
+
+def test_every_backend_is_a_block_store(store_factory):
+    assert isinstance(store_factory.make(), BlockStore)
 
 
 def _ids(n: int, seed: int = 0) -> list[int]:
@@ -98,8 +133,8 @@ def test_a_later_turn_adds_only_its_new_blocks(store_factory):
     assert store.lookup(turn2, KEY, ns=A).n_tokens == 20
 
 
-def test_eviction_takes_least_recently_used_chain_tails_and_expiry_takes_old_blocks(store_factory):
-    store = store_factory.make()
+def test_eviction_takes_least_recently_used_chain_tails_and_expiry_takes_old_blocks(directory_store_factory):
+    store = directory_store_factory.make()
     old, new = _ids(16, 1), _ids(16, 2)
     store.write(old, _layers(16), IDENT, ns=A)
     time.sleep(0.01)  # distinct write times: `old` is the least recently used chain
@@ -113,7 +148,8 @@ def test_eviction_takes_least_recently_used_chain_tails_and_expiry_takes_old_blo
     assert store.evict(0) == 0
 
 
-def test_a_capped_store_stays_under_its_cap(store_factory):
+def test_a_capped_store_stays_under_its_cap(directory_store_factory):
+    store_factory = directory_store_factory
     probe = store_factory.make()
     probe.write(_ids(4, 99), _layers(4), IDENT)
     block = probe.usage()

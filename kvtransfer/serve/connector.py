@@ -7,9 +7,13 @@ Selected with
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {...}}'
 extra config
-    store          directory of the KV store (both roles; kvtransfer.serve.store: token blocks keyed by a chained hash
-                   and the producer's weights identity); the consumer keeps the target's native sink
-                   K/V in <store>/sinks (computed by one HF prefill of the start tokens on first use)
+    store          the KV store (both roles): a directory (kvtransfer.serve.store) or a redis:// / rediss:// URL
+                   (kvtransfer.serve.redis_store; both engines and the proxy name the same one): token blocks keyed
+                   by a chained hash and the producer's weights identity
+    sink_dir       consumer: where the target's native sink K/V is cached (one HF prefill of the start tokens on
+                   first use; default <store>/sinks for a directory, ~/.cache/kvtransfer/sinks for a URL)
+    store_timeout_s, store_deployment  Redis store: each call's timeout (default 2 s; a fault is a miss or a
+                   failed save, counted) and the deployment's key prefix (default the URL's, else "default")
     block_size     tokens per store block (default 16; fixed by the first engine that opens the store)
     store_max_bytes  producer: size cap of the store's blocks, least-recently-used evicted, chain tails first
                    (default: no cap)
@@ -66,8 +70,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,7 +81,9 @@ import torch
 from . import gating, paged
 from .policy import MAPPED, BadRequest, Counters, Decider, MapSpec, Timings, request_namespace
 from .specs import LoadSpec, SaveSpec, layer_index
-from .store import KVStore, Prefix
+from .blockstore import BlockStore, is_url
+from .stores import open_store
+from .store import Prefix
 from .writer import StoreWriter
 
 try:
@@ -169,6 +177,33 @@ def worker_layout(vllm_config, dtype: torch.dtype, head_dim: int) -> paged.Paged
     return paged.select_layout(names[0], isa, str(vllm_config.cache_config.cache_dtype))
 
 
+def store_from_config(extra: dict) -> BlockStore:
+    """The block store the extra config names: `store` a directory path or a redis:// / rediss:// URL, with
+    block_size, store_max_bytes and store_retention_s (a directory's cap and retention; a Redis store's retention
+    is its blocks' TTL and its cap the server's maxmemory), store_timeout_s and store_deployment (Redis only)."""
+    spec = str(extra["store"])
+    opts = {"block_size": extra.get("block_size"), "max_bytes": extra.get("store_max_bytes"),
+            "retention_s": extra.get("store_retention_s"), "timeout_s": extra.get("store_timeout_s"),
+            "deployment": extra.get("store_deployment")}
+    casts = {"block_size": int, "max_bytes": int, "retention_s": float, "timeout_s": float, "deployment": str}
+    opts = {k: casts[k](v) for k, v in opts.items() if v is not None}  # a shell-quoted config carries strings
+    if is_url(spec) and "max_bytes" in opts:
+        log.info("kvtransfer: store_max_bytes does not apply to a Redis store: its cap is the server's maxmemory "
+                 "(with maxmemory-policy allkeys-lru)")
+    return open_store(spec, **opts)
+
+
+def sink_dir(store: BlockStore, extra: dict) -> Path:
+    """Where the consumer keeps the target's native sink K/V: `sink_dir` when given, else <store>/sinks for a
+    directory store, else <$XDG_CACHE_HOME or ~/.cache>/kvtransfer/sinks (a URL store has no local directory)."""
+    if extra.get("sink_dir"):
+        return Path(extra["sink_dir"])
+    local = store.local_dir()
+    if local is not None:
+        return Path(local) / "sinks"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtransfer" / "sinks"
+
+
 class GateMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler: the gate's records of one step (kvtransfer.serve.gating.after_forward), by request."""
 
@@ -181,7 +216,7 @@ class GateMeta(KVConnectorWorkerMetadata):
 
 
 class KVTransferConnector(KVConnectorBase_V1):
-    """Producer saves prompt K/V to a KVStore; consumer maps a source entry into the target's paged cache."""
+    """Producer saves prompt K/V to a BlockStore; consumer maps a source entry into the target's paged cache."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         check_parallelism(vllm_config)  # before anything is opened: the engine fails to start, saying why
@@ -189,17 +224,17 @@ class KVTransferConnector(KVConnectorBase_V1):
         cfg = self._kv_transfer_config
         extra = cfg.kv_connector_extra_config or {}
         if "store" not in extra:
-            raise ValueError("kv_connector_extra_config needs 'store': the KV store directory")
-        cap, keep = extra.get("store_max_bytes"), extra.get("store_retention_s")
-        self.store = KVStore(extra["store"], block_size=extra.get("block_size"),
-                             max_bytes=int(cap) if cap is not None else None,
-                             retention_s=float(keep) if keep is not None else None)
+            raise ValueError("kv_connector_extra_config needs 'store': the KV store directory or a redis:// URL")
+        self.store = store_from_config(extra)
         self.block_size = vllm_config.cache_config.block_size
         self.model_path = vllm_config.model_config.model
         self.producer = cfg.is_kv_producer and not cfg.is_kv_consumer
         self.stats_path = extra.get("stats")
         self.counters = Counters(self.stats_path)
         self.timings = Timings(f"{self.stats_path}.worker.json" if self.stats_path else None)
+        # the store tier's hits, misses, errors and latency: the scheduler's lookups in the stats file, the worker's
+        # reads and writes in its .worker.json
+        self.counters.store_stats = self.timings.store_stats = self.store.tier_stats
         self.salt = extra.get("mapped_cache_salt", DEFAULT_SALT)
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.native_tail = int(extra.get("native_tail", 1))
@@ -260,7 +295,8 @@ class KVTransferConnector(KVConnectorBase_V1):
         target_id = serving_identity(str(self.model_path), target_cfg)
         return ServeMap(self._extra["mapper"], source_cfg, target_cfg,
                         target_path=self.model_path if with_sink else None, dtype=dtype,
-                        sink_cache=self.store.root / "sinks", source_identity=source_id, target_identity=target_id)
+                        sink_cache=sink_dir(self.store, self._extra), source_identity=source_id,
+                        target_identity=target_id)
 
     def _scheduler_spec(self, role) -> MapSpec | None:
         if HAVE_VLLM and role != KVConnectorRole.SCHEDULER:

@@ -17,6 +17,12 @@ command that fits one. Ports: the proxy's `--port`, the engines' the next two.
 The state directory (`--state-dir`, default ./kvtransfer-state) holds what is the deployment's and not the
 store's: logs/, the consumer's stats, and the proxy's secret (`proxy.secret`, mode 0600, made once): session
 owners, cache salts and store namespaces are keyed digests under it, so a restart keeps every session.
+
+`--store` is a directory (the default, ./kvstore) or a Redis URL (redis://host:6379/0, rediss:// for TLS), passed to
+both engines and the proxy as it is. With a URL the consumer's sink cache goes to <state dir>/sinks, the byte cap is
+the server's maxmemory (--store-max-gb does not apply), and the proxy keeps its sessions and secret in the same
+Redis (or in `--state`), so further proxies on other hosts serve the same sessions. A password in the URL is moved to
+the environment ($KVTRANSFER_REDIS_PASSWORD) of the three processes, out of their command lines.
 """
 from __future__ import annotations
 
@@ -28,12 +34,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from .blockstore import is_url, redact
 
 CONNECTOR = {"kv_connector": "KVTransferConnector", "kv_connector_module_path": "kvtransfer.serve.connector",
              "kv_load_failure_policy": "recompute"}
 
 
-def kv_transfer_config(role: str, store: Path, **extra) -> str:
+def kv_transfer_config(role: str, store: Path | str, **extra) -> str:
     """The --kv-transfer-config JSON of kvtransfer's connector for `role` (kv_producer | kv_consumer)."""
     return json.dumps({**CONNECTOR, "kv_role": role,
                        "kv_connector_extra_config": {"store": str(store), **{k: str(v) for k, v in extra.items()}}})
@@ -56,12 +65,15 @@ def engine_command(model: str, port: int, name: str, kv_config: str | None, *, d
 
 def commands(args: argparse.Namespace, python: str = sys.executable) -> dict[str, list[str]]:
     """{"source", "target", "proxy"}: the three argvs `main` starts (a pure function of the parsed arguments)."""
-    store = Path(args.store).resolve()
+    url = is_url(args.store)
+    store = split_password(args.store)[0] if url else Path(args.store).resolve()  # a URL is passed through
     state = Path(args.state_dir).resolve()
     mapper = Path(args.mapper).resolve()
     template = str(Path(args.chat_template).resolve()) if args.chat_template else None
     src_port, tgt_port = args.port + 1, args.port + 2
-    cap = {} if args.store_max_gb is None else {"store_max_bytes": int(args.store_max_gb * (1 << 30))}
+    # a Redis store's cap is the server's maxmemory; its sink cache is this host's (a URL has no directory)
+    cap = {} if args.store_max_gb is None or url else {"store_max_bytes": int(args.store_max_gb * (1 << 30))}
+    sinks = {"sink_dir": state / "sinks"} if url else {}
     engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "chat_template": template, "python": python}
     proxy = [python, "-m", "kvtransfer.serve.proxy", "--source", f"http://127.0.0.1:{src_port}",
              "--target", f"http://127.0.0.1:{tgt_port}", "--source-model", args.source_name,
@@ -75,10 +87,32 @@ def commands(args: argparse.Namespace, python: str = sys.executable) -> dict[str
                                  kv_transfer_config("kv_consumer", store, mapper=mapper,
                                                     source_model=Path(args.source).resolve()
                                                     if Path(args.source).exists() else args.source,
-                                                    stats=state / "consumer_stats.json", **cap),
+                                                    stats=state / "consumer_stats.json", **cap, **sinks),
                                  **engine),
-        "proxy": proxy + (["--allow-anonymous-sessions"] if args.allow_anonymous_sessions else []),
+        "proxy": proxy + (["--allow-anonymous-sessions"] if args.allow_anonymous_sessions else [])
+        + (["--state", split_password(args.state)[0]] if args.state else []),
     }
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """(the URL without its password, the password or None): the password travels in the environment instead."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    user = f"{parts.username}@" if parts.username else ""
+    return urlunsplit(parts._replace(netloc=user + parts.netloc.rsplit("@", 1)[1])), unquote(parts.password)
+
+
+def store_env(args: argparse.Namespace) -> dict[str, str]:
+    """Environment for the three processes: a Redis URL's password as $KVTRANSFER_REDIS_PASSWORD (never in argv,
+    where `ps` and logs would show it). SystemExit when the store and state URLs carry different passwords."""
+    from .redis_store import PASSWORD_ENV
+
+    found = {split_password(u)[1] for u in (args.store, args.state) if u and is_url(u)} - {None}
+    if len(found) > 1:
+        raise SystemExit("--store and --state carry different passwords: use one Redis password "
+                         f"(${PASSWORD_ENV}) for both")
+    return {PASSWORD_ENV: found.pop()} if found else {}
 
 
 def client_snippet(host: str, port: int, source_name: str, target_name: str, chat: bool = True) -> str:
@@ -117,7 +151,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--source", required=True, help="the source model (a directory or a hub id)")
     p.add_argument("--target", required=True, help="the target model (a directory or a hub id)")
     p.add_argument("--mapper", required=True, help="the fitted mapper directory (source -> target)")
-    p.add_argument("--store", default="kvstore", help="the KV store directory (default ./kvstore)")
+    p.add_argument("--store", default="kvstore",
+                   help="the KV store: a directory (default ./kvstore) or a redis:// / rediss:// URL shared by "
+                        "engines and proxies on many hosts")
+    p.add_argument("--state", help="a redis:// URL for the proxy's sessions and secret (default: --store when it is "
+                                   "a URL; else the proxy keeps them itself)")
     p.add_argument("--state-dir", default="kvtransfer-state",
                    help="logs, the consumer's stats and the proxy's secret (default ./kvtransfer-state)")
     p.add_argument("--dtype", default="float32", help="both engines' dtype (float32 on CPU; bfloat16 on GPUs)")
@@ -223,10 +261,16 @@ def main(argv: list[str] | None = None) -> None:
                          f"mapper directory it reports")
     if args.chat_template and not Path(args.chat_template).is_file():
         raise SystemExit(f"--chat-template {args.chat_template}: no such file")
+    for spec in (args.store, args.state):
+        if spec and "://" in spec and not is_url(spec):
+            raise SystemExit(f"{redact(spec)}: a store or state URL is redis://host:port/db (rediss:// for TLS)")
+    if args.state and not is_url(args.state):
+        raise SystemExit(f"--state {args.state}: a redis:// URL (a directory store keeps sessions in the proxy)")
     logs = Path(args.state_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    Path(args.store).mkdir(parents=True, exist_ok=True)
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gb)}
+    if not is_url(args.store):
+        Path(args.store).mkdir(parents=True, exist_ok=True)
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gb)} | store_env(args)
     procs: dict[str, subprocess.Popen] = {}
     handlers = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.io import atomic_write_json
-from .store import BadEntry, KVStore, Prefix, check_namespace
+from .blockstore import BlockStore
+from .store import BadEntry, Prefix, check_namespace
 
 log = logging.getLogger("kvtransfer.serve")
 
@@ -116,8 +117,8 @@ def parse_params(params) -> tuple[bool, int | None, str]:
     return mode == "off", n, request_namespace(params)
 
 
-def decide(prompt: list[int], num_computed: int, store: KVStore, spec: MapSpec, *, prefix_caching: bool = False,
-           salted: bool = False, source_len: int | None = None, off: bool = False, ns: str = "") -> Decision:
+def decide(prompt: list[int], num_computed: int, store: BlockStore, spec: MapSpec, *,
+           prefix_caching: bool = False, salted: bool = False, source_len: int | None = None, off: bool = False, ns: str = "") -> Decision:
     """The decision for one request whose first `num_computed` prompt tokens are already in the cache.
 
     prefix_caching / salted: with vLLM's prefix cache on, only requests carrying the connector's cache
@@ -162,8 +163,8 @@ def decide(prompt: list[int], num_computed: int, store: KVStore, spec: MapSpec, 
     return Decision(MAPPED, hi - lo, lo, hi, len(prompt) - hi, prefix, prefix.detail)
 
 
-def safe_decide(prompt, num_computed, store: KVStore, spec: MapSpec, *, params=None, prefix_caching: bool = False,
-                salted: bool = False) -> Decision:
+def safe_decide(prompt, num_computed, store: BlockStore, spec: MapSpec, *, params=None,
+                prefix_caching: bool = False, salted: bool = False) -> Decision:
     """`decide` for a request as vLLM hands it (its raw kv_transfer_params): never raises. A malformed field is
     reason "bad_request"; any other exception (a store or code fault) is reason "error", with the exception named."""
     try:
@@ -223,6 +224,15 @@ class _TimedJSON:
             log.error("kvtransfer: cannot write %s %s: %s", self.what, self.path, err)
 
 
+def _store_part(store_stats) -> dict:
+    """{"store": the store tier's counters} when there are any (never raises: a stats file is not worth a fault)."""
+    try:
+        stats = store_stats() if store_stats is not None else {}
+    except Exception as err:  # noqa: BLE001
+        stats = {"error": f"{type(err).__name__}"}
+    return {"store": stats} if stats else {}
+
+
 class Counters(_TimedJSON):
     """Fallback reasons and the last `keep` per-request records (bounded), logged per decision and written as JSON
     (with a path) at most every `flush_s` seconds by a timer thread, and at exit.
@@ -239,6 +249,7 @@ class Counters(_TimedJSON):
         self.requests: OrderedDict[str, dict] = OrderedDict()
         self.tags: OrderedDict[str, str] = OrderedDict()
         self.gates: Counter = Counter()  # the gate's actions (kvtransfer.serve.gating), one per gated request
+        self.store_stats = None  # a callable: the store tier's counters (BlockStore.tier_stats), written as "store"
 
     def count(self, reason: str) -> None:
         """Count a reason that has no request record (a hook's fault)."""
@@ -298,8 +309,9 @@ class Counters(_TimedJSON):
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"reasons": dict(self.reasons), "requests": dict(self.requests), "tags": dict(self.tags),
-                    "gates": dict(self.gates)}
+            out = {"reasons": dict(self.reasons), "requests": dict(self.requests), "tags": dict(self.tags),
+                   "gates": dict(self.gates)}
+        return out | _store_part(self.store_stats)
 
     @staticmethod
     def load(path: str | Path, wait_s: float = 2.0) -> dict:
@@ -320,6 +332,7 @@ class Timings(_TimedJSON):
         super().__init__(path, flush_s)
         self.loads: deque = deque(maxlen=keep)
         self.writer: dict | None = None  # a producer's StoreWriter.stats (writes, blocks, bytes, failures, seconds)
+        self.store_stats = None  # a callable: the store tier's counters (BlockStore.tier_stats), written as "store"
 
     def add(self, row: dict) -> None:
         """Keep one load's timings (the oldest beyond `keep` dropped) and schedule a write."""
@@ -329,7 +342,8 @@ class Timings(_TimedJSON):
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"loads": list(self.loads)} | ({"writer": dict(self.writer)} if self.writer is not None else {})
+            out = {"loads": list(self.loads)} | ({"writer": dict(self.writer)} if self.writer is not None else {})
+        return out | _store_part(self.store_stats)
 
     def touch(self) -> None:
         """Schedule a write (a producer's writer counters changed)."""
@@ -344,7 +358,7 @@ class Decider:
     Bounded: at most `keep` requests are remembered (`forget` on request_finished frees one sooner).
     """
 
-    def __init__(self, store: KVStore, spec: MapSpec, counters: Counters, *, prefix_caching: bool = False,
+    def __init__(self, store: BlockStore, spec: MapSpec, counters: Counters, *, prefix_caching: bool = False,
                  salt: str = "kvtransfer-mapped", keep: int = 4096):
         self.store, self.spec, self.counters = store, spec, counters
         self.prefix_caching, self.salt, self.keep = prefix_caching, salt, keep

@@ -63,8 +63,10 @@ try:
 except ImportError:  # pragma: no cover - the [serve] / [dev] extra installs them
     HAVE_SERVE_STACK = False
 
+from .blockstore import is_url
 from .proxy_metrics import Stats, prometheus_text
-from .proxy_state import BadRequest, Outcome, Session, Sessions, Unauthorized, Unreachable, ascii_header  # noqa: F401
+from .proxy_state import (BadRequest, Outcome, RedisSessions, Session, SessionBusy, Sessions,  # noqa: F401
+                          StateUnavailable, Unauthorized, Unreachable, ascii_header, shared_secret)
 from .proxy_switch import Switch
 from .proxy_upstream import EngineCalls
 from .proxy_wire import (CHAT_ONLY, CLIENT_PARAMS, MAPPED_SALT, MAX_KEY, MAX_TOKEN_ID, MODEL_HEADER,  # noqa: F401
@@ -115,7 +117,9 @@ class HandoffProxy(EngineCalls, Switch):
     come and a switch re-runs the source's prefill. secret: the key of session owners' digests, cache salts and
     store namespaces (default: random per start, so a restart re-maps; the launcher keeps one per deployment).
     allow_anonymous_sessions: serve session requests without an Authorization header (anyone who knows such a
-    session's id can use it); off, they are 401s. switch_wait_s / switch_stall_s: a switch waits for the
+    session's id can use it); off, they are 401s. store: a directory or a redis:// URL (kvtransfer.serve.blockstore).
+    state: a redis:// URL holding the session table and the secret, shared by every proxy of the deployment
+    (default: the store's URL when the store is a Redis one; else sessions live in this process). switch_wait_s / switch_stall_s: a switch waits for the
     producer's write in flight at most this long in all / this long without the store growing. client: an
     httpx.AsyncClient (tests pass one whose transport reaches in-process fakes).
     """
@@ -125,24 +129,33 @@ class HandoffProxy(EngineCalls, Switch):
                  client: "httpx.AsyncClient | None" = None, timeout_s: float = 600.0, max_sessions: int = 10000,
                  remap_turns: bool = True, store: str | None = None, write_through: bool = True,
                  switch_wait_s: float = 5.0, secret: bytes | None = None, max_body_bytes: int = 16 << 20,
-                 block_size: int = 16, allow_anonymous_sessions: bool = False, switch_stall_s: float = 1.0):
+                 block_size: int = 16, allow_anonymous_sessions: bool = False, switch_stall_s: float = 1.0,
+                 state: str | None = None, state_timeout_s: float = 2.0, session_ttl_s: float = 7 * 24 * 3600.0,
+                 lock_wait_s: float = 120.0):
         if not HAVE_SERVE_STACK:
             raise ImportError("kvtransfer.serve.proxy needs fastapi, uvicorn and httpx: pip install -e '.[serve]'")
         self.urls = {"source": source.rstrip("/"), "target": target.rstrip("/")}
         self.models = {"source": source_model, "target": target_model}
         self.start_ids = [int(i) for i in start_ids]
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
-        self.sessions = Sessions(secret or os.urandom(32), max_sessions)
+        self.stats = Stats()
+        self.store = None
+        if store is not None:
+            from .stores import open_store
+
+            self.store = open_store(store, timeout_s=state_timeout_s)
+        if state is None and store is not None and is_url(str(store)):
+            state = str(store)  # one Redis for blocks and sessions unless told otherwise
+        if state is not None:
+            self.sessions = redis_sessions(state, secret, timeout_s=state_timeout_s, ttl_s=session_ttl_s,
+                                           lock_wait_s=lock_wait_s, errors=self.stats.errors)
+            self.sessions.max_sessions = max_sessions
+        else:
+            self.sessions = Sessions(secret or os.urandom(32), max_sessions)
         self.remap_turns, self.write_through = remap_turns, write_through
         self.switch_wait_s, self.switch_stall_s, self.max_body_bytes = switch_wait_s, switch_stall_s, max_body_bytes
         self.allow_anonymous_sessions = allow_anonymous_sessions
-        self.store = None
-        if store is not None:
-            from .store import KVStore
-
-            self.store = KVStore(store)
         self.block_size = self.store.block_size if self.store is not None else block_size
-        self.stats = Stats()
 
     @property
     def max_sessions(self) -> int:
@@ -244,15 +257,19 @@ class HandoffProxy(EngineCalls, Switch):
                                   ns=self.sessions.namespace(owner, None), write_through=False, ephemeral=True)
                 return await self._route(kind, body, request.headers, wanted, session)
             self._check_key(owner)
-            async with self.sessions.locked(key, owner):
-                new = self.sessions.get(key, owner) is None
-                session = self.sessions.open(key, owner)
-                try:
-                    return await self._route(kind, body, request.headers, wanted, session)
-                except Exception:
-                    if new:  # a session's first request failed: it leaves nothing behind
-                        self.sessions.drop(key, owner)
-                    raise
+            try:
+                async with self.sessions.locked(key, owner):
+                    session, new = await self.sessions.fetch(key, owner)
+                    try:
+                        response = await self._route(kind, body, request.headers, wanted, session)
+                    except Exception:
+                        if new:  # a session's first request failed: it leaves nothing behind
+                            await self.sessions.forget(key, owner)
+                        raise
+                    await self.sessions.save(key, owner, session)
+                    return response
+            except StateUnavailable as err:  # the shared session table is down: served without the session
+                return await self._without_session(kind, body, wanted, owner, err)
         except BadRequest as err:
             self.stats.errors["bad_request"] += 1
             return _error(400, str(err))
@@ -262,6 +279,9 @@ class HandoffProxy(EngineCalls, Switch):
         except Unauthorized as err:
             self.stats.errors["unauthorized"] += 1
             return _error(401, str(err), "authentication_error")
+        except SessionBusy as err:
+            self.stats.errors["session_busy"] += 1
+            return _error(409, str(err), "conflict_error")
         except Unreachable as err:
             self.stats.errors["engines_down"] += 1
             return _error(502, f"no engine could serve the request: {err}", "upstream_error")
@@ -269,6 +289,18 @@ class HandoffProxy(EngineCalls, Switch):
             log.exception("kvtransfer proxy: unexpected error")
             self.stats.errors[f"proxy_error:{type(err).__name__}"] += 1
             return _error(500, f"proxy error {type(err).__name__}: {err}", "internal_error")
+
+    async def _without_session(self, kind: str, body: dict, wanted: str, owner: str, err: Exception) -> "Response":
+        """Serve a session's request while the shared session table is down: the target prefills normally (nothing
+        is mapped: which blocks are the session's is unknown), the source serves the turn unstored; counted."""
+        self.stats.errors["state_unavailable"] += 1
+        log.warning("kvtransfer proxy: %s; serving the request without its session", err)
+        if wanted == "target":
+            return await self._forward_or_source(kind, body, Outcome("fallback_reprefill", "target",
+                                                                     reason="state_unavailable (the session table "
+                                                                            "did not answer)"), owner)
+        return await self._forward("source", kind, body,
+                                   Outcome("source", "source", reason="not_stored (state_unavailable)"), owner)
 
     async def _body(self, request: "Request") -> dict:
         """The request's JSON object (TooLarge beyond max_body_bytes, BadRequest if not a JSON object)."""
@@ -363,7 +395,7 @@ class HandoffProxy(EngineCalls, Switch):
         owner = self.sessions.owner_of(authorization)
         self._check_key(owner)
         async with self.sessions.locked(key, owner):
-            session = self.sessions.drop(key, owner)
+            session = await self.sessions.forget(key, owner)
             blocks = None
             if self.store is not None:
                 blocks = await asyncio.to_thread(self.store.delete_namespace, self.sessions.namespace(owner, key))
@@ -398,14 +430,18 @@ def build_app(proxy: HandoffProxy) -> "FastAPI":
     async def health():
         return {"status": "ok"}
 
+    def snapshot() -> dict:
+        tier = getattr(proxy.store, "tier_stats", None)
+        return {**proxy.stats.as_dict(), "sessions": proxy.sessions.count(),
+                "sessions_backend": proxy.sessions.backend, "store": tier() if tier is not None else {}}
+
     @app.get("/kvtransfer/stats")
     async def stats():
-        return {**proxy.stats.as_dict(), "sessions": len(proxy.sessions)}
+        return snapshot()
 
     @app.get("/metrics")
     async def metrics():
-        return Response(prometheus_text({**proxy.stats.as_dict(), "sessions": len(proxy.sessions)}),
-                        media_type="text/plain; version=0.0.4")
+        return Response(prometheus_text(snapshot()), media_type="text/plain; version=0.0.4")
 
     @app.delete("/kvtransfer/sessions/{key:path}")  # :path -- an id may hold "/"
     async def delete_session(key: str, request: Request):
@@ -415,12 +451,50 @@ def build_app(proxy: HandoffProxy) -> "FastAPI":
             return _error(400, str(err))
         except Unauthorized as err:
             return _error(401, str(err), "authentication_error")
+        except SessionBusy as err:
+            return _error(409, str(err), "conflict_error")
+        except (StateUnavailable, OSError) as err:  # the session table or the store is down: retry later
+            proxy.stats.errors[f"delete_unavailable:{type(err).__name__}"] += 1
+            return _error(503, f"deleting the session failed: the store or the session table did not answer "
+                               f"({type(err).__name__}); retry", "service_unavailable")
         except Exception as err:  # noqa: BLE001 -- a store fault is a counted 500; the proxy keeps serving
             log.exception("kvtransfer proxy: deleting a session failed")
             proxy.stats.errors[f"delete_error:{type(err).__name__}"] += 1
             return _error(500, f"deleting the session failed ({type(err).__name__}); retry", "internal_error")
 
     return app
+
+
+def redis_sessions(url: str, secret: bytes | None, *, timeout_s: float = 2.0, ttl_s: float = 7 * 24 * 3600.0,
+                   lock_wait_s: float = 120.0, errors=None) -> RedisSessions:
+    """The session table in the Redis at `url` (?deployment=name selects the deployment's keys), with the
+    deployment's secret: the one Redis holds, else `secret` (or a random one), stored there for every other proxy
+    (the first proxy's wins). With Redis down at start the local secret is used and a warning logged (sessions then
+    start afresh on this proxy until it is restarted with Redis up). Credentials never reach a log line."""
+    from .blockstore import redact
+    from .redis_store import DEPLOYMENT, connect, split_url
+
+    client_url, ours = split_url(url)
+    deployment = ours.get("deployment") or "default"
+    if not DEPLOYMENT.fullmatch(deployment):
+        raise ValueError(f"--state {redact(url)}: deployment {deployment!r} is not 1..64 letters, digits, '_', '.', "
+                         f"'-'")
+    client = connect(client_url, timeout_s=timeout_s)
+    candidate = secret or os.urandom(32).hex().encode()
+    try:
+        shared = shared_secret(client, deployment, candidate)
+        if secret is not None and shared != secret:
+            log.warning("kvtransfer proxy: the session table %s already holds this deployment's secret; it replaces "
+                        "the local one (every proxy of the deployment uses the first proxy's)", redact(url))
+    except Exception as err:  # noqa: BLE001 -- start anyway: requests then count state_unavailable until it is back
+        if type(err).__name__.startswith("Authentication"):
+            raise ValueError(f"--state {redact(url)} refused the credentials: check the password in the URL or "
+                             f"$KVTRANSFER_REDIS_PASSWORD") from None
+        log.warning("kvtransfer proxy: the session table %s did not answer (%s); using the local secret",
+                    redact(url), type(err).__name__)
+        shared = candidate
+    return RedisSessions(client, shared, deployment=deployment, ttl_s=ttl_s, lock_wait_s=lock_wait_s,
+                         where=redact(url), errors=errors)
 
 
 def read_secret(path: str | os.PathLike) -> bytes:
@@ -458,8 +532,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mapper", help="the mapper directory the consumer serves: its start ids are read from it")
     parser.add_argument("--start-ids", type=_ids, default=None,
                         help="the mapper's position-0 token ids, comma-separated (default: read from --mapper)")
-    parser.add_argument("--store", help="the KV store directory, if this host sees it: a switch waits for writes "
-                                        "in flight, and deleting a session removes its blocks")
+    parser.add_argument("--store", help="the KV store, if this host sees it (a directory, or the engines' redis:// "
+                                        "URL): a switch waits for writes in flight, and deleting a session removes "
+                                        "its blocks")
+    parser.add_argument("--state", help="a redis:// URL for the session table and the secret, shared by every proxy "
+                                        "of the deployment (default: --store when it is a redis:// URL; else "
+                                        "sessions live in this process)")
+    parser.add_argument("--state-timeout", type=float, default=2.0,
+                        help="seconds each Redis call (store or session table) may take before it counts as down")
     parser.add_argument("--write-through", choices=("on", "off"), default="on",
                         help="serve source turns on the session's token ids so the producer stores them as it "
                              "serves (default on; a client's X-KVTransfer-Write-Through header overrides per session)")
@@ -506,7 +586,8 @@ def main(argv: list[str] | None = None) -> None:
                          start_ids=start_ids, timeout_s=args.timeout, remap_turns=not args.no_remap_turns,
                          store=args.store, write_through=args.write_through == "on", switch_wait_s=args.switch_wait,
                          secret=secret, max_body_bytes=args.max_body_bytes, max_sessions=args.max_sessions,
-                         allow_anonymous_sessions=args.allow_anonymous_sessions, switch_stall_s=args.switch_stall)
+                         allow_anonymous_sessions=args.allow_anonymous_sessions, switch_stall_s=args.switch_stall,
+                         state=args.state, state_timeout_s=args.state_timeout)
     uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="warning")
 
 

@@ -47,5 +47,31 @@ def prometheus_text(stats: dict) -> str:
             lines.append(f'{name}{{kind="{escaped}"}} {value}')
     for key in ("mapped_tokens", "cached_tokens", "prefilled_tokens"):
         lines += [f"# TYPE kvtransfer_proxy_{key}_total counter", f"kvtransfer_proxy_{key}_total {stats.get(key, 0)}"]
-    lines += ["# TYPE kvtransfer_proxy_sessions gauge", f"kvtransfer_proxy_sessions {stats.get('sessions', 0)}"]
+    if stats.get("sessions") is not None:  # a table shared in Redis is not counted by one proxy
+        lines += ["# TYPE kvtransfer_proxy_sessions gauge", f"kvtransfer_proxy_sessions {stats['sessions']}"]
+    lines += _store_lines(stats.get("store") or {})
     return "\n".join(lines) + "\n"
+
+
+def _label(value) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _store_lines(store: dict) -> list[str]:
+    """The proxy's own store calls (a Redis store's tier counters: BlockStore.tier_stats), by operation: calls,
+    hits, misses, errors by kind, and latency as a Prometheus summary's sum and count."""
+    if not store:
+        return []
+    lines = []
+    for group, name in (("hits", "hits"), ("misses", "misses"), ("errors", "errors")):
+        metric = f"kvtransfer_proxy_store_{name}_total"
+        lines.append(f"# TYPE {metric} counter")
+        label = "kind" if group == "errors" else "op"
+        for key, value in sorted((store.get(group) or {}).items()):
+            lines.append(f'{metric}{{{label}="{_label(key)}"}} {value}')
+    lines.append("# TYPE kvtransfer_proxy_store_latency_seconds summary")
+    for op, count in sorted((store.get("calls") or {}).items()):
+        total = (store.get("latency_s_sum") or {}).get(op, 0.0)
+        lines += [f'kvtransfer_proxy_store_latency_seconds_sum{{op="{_label(op)}"}} {total}',
+                  f'kvtransfer_proxy_store_latency_seconds_count{{op="{_label(op)}"}} {count}']
+    return lines

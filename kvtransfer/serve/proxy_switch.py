@@ -83,7 +83,11 @@ class Switch:
         start = time.monotonic()
         deadline, last, grew_at, waited = start + self.switch_wait_s, -1, start, False
         while True:
-            tip = await asyncio.to_thread(self.store.tip, ids[:want], None, ns=ns)
+            try:
+                tip = await asyncio.to_thread(self.store.tip, ids[:want], None, ns=ns)
+            except Exception as err:  # noqa: BLE001 -- a store that does not answer: the consumer looks for itself
+                self.stats.errors[f"store_unavailable:{type(err).__name__}"] += 1
+                return 0
             have = tip[2] if tip else 0
             now = time.monotonic()
             if have > last:

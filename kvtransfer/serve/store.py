@@ -35,110 +35,37 @@ request's prompt, before it is returned (`read`); `lookup` checks headers only.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from ..core.io import atomic_save_tensors, fsync_dir
+from .blockformat import (DEFAULT_BLOCK_SIZE, DTYPES as _DTYPES, FORMAT, HASH as _HASH, MAX_HEADER as _MAX_HEADER,  # noqa: F401
+                          MODEL_KEY as _MODEL_KEY, NS as _NS, STORE_FORMAT, VERSION, BadEntry, Prefix,
+                          block_header, block_major, check_block_header, check_hash, check_layers, check_model_key,
+                          check_namespace, checksum, concat_range, ids_bytes as _ids_bytes, is_int as _is_int,
+                          parse_block, plan_write, prompt_key, verify_block)
+from .blockstore import BlockStore
 from .ident import identity_from_config  # noqa: F401 -- re-exported (older imports)
 
-FORMAT, VERSION, STORE_FORMAT = "kvtransfer.kv_block", 3, "kvtransfer.kv_store"
 LAYOUT = 2  # store.json's "layout": 1 (no field) had no namespace level and another chain seed
-DEFAULT_BLOCK_SIZE = 16
 SHARED_NS_DIR = "_"  # the directory of namespace "" (a session namespace is hex, so never "_")
 TMP_MAX_AGE_S = 3600.0  # a temporary file this old belongs to a writer that died (a block takes well under this)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-_MODEL_KEY = re.compile(r"[0-9a-f]{16}")
-_NS = re.compile(r"[0-9a-f]{1,64}")
-_HASH = re.compile(r"[0-9a-f]{64}")
-_MAX_HEADER = 1 << 20  # a block header (identity + shapes) is ~1 KB; a larger length field is a torn or foreign file
 
 log = logging.getLogger("kvtransfer.serve")
-
-
-def check_namespace(ns) -> str:
-    """`ns` itself if it is a store namespace -- "" (shared) or 1..64 lowercase hex characters -- else ValueError."""
-    if isinstance(ns, str) and (ns == "" or _NS.fullmatch(ns)):
-        return ns
-    raise ValueError(f"namespace {ns!r}: use \"\" (the shared namespace) or 1..64 lowercase hex characters "
-                     f"(e.g. a hex digest naming a tenant's session)")
-
-
-def check_model_key(model_key) -> str:
-    """`model_key` itself if it is a store model key (16 lowercase hex: kvtransfer.serve.ident.weights_key), else
-    ValueError (a key is a directory name: nothing else may reach the filesystem)."""
-    if isinstance(model_key, str) and _MODEL_KEY.fullmatch(model_key):
-        return model_key
-    raise ValueError(f"model key {model_key!r} is not 16 lowercase hex characters: pass the producer's "
-                     f"kvtransfer.serve.ident serving identity's 'key'")
 
 
 def _ns_dir(ns: str) -> str:
     return ns or SHARED_NS_DIR
 
 
-class BadEntry(ValueError):
-    """A block that exists but cannot be used; `reason` is a short counter name (corrupt, mis-shaped, checksum,
-    evicted, ...)."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-def _ids_bytes(token_ids) -> bytes:
-    return torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().astype("<i8").tobytes()  # device: host bytes for a key
-
-
-def prompt_key(token_ids) -> str:
-    """sha256 hex of the token ids (int64, little-endian)."""
-    return hashlib.sha256(_ids_bytes(token_ids)).hexdigest()
-
-
-def checksum(token_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """sha256 hex of a block's bytes: token ids, then keys, then values (each contiguous, native byte order)."""
-    h = hashlib.sha256()
-    for t in (token_ids, k, v):
-        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-@dataclass(frozen=True)
-class Prefix:
-    """The longest stored prefix of a prompt: `n_blocks` consecutive blocks (hashes in order) of `block_size`, found
-    under model `model_key` in namespace `ns`."""
-
-    model_key: str
-    block_size: int
-    hashes: tuple[str, ...] = ()
-    model: dict = field(default_factory=dict)
-    detail: str = ""  # why the chain stopped before the prompt's last full block (a bad block), if it did
-    ns: str = ""
-
-    @property
-    def n_blocks(self) -> int:
-        return len(self.hashes)
-
-    @property
-    def n_tokens(self) -> int:
-        return self.n_blocks * self.block_size
-
-
-class KVStore:
+class KVStore(BlockStore):
     """A directory of blocks: `write` (producer side), `lookup` / `read` (consumer side), `evict`, `expire`,
     `delete_namespace`.
 
@@ -149,6 +76,8 @@ class KVStore:
     retention_s: blocks not written or read for this long are removed (checked at most once a minute by writes).
     `stats` counts torn blocks rewritten, orphaned temporary files removed, blocks evicted / expired, and scans.
     """
+
+    OPTIONS = ("block_size", "max_bytes", "retention_s", "evict_to")  # what open_store passes on
 
     def __init__(self, root: str | Path, *, block_size: int | None = None, max_bytes: int | None = None,
                  retention_s: float | None = None, evict_to: float = 0.9):
@@ -202,37 +131,20 @@ class KVStore:
             _create_exclusive(meta, self._meta(self.block_size))
 
     # ---------------------------------------------------------------- keys
-    def hashes(self, token_ids, model_key: str, ns: str = "") -> list[str]:
-        """Chained hashes h_1 .. h_m (64 hex each) of the m = len(token_ids) // block_size full blocks of a prompt
-        (token ids: ints) under model `model_key` in namespace `ns`."""
-        ids = list(token_ids)
-        B = self.block_size
-        m = len(ids) // B
-        raw = _ids_bytes(ids[:m * B])  # one conversion; each block hashes its 8 * B bytes of it
-        h = self.seed(model_key, ns)
-        out = []
-        for j in range(m):
-            h = hashlib.sha256(h.encode() + raw[8 * B * j:8 * B * (j + 1)]).hexdigest()
-            out.append(h)
-        return out
-
-    def seed(self, model_key: str, ns: str = "") -> str:
-        """h_0 (64 hex): the chain's root hash for a model key, this store's block size and a namespace."""
-        check_model_key(model_key)
-        check_namespace(ns)
-        return hashlib.sha256(f"{STORE_FORMAT}/{model_key}/{self.block_size}/{ns}".encode()).hexdigest()
-
     def block_path(self, model_key: str, h: str, ns: str = "") -> Path:
         """The file of block `h` (64 hex) of model `model_key` in namespace `ns`; ValueError for a key, hash or
         namespace that is not one (none can name a path outside the store)."""
         check_model_key(model_key)
-        if not isinstance(h, str) or not _HASH.fullmatch(h):
-            raise ValueError(f"{h!r} is not a block hash (64 lowercase hex characters)")
+        check_hash(h)
         return self._path(model_key, h, _ns_dir(check_namespace(ns)))
 
     def _path(self, model_key: str, h: str, ns_dir: str) -> Path:
         """block_path without the checks (for hashes this store computed from checked arguments)."""
         return self.root / model_key / ns_dir / h[:2] / f"{h}.safetensors"
+
+    def local_dir(self) -> Path:
+        """The store's own directory (the consumer's `sinks/` cache lives in it)."""
+        return self.root
 
     def model_keys(self) -> list[str]:
         """Model keys with a directory in the store (only names that are model keys: the consumer's `sinks/`, a
@@ -300,28 +212,9 @@ class KVStore:
         on a block boundary, or a bad namespace; OSError (a full disk, ...) from the block that failed (the blocks
         before it are whole, it leaves no file).
         """
-        if not isinstance(model, dict) or not isinstance(model.get("key"), str):
-            raise ValueError("model must be a serving identity with a 'key' (kvtransfer.serve.ident.serving_identity)")
-        key, ns_dir = check_model_key(model["key"]), _ns_dir(check_namespace(ns))
-        B = self.block_size
-        ids = torch.as_tensor(list(token_ids), dtype=torch.int64)  # device: host-side ids, written to a file
-        n = ids.numel()
-        if not _is_int(first) or first < 0 or first % B or first > n:
-            raise ValueError(f"first={first!r}: a multiple of the block size {B} within the prompt's {n} tokens")
-        k0 = layers[0][0]
-        dtype = next((name for name, dt in _DTYPES.items() if dt == k0.dtype), None)
-        if dtype is None:
-            raise ValueError(f"cache dtype {k0.dtype} is not storable; use one of {sorted(_DTYPES)}")
-        want = (model["n_kv"], n - first, model["head_dim"])
-        if len(layers) != model["n_layers"] or any(tuple(t.shape) != want for kv in layers for t in kv):
-            raise ValueError(f"{len(layers)} layers of {tuple(k0.shape)} do not match the model's "
-                             f"{model['n_layers']} layers of {want}")
-        m = (n - first) // B * B  # the full blocks' tokens after `first`
-        # one copy into block-major order [n_blocks, L, n_kv, B, d], on an integer view of the same bytes (CPU
-        # copies of bfloat16 take a slow path; the bytes are all that is stored)
-        keys, values = (_blocked([_raw(kv[i])[:, :m] for kv in layers], B).view(k0.dtype) for i in (0, 1))
-        hashes = self.hashes(ids.tolist(), key, ns)
-        seed = self.seed(key, ns)
+        plan = plan_write(token_ids, layers, model, first, ns, self.block_size)
+        key, ns_dir, B = plan.key, _ns_dir(ns), self.block_size
+        ids, keys, values, hashes, seed = plan.ids, plan.keys, plan.values, plan.hashes, plan.seed
         written, paths = 0, []
         renamed: set[Path] = set()  # directories that got a block: each fsynced once, after the loop
         try:
@@ -344,9 +237,8 @@ class KVStore:
                     self._ensure_meta()
                 a = j - first // B
                 bid, k, v = ids[j * B:(j + 1) * B], keys[a], values[a]
-                header = {"format": FORMAT, "version": VERSION, "model": model, "ns": ns, "block": j,
-                          "parent": hashes[j - 1] if j else seed, "hash": h, "block_size": B, "dtype": dtype,
-                          "checksum": checksum(bid, k, v)}
+                header = block_header(model, ns, j, hashes[j - 1] if j else seed, h, B, plan.dtype,
+                                      checksum(bid, k, v))
                 # the file is fsynced before its rename (never torn); only the renames' durability waits for the
                 # directory fsyncs below, one per directory instead of one per block
                 size = atomic_save_tensors(path, {"token_ids": bid, "k": k, "v": v}, header, sync_dir=False)
@@ -376,32 +268,7 @@ class KVStore:
                           for name in f.keys()}
         except Exception as err:  # noqa: BLE001 -- safetensors raises RuntimeError for a file removed meanwhile
             raise _unreadable(path, err) from err
-        if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
-            raise BadEntry("corrupt", f"{path}: not a {FORMAT} v{VERSION} block")
-        m = header.get("model")
-        if not isinstance(m, dict) or not all(_is_int(m.get(k)) and m.get(k) > 0 for k in ("n_layers", "n_kv", "head_dim")):
-            raise BadEntry("corrupt", f"{path}: header 'model' {m!r} is not an identity with integer n_layers, "
-                                      f"n_kv, head_dim")
-        if m.get("key") != model_key:
-            raise BadEntry("wrong_pair", f"{path}: written by model {m.get('key')!r}, not {model_key}")
-        if (not _is_int(header.get("block")) or header["block"] != j or header.get("parent") != parent
-                or header.get("hash") != h):
-            raise BadEntry("corrupt", f"{path}: header names block {header.get('block')!r} / hash "
-                                      f"{str(header.get('hash'))[:12]}, expected block {j} / {h[:12]}")
-        if header.get("ns") != ns:
-            raise BadEntry("corrupt", f"{path}: header names namespace {str(header.get('ns'))[:64]!r}, not {ns!r}")
-        if not _is_int(header.get("block_size")) or header["block_size"] != self.block_size:
-            raise BadEntry("mis-shaped", f"{path}: block_size {header.get('block_size')!r}, store's {self.block_size}")
-        if not isinstance(header.get("dtype"), str) or header["dtype"] not in _DTYPES \
-                or not isinstance(header.get("checksum"), str):
-            raise BadEntry("corrupt", f"{path}: dtype {header.get('dtype')!r} or checksum missing")
-        want = ((m["n_layers"], m["n_kv"], self.block_size, m["head_dim"]), _ST_DTYPES[header["dtype"]])
-        for name in ("k", "v"):
-            if shapes.get(name) != want:
-                raise BadEntry("mis-shaped", f"{path}: {name} is {shapes.get(name)}, header says {want}")
-        if shapes.get("token_ids") != ((self.block_size,), "I64"):
-            raise BadEntry("mis-shaped", f"{path}: token_ids is {shapes.get('token_ids')}, not ({self.block_size},) I64")
-        return header
+        return check_block_header(header, shapes, str(path), model_key, j, parent, h, ns, self.block_size)
 
     def lookup(self, token_ids, model_key: str, ns: str = "") -> Prefix:
         """The longest stored prefix of `token_ids` written by model `model_key` in namespace `ns` (headers checked,
@@ -447,25 +314,14 @@ class KVStore:
         for j in range(lo // B, (hi - 1) // B + 1):
             path = self.block_path(prefix.model_key, prefix.hashes[j], prefix.ns)
             header, tensors, digest = _read_block(path)
-            try:
-                bid, k, v = tensors["token_ids"], tensors["k"], tensors["v"]
-                ok = isinstance(header, dict) and digest == header.get("checksum")
-            except (KeyError, RuntimeError, TypeError) as err:
-                raise BadEntry("corrupt", f"{path}: {err}") from err
-            if not ok:
-                raise BadEntry("checksum", f"{path}: tensor bytes do not match the block's checksum (corrupt)")
-            if bid.tolist() != prompt[j * B:(j + 1) * B]:
-                raise BadEntry("corrupt", f"{path}: stored token ids differ from the prompt's tokens "
-                                          f"{j * B}..{(j + 1) * B - 1}")
+            _, k, v = verify_block(header, tensors, digest, prompt[j * B:(j + 1) * B], str(path),
+                                   f"{j * B}..{(j + 1) * B - 1}")
             a, b = max(lo, j * B) - j * B, min(hi, (j + 1) * B) - j * B
             ks.append(k[:, :, a:b])
             vs.append(v[:, :, a:b])
         _touch_chain([self._path(prefix.model_key, h, _ns_dir(prefix.ns))
                       for h in prefix.hashes[:(hi - 1) // B + 1]])
-        dtype = ks[0].dtype
-        keys = torch.cat([_raw(k) for k in ks], dim=2).view(dtype)  # an integer view: see `write`
-        values = torch.cat([_raw(v) for v in vs], dim=2).view(dtype)
-        return [(keys[i], values[i]) for i in range(keys.shape[0])]
+        return concat_range(ks, vs)
 
     # ---------------------------------------------------------------- size
     def _files(self, ns: str | None = None):
@@ -624,48 +480,17 @@ class KVStore:
         return None
 
 
-_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
-
-
 def _read_block(path: Path) -> tuple[dict, dict[str, torch.Tensor], str]:
-    """(kvtransfer header, tensors, checksum) of a block file, read once: the tensors are views of the file's bytes,
-    and the checksum is `checksum`'s sha256 over the token_ids, k and v bytes, taken in place. BadEntry("evicted")
-    for a file that is gone, "corrupt" for one that is not a readable block."""
+    """(kvtransfer header, tensors, checksum) of a block file, read once (blockformat.parse_block: the tensors are
+    views of the file's bytes). BadEntry("evicted") for a file that is gone, "corrupt" for one that is not a
+    readable block."""
     try:
         with open(path, "rb") as f:
             buf = bytearray(os.fstat(f.fileno()).st_size)
             f.readinto(buf)
     except OSError as err:
         raise _unreadable(path, err) from err
-    try:
-        n = int.from_bytes(buf[:8], "little")
-        meta = json.loads(bytes(buf[8:8 + n]))
-        header = json.loads(meta.get("__metadata__", {}).get("kvtransfer", "{}"))
-        view, base, h, tensors = memoryview(buf), 8 + n, hashlib.sha256(), {}
-        for name in ("token_ids", "k", "v"):
-            spec = meta[name]
-            a, b = spec["data_offsets"]
-            if not 0 <= a <= b <= len(buf) - base:
-                raise ValueError(f"{name}'s bytes {a}..{b} lie outside the file")
-            h.update(view[base + a:base + b])
-            dtype = _TORCH_DTYPES[spec["dtype"]]
-            tensors[name] = torch.frombuffer(view[base + a:base + b], dtype=dtype).view(spec["shape"]) \
-                if b > a else torch.empty(spec["shape"], dtype=dtype)  # device: read from a file, as frombuffer
-    except (ValueError, KeyError, TypeError, RuntimeError, AttributeError) as err:
-        raise BadEntry("corrupt", f"{path}: not a readable block ({type(err).__name__}: {err})") from err
-    return header, tensors, h.hexdigest()
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """The same bytes as an integer tensor of the same element size (copies of it take the fast path)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def _blocked(layers: list[torch.Tensor], block: int) -> torch.Tensor:
-    """Per-layer [n_kv, m, d] (m a multiple of `block`) as one contiguous [m / block, L, n_kv, block, d] tensor."""
-    x = torch.stack(layers)  # [L, n_kv, m, d]
-    L, h, m, d = x.shape
-    return x.view(L, h, m // block, block, d).permute(2, 0, 1, 3, 4).contiguous()
+    return parse_block(buf, str(path))
 
 
 def _scandir(path):

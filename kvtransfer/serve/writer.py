@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .store import KVStore
+from .blockstore import BlockStore
 
 log = logging.getLogger("kvtransfer.serve")
 
@@ -32,11 +32,11 @@ def _nbytes(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
 
 
 class StoreWriter:
-    """Writes (token ids, per-layer K/V, identity, first, namespace) to a KVStore on a background thread; `stats`
+    """Writes (token ids, per-layer K/V, identity, first, namespace) to a BlockStore on a background thread; `stats`
     counts saves submitted, blocks and bytes written, failed, dropped (over the byte cap, or after close) and
     abandoned (still pending at close's deadline) saves, and the seconds spent writing."""
 
-    def __init__(self, store: KVStore, *, max_pending_bytes: int = 1 << 30, background: bool = True,
+    def __init__(self, store: BlockStore, *, max_pending_bytes: int = 1 << 30, background: bool = True,
                  log_every: int = 100):
         self.store, self.max_pending_bytes, self.background = store, int(max_pending_bytes), background
         self.log_every = max(1, int(log_every))

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))   # the checkout's kvtransfer, installed or not
 OUT = ROOT / "results/handoff"
 
-from kvtransfer.eval.stats import clustered_mean  # noqa: E402
+from kvtransfer.eval.stats import clustered_mean, median_se  # noqa: E402
 
 
 def _run_line(prov: dict) -> str:
@@ -114,18 +114,24 @@ def fault_table(rep: dict) -> str:
 
 
 def latency_table(rep: dict) -> str:
+    """The switch against the cold prefill and the truncation twin, per context size: medians ± their SE over the
+    repeats (`stats.median_se`), maxima, and whether the switch's median is monotone in the size."""
     lines = [_run_line(rep["provenance"]), "",
-             "| context tokens | n | switch: median / max (s) | target's cold prefill: median / max (s) | "
-             "speed-up (medians) | target reads only the last 128 tokens: median (s) | mapped / prefilled (median) | "
-             "first token = cold's: switch / truncation |", "|---|---|---|---|---|---|---|---|"]
+             "| context tokens | n | switch: median ± SE / max (s) | target's cold prefill: median ± SE / max (s) | "
+             "speed-up (medians) | target reads only the last 128 tokens: median ± SE (s) | mapped / prefilled "
+             "(median) | first token = cold's: switch / truncation |", "|---|---|---|---|---|---|---|---|"]
+    medians = []
     for r in rep["rows"]:
         h, c, t = r["handoff_ttft_s"], r["cold_ttft_s"], r["truncate_ttft_s"]
-        lines.append(f"| {r['tokens']:,} | {len(h)} | {statistics.median(h):.2f} / {max(h):.2f} | "
-                     f"{statistics.median(c):.2f} / {max(c):.2f} | {statistics.median(c) / statistics.median(h):.1f}x | "
-                     f"{statistics.median(t):.2f} | {statistics.median(r['mapped']):.0f} / "
-                     f"{statistics.median(r['prefilled']):.0f} | {r['first_token_equal_cold']} / "
-                     f"{r['first_token_equal_truncate']} of {len(h)} |")
-    lines.append(f"\nEngines' start-up {rep['startup_s']:.0f} s (not in any row). Proxy handoff counters: "
+        (mh, sh), (mc, sc), (mt, st) = median_se(h), median_se(c), median_se(t)
+        medians.append(mh)
+        lines.append(f"| {r['tokens']:,} | {len(h)} | {mh:.2f} ± {sh:.2f} / {max(h):.2f} | "
+                     f"{mc:.2f} ± {sc:.2f} / {max(c):.2f} | {mc / mh:.1f}x | {mt:.2f} ± {st:.2f} | "
+                     f"{statistics.median(r['mapped']):.0f} / {statistics.median(r['prefilled']):.0f} | "
+                     f"{r['first_token_equal_cold']} / {r['first_token_equal_truncate']} of {len(h)} |")
+    monotone = all(a <= b for a, b in zip(medians, medians[1:]))
+    lines.append(f"\nThe switch's median {'rises' if monotone else 'does not rise'} monotonically with the context "
+                 f"size. Engines' start-up {rep['startup_s']:.0f} s (not in any row). Proxy handoff counters: "
                  f"{json.dumps(rep['proxy_stats'].get('handoff', {}))}.")
     return "\n".join(lines)
 

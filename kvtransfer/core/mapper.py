@@ -226,15 +226,24 @@ class Mapper(MapperBase):
         return torch.baddbmm(self.bias[layer][:, None, :], x, self.weight[layer])
 
     def map_blocks(self, layer, blocks, gather=None) -> torch.Tensor:
-        """One or two blocks: one baddbmm per block straight on the views, no gather copy (a band
-        of consecutive source layers is one block). More blocks are gathered and mapped in one
-        GEMM, which is faster than many thin ones."""
-        if len(blocks) > 2:
-            return super().map_blocks(layer, blocks, gather)
-        w, y = self.weight[layer], None
-        for j, x in blocks:
-            wj = w[:, j:j + x.shape[-1]]
-            y = torch.baddbmm(self.bias[layer][:, None, :], x, wj) if y is None else y.baddbmm_(x, wj)
+        """Any selection: per block and per kind (K, V) one addmm straight on the strided view, all
+        accumulated into one output [2, rows, q] (`gather.output`'s reused buffer when given): no gather
+        copy. 2-D addmm, not a batched baddbmm over the kinds: on CPU a batched bf16 GEMM clones strided
+        operands (x and the weight slice), a 2-D one reads them in place. Summation order differs from
+        one GEMM over the gathered x: fp32 by a few eps; in bf16 each block's partial sum is rounded
+        (k - 1 extra roundings of the running sum, tests/test_transfer_reference.py bounds them)."""
+        w, b = self.weight[layer], self.bias[layer]
+        rows = blocks[0][1].shape[1]
+        out = getattr(gather, "output", None)
+        y = out((2, rows, w.shape[-1]), w.dtype) if out else torch.empty(2, rows, w.shape[-1], device=w.device,
+                                                                          dtype=w.dtype)
+        for kind in range(2):
+            for i, (j, x) in enumerate(blocks):
+                wj = w[kind, j:j + x.shape[-1]]  # contiguous rows of W
+                if i == 0:
+                    torch.addmm(b[kind], x[kind], wj, out=y[kind])
+                else:
+                    y[kind].addmm_(x[kind], wj)
         return y
 
     @classmethod

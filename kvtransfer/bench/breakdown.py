@@ -46,15 +46,19 @@ def machine() -> dict:
 
 
 def extra_bytes(*, tokens: int, n_used: int, width_s: int, n_target: int, q: int, n_kv_t: int, map_bytes: int,
-                check: bool = True) -> dict:
+                gathered_features: int = 0, check: bool = True) -> dict:
     """Bytes the apply moves that the floor (source read once, weights, output written once) does not count, by
     construction of `map_layers` (per kind K and V): the used-layer buffer written (the GEMMs read it: inside
-    their rate), each target's GEMM output written and read back by the store, and the sampled check (one 64-byte
-    line per row and target head). RoPE tiles and their float32 scratch stay in cache: not counted."""
+    their rate), each target's GEMM output written and read back by the store, the sampled check (one 64-byte
+    line per row and target head), and for a reduced-precision map of several blocks the gather (read and
+    written: `gathered_features` = the summed p of the targets that gather). RoPE tiles and their float32
+    scratch stay in cache: not counted."""
     buffer = 2 * n_used * tokens * width_s * map_bytes
     gemm_out = n_target * 2 * tokens * q * map_bytes * 2
     sample = n_target * 2 * tokens * n_kv_t * 64 if check else 0
-    return {"buffer": buffer, "gemm_out": gemm_out, "check": sample, "total": buffer + gemm_out + sample}
+    gather = 2 * tokens * gathered_features * map_bytes * 2
+    return {"buffer": buffer, "gemm_out": gemm_out, "check": sample, "gather": gather,
+            "total": buffer + gemm_out + sample + gather}
 
 
 def _pct(xs, p):
@@ -129,10 +133,16 @@ def breakdown_row(pair: str, *, layers: int = 2, tokens: int = 4096, dtype=torch
     runs = [_runs([slot[x] for x in row]) for row in sel]
     n_chunks = -(-tokens // chunk_tokens)
 
+    # (a reduced-precision map of several blocks gathers them first, `Mapper.map_blocks`: its GEMM alone reads an
+    # already gathered x, so the gather counts outside the GEMMs)
+    xg = torch.randn(2, rows, k * s.width, generator=g).to(dtype)
+    alone = [[(0, xg)] if len(r) > 1 and dtype_size(dtype) < 4 else
+             [(j * s.width, flat[:, :, a * s.width:(a + n) * s.width]) for a, j, n in r] for r in runs]
+
     def gemms():
         for _ in range(n_chunks):
-            for i, r in enumerate(runs):
-                mapper.map_blocks(i, [(j * s.width, flat[:, :, a * s.width:(a + n) * s.width]) for a, j, n in r])
+            for i, blocks in enumerate(alone):
+                mapper.map_blocks(i, blocks)
 
     x = torch.randn(rows, k * s.width, generator=g).to(dtype)
     w = mapper.weight[0, 0].contiguous()
@@ -157,8 +167,9 @@ def breakdown_row(pair: str, *, layers: int = 2, tokens: int = 4096, dtype=torch
                        cache_bytes=es, out_bytes=es)
     matmul_rate = cost["gemm_flops"] / (med["matmul"] / 1e3)
     floor = floor_ms(cost["flops"], cost["bytes"], {"matmul_flops_per_s": matmul_rate, "copy_bytes_per_s": copy_rate})
+    gathered = sum(k * s.width for r in runs if len(r) > 1) if es < 4 else 0  # Mapper.map_blocks gathers these
     moved = extra_bytes(tokens=tokens, n_used=len(used), width_s=s.width, n_target=layers, q=t.width, n_kv_t=t.n_kv,
-                        map_bytes=es)
+                        map_bytes=es, gathered_features=gathered)
     full = med["full"]
     return {"pair": pair, "layers": layers, "tokens": tokens, "dtype": str(dtype).replace("torch.", ""),
             "selection": selection, "k": k, "n_used": len(used),

@@ -125,6 +125,7 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
     full_check = check_finite == "full" or (check_finite and torch.finfo(out_dtype).max < torch.finfo(dtype).max)
     out = None  # [L_t, 2, batch, n_kv_t, seq, d_t], allocated once d_t is known
     work = _Gather(device=device)  # per-chunk buffers reused across target layers and chunks
+    finite = None  # the sampled check over targets and chunks, a 0-dim bool read once at the end (one host sync)
     chunk = max(1, chunk_tokens // batch)
     for start in range(0, seq, chunk):
         sl = slice(start, min(seq, start + chunk))
@@ -144,8 +145,9 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
             if out is None:
                 d_t = y.shape[-1] // target_n_kv
                 out = torch.empty(len(sel), 2, batch, target_n_kv, seq, d_t, device=device, dtype=out_dtype)
-            if check_finite and not _sample_finite(y, d_t):
-                _raise_non_finite()
+            if check_finite:
+                ok = _sample_finite(y, d_t)
+                finite = ok if finite is None else finite & ok
             k_t, v_t = y.view(2, batch, -1, target_n_kv, d_t).transpose(2, 3)  # [batch, n_kv_t, chunk, d_t]
             dest = out[t, :, :, :, sl]
             with _serial_elementwise(device):  # memory-bound: re-rotate keys, store
@@ -154,6 +156,8 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
                 else:  # RopeCodec.apply's rounding: float32, then the mapper dtype, then out_dtype
                     _rotate_tiled(k_t, cos, sin, dest[0], work)
                 dest[1].copy_(v_t)
+    if finite is not None and not bool(finite):
+        _raise_non_finite()
     if full_check:
         with _serial_elementwise(device):
             if not bool(torch.isfinite(out).all()):
@@ -164,16 +168,24 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
 _TILE_BYTES = 1 << 19  # float32 values of one RoPE tile (512 KiB): it and its operands stay in a 1 MiB L2
 
 
+def _tile(n: int, bytes_per_token: int, device) -> int:
+    """Tokens per RoPE tile: on a CPU, _TILE_BYTES of float32 (cache-sized); elsewhere the whole chunk (a GPU
+    pays a launch per tile and streams whole passes at its bandwidth)."""
+    if torch.device(device).type != "cpu":
+        return n
+    return max(1, min(n, _TILE_BYTES // bytes_per_token))
+
+
 def _raise_non_finite():
     raise FloatingPointError("mapped cache contains NaN/Inf: check the mapper (refit with larger lambda) "
                              "and the source cache dtype")
 
 
-def _sample_finite(y: torch.Tensor, d_t: int) -> bool:
-    """Whether the sample of a mapped chunk y [2, rows, n_kv_t * d_t] is finite: every row's first column of
-    each target head, and the first row whole (see `map_layers`' check_finite). Reads ~rows cache lines per
-    head, not the chunk."""
-    return bool(torch.isfinite(y[:, :, ::d_t]).all()) and bool(torch.isfinite(y[:, 0]).all())
+def _sample_finite(y: torch.Tensor, d_t: int) -> torch.Tensor:
+    """Whether the sample of a mapped chunk y [2, rows, n_kv_t * d_t] is finite (a 0-dim bool on y's device):
+    every row's first column of each target head, and the first row whole (see `map_layers`' check_finite).
+    Reads ~rows cache lines per head, not the chunk."""
+    return torch.isfinite(y[:, :, ::d_t]).all() & torch.isfinite(y[:, 0]).all()
 
 
 def _rotate_tiled(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dest: torch.Tensor, work) -> None:
@@ -182,7 +194,7 @@ def _rotate_tiled(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dest: t
     output and the float32 scratch of a reduced-precision k stay in cache instead of whole-chunk float32
     copies. Elementwise: bit-identical to the whole-chunk pass."""
     batch, heads, n, d = k.shape
-    tile = max(1, min(n, _TILE_BYTES // (4 * batch * heads * d)))
+    tile = _tile(n, 4 * batch * heads * d, k.device)
     direct = k.dtype == dest.dtype == torch.float32
     scratch = None if direct else work.scratch((batch, heads, tile, d), torch.float32)
     for a in range(0, n, tile):
@@ -291,7 +303,7 @@ def _gather_stripped(source_layers: KVLayers, used: list[int], sl: slice, pos: t
     # cache or map) stay in cache: elementwise, so bit-identical to one whole-chunk pass
     cos, sin = (x.to(device)[:, 0, :, None, :] for x in codec.cos_sin(pos))  # [batch|1, chunk, 1, d]
     direct = dtype == k0.dtype == torch.float32  # no rounding step between strip and map: straight into feats
-    tile = max(1, min(n, _TILE_BYTES // (4 * batch * n_kv * d)))
+    tile = _tile(n, 4 * batch * n_kv * d, device)
     scratch = None if direct else torch.empty(batch, tile, n_kv, d, device=device)
     twice = k0.dtype not in (torch.float32, dtype)  # RopeCodec.strip returns the cache dtype: round there first
     for i, s in enumerate(used):

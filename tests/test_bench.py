@@ -232,3 +232,35 @@ def test_map_layers_still_detects_nan():
     with pytest.raises(FloatingPointError):
         map_layers(layers, mapper, torch.arange(5), source_codec=RopeCodec(src), target_codec=RopeCodec(tgt),
                    target_n_kv=2)
+
+
+def test_breakdown_bytes_hand_counted():
+    """Bytes beyond the floor, by construction: used-layer buffer 2 x 3 layers x 10 tokens x 8 values x 4 B = 1,920;
+    GEMM output written and read, 2 targets x 2 kinds x 10 x 16 x 4 x 2 = 5,120; sample 2 x 2 x 10 x 2 heads x 64 =
+    5,120; a bf16 gather of p = 24 for one target: 2 kinds x 10 x 24 x 2 B x 2 = 1,920."""
+    from kvtransfer.bench.breakdown import extra_bytes
+
+    b = extra_bytes(tokens=10, n_used=3, width_s=8, n_target=2, q=16, n_kv_t=2, map_bytes=4)
+    assert (b["buffer"], b["gemm_out"], b["check"], b["gather"], b["total"]) == (1920, 5120, 5120, 0, 12160)
+    assert extra_bytes(tokens=10, n_used=3, width_s=8, n_target=2, q=16, n_kv_t=2, map_bytes=2,
+                       gathered_features=24)["gather"] == 1920
+
+
+def test_breakdown_row_reports_where_the_time_goes():
+    """One small real-shape row: every part is there, the GEMM share and rate are fractions of the same rounds,
+    and the machine names its instruction set and whether bf16 is native."""
+    from kvtransfer.bench.breakdown import breakdown_row
+
+    r = breakdown_row("qwen3_14b_32b", layers=1, tokens=32, dtype=torch.float32, selection="random")
+    from kvtransfer.bench.shapes import bench_selection
+    from kvtransfer.core.transfer import _runs
+
+    row = bench_selection(40, 64, 8, 1).tolist()[0]  # what the row mapped: 8 of 14B's 40 layers, in any order
+    slot = {x: i for i, x in enumerate(sorted(row))}
+    assert r["n_used"] == 8 and r["blocks_per_target"] == [len(_runs([slot[x] for x in row]))]
+    assert r["blocks_per_target"][0] > 1  # not one run: the multi-block path was what ran
+    assert 0 < r["gemm_share"] and 0 < r["gemm_rate_of_matmul"] and 0 < r["floor_fraction"]
+    assert r["full_ms"]["median"] <= r["full_ms"]["p95"] <= r["full_ms"]["max"]
+    assert r["machine"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert r["machine"]["bf16"] == (" ".join(r["machine"]["bf16_flags"]) or "no native bf16")
+    assert set(r["load_avg"]) == {"before", "after"}

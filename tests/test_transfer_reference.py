@@ -204,3 +204,114 @@ def test_bf16_production_path_against_the_fp32_reference(family, mapper_dtype):
     assert worst > 0  # it is a reduced-precision path: identical results would mean fp32 ran
     same = map_layers_reference(layers16, mapper, positions, out_dtype=torch.bfloat16, **kw)
     _compare(fast, same, bound)
+
+
+# -- any selection from views, the sampled finiteness check (issue 48) ---------------------------------------
+SCATTERED = torch.tensor([[0, 5, 2, 7], [7, 1, 4, 3]])  # no two neighbours consecutive: four blocks per target
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_scattered_selection_matches_reference(dtype):
+    """A selection with no runs ([0, 5, 2, 7]): four blocks per target, each mapped from its strided view and
+    accumulated into one output in fp32: the split sums differ from one GEMM by a few eps32 (as in
+    test_fast_path_matches_reference): FP32_TOL. bf16 (bf16 cache, bf16 mapper) against the reference in the same
+    dtypes: the blocks are gathered and mapped by one GEMM as the reference does, from features stripped with the
+    reference's rounding: the output roundings differ at most where BLAS blocks the sum differently (<= 2u, as in
+    the bf16 production test); bound 8u, that test's."""
+    kv, d = 2, 8
+    src = tiny_model("qwen3", seed=1, layers=8, kv_heads=kv, head_dim=d)
+    tgt = tiny_model("llama", seed=2, layers=2, kv_heads=kv, head_dim=d)
+    layers = _source(2, 37, kv, d, n_layers=8, dtype=dtype)
+    mapper = _ridge(4 * kv * d, kv * d, sel=SCATTERED).to(dtype=dtype)
+    kw = dict(source_codec=RopeCodec(src), target_codec=RopeCodec(tgt), target_n_kv=kv)
+    positions = _positions(2, 37)
+    ref = map_layers_reference(layers, mapper, positions, **kw)
+    tol = FP32_TOL if dtype == torch.float32 else 8 * BF16_U
+    _compare(map_layers(layers, mapper, positions, chunk_tokens=20, **kw), ref, tol)  # 2 chunks of 10 rows x 2
+
+
+def test_any_selection_maps_without_copying_its_blocks():
+    """fp32: the ridge kind maps every block from its view; bf16: one GEMM over the gathered blocks (see
+    Mapper.map_blocks). Either way no clone, contiguous or cat inside the apply (a batched bf16 GEMM would clone
+    strided operands; the 2-D addmm reads them in place)."""
+    from torch.profiler import profile
+
+    src, tgt = tiny_model("qwen3", seed=1, layers=8), tiny_model("qwen3", seed=2, layers=2)
+    for dtype in (torch.float32, torch.bfloat16):
+        layers = _source(1, 64, 2, 8, n_layers=8, dtype=dtype)
+        mapper = _ridge(64, 16, sel=SCATTERED).to(dtype=dtype)
+        kw = dict(source_codec=RopeCodec(src), target_codec=RopeCodec(tgt), target_n_kv=2)
+        map_layers(layers, mapper, torch.arange(64), **kw)  # warm (codec tables)
+        with profile() as prof:
+            map_layers(layers, mapper, torch.arange(64), **kw)
+        names = {e.name for e in prof.events()}
+        assert not names & {"aten::clone", "aten::contiguous", "aten::cat", "aten::isfinite_full"}, (dtype, names)
+        gemms = [e for e in prof.events() if e.name in ("aten::addmm", "aten::addmm_")]
+        # fp32: targets x kinds x blocks, from the views; bf16: gathered (one rounding), targets x kinds
+        assert len(gemms) == 2 * 2 * (4 if dtype == torch.float32 else 1)
+
+
+def test_reduced_precision_rope_passes_are_bit_identical_to_the_codec():
+    """The tiled float32 strip (source keys) and re-rotation (mapped keys) run the same elementwise ops as
+    RopeCodec.strip / apply on the whole tensor: equal bitwise, tile boundaries included (tiles of 1 MiB / (4 B
+    x heads x d) tokens: a 3000-token chunk spans several)."""
+    from kvtransfer.core import transfer as tr
+
+    model = tiny_model("ministral3", seed=1, layers=2, kv_heads=2, head_dim=64)
+    codec = RopeCodec(model)
+    seq = 3000
+    k = (3 * torch.randn(1, 2, seq, 64, generator=torch.Generator().manual_seed(0))).bfloat16()
+    pos = torch.arange(seq)[None] + 7
+    for dtype in (torch.bfloat16, torch.float32):  # bf16 mapper; fp32 mapper over a bf16 cache (rounds twice)
+        feats = tr._gather_stripped([(k, k)], [0], slice(0, seq), pos, codec, "cpu", dtype)
+        want = codec.strip(k, pos).to(dtype).transpose(1, 2).reshape(seq, -1)
+        assert torch.equal(feats[0], want)
+    cos, sin = codec.cos_sin(pos)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        dest = torch.empty(1, 2, seq, 64, dtype=out_dtype)
+        tr._rotate_tiled(k, cos, sin, dest, tr._Gather(device="cpu"))
+        assert torch.equal(dest, codec.apply(k, pos).to(out_dtype))
+
+
+def _nan_case(where):
+    src, tgt = tiny_model("qwen3", seed=1, layers=8), tiny_model("qwen3", seed=2, layers=2)
+    layers = [(k.clone(), v.clone()) for k, v in _source(1, 40, 2, 8, n_layers=8)]
+    mapper = _ridge(64, 16, sel=SCATTERED)
+    if where == "source key":
+        layers[5][0][0, 1, 33, 3] = float("nan")  # layer 5, head 1, a late token in the second chunk
+    elif where == "source value":
+        layers[4][1][0, 0, 17, 6] = float("inf")
+    elif where == "weight":
+        mapper.weight[1, 1, 37, 11] = float("nan")  # target 1, values, a middle feature and column
+    elif where == "bias":
+        mapper.bias[1, 0, 9] = float("-inf")
+    return layers, mapper, dict(source_codec=RopeCodec(src), target_codec=RopeCodec(tgt), target_n_kv=2)
+
+
+@pytest.mark.parametrize("where", ["source key", "source value", "weight", "bias"])
+def test_sampled_check_catches_any_non_finite_input(where):
+    """The default check reads a sample (each head's first column in every row, and the first row): a NaN/Inf
+    anywhere in the features or parameters reaches it, in a chunk that is not the first."""
+    layers, mapper, kw = _nan_case(where)
+    with pytest.raises(FloatingPointError, match="NaN/Inf"):
+        map_layers(layers, mapper, torch.arange(40), chunk_tokens=16, **kw)
+    out = map_layers(layers, mapper, torch.arange(40), chunk_tokens=16, check_finite=False, **kw)
+    assert not all(bool(torch.isfinite(z).all()) for kv in out for z in kv)  # the input really broke the output
+
+
+def test_full_check_catches_an_overflow_the_sample_cannot_see():
+    """An overflow of single finite values (here one weight large enough that one output column overflows float16
+    in its last rows only) escapes the sample; the float16 output (narrower than the fp32 map) runs the full check
+    by default, and check_finite="full" asks for it anywhere."""
+    layers, mapper, kw = _nan_case("none")
+    for t in range(2):
+        mapper.weight[t, 1, :, 13] = 0
+        mapper.weight[t, 1, 17, 13] = 1.0  # column 13 of values copies feature 17 (layer 1st of block, head 1, dim 1)
+    for s in range(8):
+        layers[s][1][0, 1, 30:, 1] = 1e6  # late tokens only: the first row stays finite
+    with pytest.raises(FloatingPointError, match="NaN/Inf"):
+        map_layers(layers, mapper, torch.arange(40), out_dtype=torch.float16, **kw)
+    map_layers(layers, mapper, torch.arange(40), out_dtype=torch.float32, **kw)  # fp32: 1e6 is finite, no raise
+    big = [(k, v * 1e33) for k, v in layers]
+    with pytest.raises(FloatingPointError, match="NaN/Inf"):  # fp32 overflow in one column: only the full pass
+        map_layers(big, mapper, torch.arange(40), check_finite="full", **kw)

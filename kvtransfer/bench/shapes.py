@@ -118,14 +118,7 @@ def random_mapper(source_config, target_config, k: int, *, n_target_layers: int 
     or "band" (k consecutive layers around the proportional depth: zero-copy view path)."""
     s, t = kv_shape(source_config), kv_shape(target_config)
     n_t = n_target_layers or t.n_layers
-    g = torch.Generator().manual_seed(seed)  # device: draws host-side layer indices (selected_layers lives on the CPU)
-    if selection == "random":
-        sel = torch.stack([torch.randperm(s.n_layers, generator=g)[:k] for _ in range(n_t)])  # device: host-side layer indices
-    elif selection == "band":
-        centre = [round(i * (s.n_layers - 1) / max(1, t.n_layers - 1)) for i in range(n_t)]
-        sel = torch.tensor([[min(max(0, c - k // 2), s.n_layers - k) + j for j in range(k)] for c in centre])  # device: host-side layer indices
-    else:
-        raise ValueError(f"selection must be 'random' or 'band', got {selection!r}")
+    sel = bench_selection(s.n_layers, t.n_layers, k, n_t, selection, seed)
     p, q = k * s.width, t.width
     gd = torch.Generator(device=device).manual_seed(seed)
     weight = torch.randn(n_t, 2, p, q, generator=gd, device=device, dtype=dtype) / math.sqrt(p)
@@ -134,6 +127,19 @@ def random_mapper(source_config, target_config, k: int, *, n_target_layers: int 
                         "n_kv": sh.n_kv, "head_dim": sh.head_dim}
     return Mapper(weight=weight, bias=bias, selected_layers=sel.long(), source=ident(s), target=ident(t),
                   calibration={"shapes_only": True})
+
+
+def bench_selection(n_source: int, n_target_full: int, k: int, n_t: int, selection: str = "random",
+                    seed: int = 0) -> torch.Tensor:
+    """The bench's selected_layers [n_t, k] (int64): "random" (any order: k scattered layers per target) or "band"
+    (k consecutive layers around the proportional depth of the full-depth target)."""
+    g = torch.Generator().manual_seed(seed)  # device: draws host-side layer indices (selected_layers lives on the CPU)
+    if selection == "random":
+        return torch.stack([torch.randperm(n_source, generator=g)[:k] for _ in range(n_t)])  # device: host-side layer indices
+    if selection == "band":
+        centre = [round(i * (n_source - 1) / max(1, n_target_full - 1)) for i in range(n_t)]
+        return torch.tensor([[min(max(0, c - k // 2), n_source - k) + j for j in range(k)] for c in centre])  # device: host-side layer indices
+    raise ValueError(f"selection must be 'random' or 'band', got {selection!r}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def map_layers_reference(source_layers: KVLayers, mapper: MapperBase, positions:
 def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Tensor, *,
                source_codec: RopeCodec | None, target_codec: RopeCodec | None, target_n_kv: int,
                out_dtype: torch.dtype | None = None, rope_at_inference: bool = True,
-               chunk_tokens: int = 8192, check_finite: bool = True,
+               chunk_tokens: int = 8192, check_finite: bool | str = True,
                source_hidden: dict[int, torch.Tensor] | None = None) -> KVLayers:
     """Map per-layer source (keys, values) [batch, n_kv_s, seq, d_s] to target layers.
 
@@ -83,12 +83,23 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
     rotated keys and its output stored unrotated). Returns [batch, n_kv_t, seq, d_t] per target
     layer in `out_dtype` (default: the source cache dtype). Raises FloatingPointError on NaN/Inf.
 
+    check_finite: True (default) checks a sample the apply already holds: per target layer and chunk, the
+    mapped rows' first column of every target head and the chunk's first row. Every kind here maps each
+    row through sums of products of all the features a head reads (GEMMs, per-head MLPs), so a NaN/Inf in
+    a source feature makes that whole row of the head non-finite and one in a weight or bias that whole
+    column in every row: the sample catches both without reading the whole output. What it cannot see
+    is an overflow of single finite values; when `out_dtype` has a narrower range than the map's dtype
+    (float16), where the final cast can overflow, True also runs "full". "full": an isfinite pass over
+    the whole output (+ the sample). False: no check.
+
     Computes what `map_layers_reference` computes (to rounding), faster: per chunk of tokens the
     source layers any target reads are copied once into a buffer [2, rows, used layers * n_kv_s *
     d_s] and their keys stripped in one pass; each target's selection goes to the mapper as column
     blocks of that buffer (runs of consecutive used layers), so a kind can map straight from the
     views (`MapperBase.map_blocks`); results go into one preallocated [L_t, 2, batch, n_kv_t, seq,
-    d_t] output, keys re-rotated on the way.
+    d_t] output, keys re-rotated on the way. Bytes beyond the floor's (source read once, weights, output
+    written once): the used-layer buffer (written once per chunk), the GEMM output per target layer
+    (written and read once), and for a reduced-precision key path a float32 tile that stays in cache.
 
     source_hidden: {source layer: [batch, seq, H]} normed layer inputs (`hidden.prefill_with_hidden`), needed
     (for every used source layer) by a mapper whose `needs_hidden` (the hidden kind); ignored otherwise. Each
@@ -111,7 +122,10 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
         _check_hidden(source_hidden, used, batch, seq, mapper)
         width = mapper.feature_width  # H (+ n_kv_s * d_s) per used layer
     runs = [_runs([slot[s] for s in row]) for row in sel]  # per target: [(first slot, first feature, n layers)]
+    full_check = check_finite == "full" or (check_finite and torch.finfo(out_dtype).max < torch.finfo(dtype).max)
     out = None  # [L_t, 2, batch, n_kv_t, seq, d_t], allocated once d_t is known
+    work = _Gather(device=device)  # per-chunk buffers reused across target layers and chunks
+    finite = None  # the sampled check over targets and chunks, a 0-dim bool read once at the end (one host sync)
     chunk = max(1, chunk_tokens // batch)
     for start in range(0, seq, chunk):
         sl = slice(start, min(seq, start + chunk))
@@ -122,31 +136,75 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
             else:
                 flat = _gather_hidden(source_layers, source_hidden, used, sl, pos, source_codec if rotate else None,
                                       device, dtype, with_kv=features == "hidden_kv")
-        gather = _Gather(2, rows, len(sel[0]) * width, device=device, dtype=dtype)  # one buffer per chunk
+        work.shape = (2, rows, len(sel[0]) * width)  # for a kind that needs x whole (`MapperBase.map_blocks`)
         if rotate:
             cos, sin = (x.to(device) for x in target_codec.cos_sin(pos))  # [batch|1, 1, chunk, d_t]
         for t, r in enumerate(runs):
             blocks = [(j * width, flat[:, :, s * width:(s + n) * width]) for s, j, n in r]
-            y = mapper.map_blocks(t, blocks, gather)  # [2, rows, n_kv_t * d_t]
+            y = mapper.map_blocks(t, blocks, work)  # [2, rows, n_kv_t * d_t]
             if out is None:
                 d_t = y.shape[-1] // target_n_kv
                 out = torch.empty(len(sel), 2, batch, target_n_kv, seq, d_t, device=device, dtype=out_dtype)
+            if check_finite:
+                ok = _sample_finite(y, d_t)
+                finite = ok if finite is None else finite & ok
             k_t, v_t = y.view(2, batch, -1, target_n_kv, d_t).transpose(2, 3)  # [batch, n_kv_t, chunk, d_t]
             dest = out[t, :, :, :, sl]
             with _serial_elementwise(device):  # memory-bound: re-rotate keys, store
                 if not rotate:
                     dest[0].copy_(k_t)
-                elif k_t.dtype == out_dtype == torch.float32:
-                    rope.rotate(k_t, cos, sin, out=dest[0])
                 else:  # RopeCodec.apply's rounding: float32, then the mapper dtype, then out_dtype
-                    dest[0].copy_(rope.rotate(k_t.float(), cos, sin).to(k_t.dtype))
+                    _rotate_tiled(k_t, cos, sin, dest[0], work)
                 dest[1].copy_(v_t)
-    with _serial_elementwise(device):
-        finite = not check_finite or bool(torch.isfinite(out).all())
-    if not finite:
-        raise FloatingPointError("mapped cache contains NaN/Inf: check the mapper (refit with larger lambda) "
-                                 "and the source cache dtype")
+    if finite is not None and not bool(finite):
+        _raise_non_finite()
+    if full_check:
+        with _serial_elementwise(device):
+            if not bool(torch.isfinite(out).all()):
+                _raise_non_finite()
     return [(out[t, 0], out[t, 1]) for t in range(len(sel))]
+
+
+_TILE_BYTES = 1 << 19  # float32 values of one RoPE tile (512 KiB): it and its operands stay in a 1 MiB L2
+
+
+def _tile(n: int, bytes_per_token: int, device) -> int:
+    """Tokens per RoPE tile: on a CPU, _TILE_BYTES of float32 (cache-sized); elsewhere the whole chunk (a GPU
+    pays a launch per tile and streams whole passes at its bandwidth)."""
+    if torch.device(device).type != "cpu":
+        return n
+    return max(1, min(n, _TILE_BYTES // bytes_per_token))
+
+
+def _raise_non_finite():
+    raise FloatingPointError("mapped cache contains NaN/Inf: check the mapper (refit with larger lambda) "
+                             "and the source cache dtype")
+
+
+def _sample_finite(y: torch.Tensor, d_t: int) -> torch.Tensor:
+    """Whether the sample of a mapped chunk y [2, rows, n_kv_t * d_t] is finite (a 0-dim bool on y's device):
+    every row's first column of each target head, and the first row whole (see `map_layers`' check_finite).
+    Reads ~rows cache lines per head, not the chunk."""
+    return torch.isfinite(y[:, :, ::d_t]).all() & torch.isfinite(y[:, 0]).all()
+
+
+def _rotate_tiled(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dest: torch.Tensor, work) -> None:
+    """dest = RoPE(k) for mapped keys k [batch, heads, chunk, d], rounded as `RopeCodec.apply` then the cast
+    to dest's dtype round (float32, then k's dtype, then dest's). Tiles of tokens, so RoPE's passes over its
+    output and the float32 scratch of a reduced-precision k stay in cache instead of whole-chunk float32
+    copies. Elementwise: bit-identical to the whole-chunk pass."""
+    batch, heads, n, d = k.shape
+    tile = _tile(n, 4 * batch * heads * d, k.device)
+    direct = k.dtype == dest.dtype == torch.float32
+    scratch = None if direct else work.scratch((batch, heads, tile, d), torch.float32)
+    for a in range(0, n, tile):
+        b = min(n, a + tile)
+        if direct:
+            rope.rotate(k[:, :, a:b], cos[:, :, a:b], sin[:, :, a:b], out=dest[:, :, a:b])
+            continue
+        tmp = scratch[:, :, :b - a]  # RoPE reads k's dtype and computes in float32 (exact widening)
+        rope.rotate(k[:, :, a:b], cos[:, :, a:b], sin[:, :, a:b], out=tmp)
+        dest[:, :, a:b].copy_(tmp if k.dtype in (dest.dtype, torch.float32) else tmp.to(k.dtype))
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -161,19 +219,33 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 
 class _Gather:
-    """`gather` for `MapperBase.map_blocks`: copies column blocks into one reused buffer [2, rows, p]
-    (allocated on first use), as a memory-bound step."""
+    """`gather` for `MapperBase.map_blocks`, and the apply's reused buffers. Called: copies column blocks
+    into one buffer [2, rows, p] (`shape`, set per chunk), as a memory-bound step, for a kind that needs
+    x whole. `output` / `scratch`: a buffer of that shape and dtype, reused while the shape holds (a fresh
+    large allocation is a fresh mmap, whose pages the kernel zeroes: bytes moved for nothing)."""
 
-    def __init__(self, *shape, device, dtype):
-        self.shape, self.device, self.dtype, self.buffer = shape, device, dtype, None
+    def __init__(self, *, device):
+        self.device, self.shape, self._buffers = device, None, {}
+
+    def _get(self, name: str, shape, dtype) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != tuple(shape) or buf.dtype != dtype:
+            buf = self._buffers[name] = torch.empty(shape, device=self.device, dtype=dtype)
+        return buf
+
+    def output(self, shape, dtype) -> torch.Tensor:
+        """The map's output buffer (one target layer's chunk: read out before the next map_blocks)."""
+        return self._get("output", shape, dtype)
+
+    def scratch(self, shape, dtype) -> torch.Tensor:
+        return self._get("scratch", shape, dtype)
 
     def __call__(self, blocks: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-        if self.buffer is None:
-            self.buffer = torch.empty(self.shape, device=self.device, dtype=self.dtype)
+        buffer = self._get("gather", self.shape, blocks[0][1].dtype)
         with _serial_elementwise(self.device):
             for j, x in blocks:
-                self.buffer[:, :, j:j + x.shape[-1]].copy_(x)
-        return self.buffer
+                buffer[:, :, j:j + x.shape[-1]].copy_(x)
+        return buffer
 
 
 def _check_hidden(source_hidden, used: list[int], batch: int, seq: int, mapper) -> None:
@@ -221,16 +293,29 @@ def _gather_stripped(source_layers: KVLayers, used: list[int], sl: slice, pos: t
     batch, n_kv, _, d = k0.shape
     n = sl.stop - sl.start
     feats = torch.empty(2, batch, n, len(used), n_kv, d, device=device, dtype=dtype)
-    in_place = codec is None or dtype == k0.dtype == torch.float32  # no rounding step between strip and map
-    keys = feats[0] if in_place else torch.empty(feats.shape[1:], device=device)
     for i, s in enumerate(used):
-        keys[:, :, i].copy_(source_layers[s][0][:, :, sl].transpose(1, 2))
         feats[1, :, :, i].copy_(source_layers[s][1][:, :, sl].transpose(1, 2))
-    if codec is not None:
-        cos, sin = (x.to(device)[:, 0, :, None, None, :] for x in codec.cos_sin(pos))  # [batch|1, chunk, 1, 1, d]
-        rope.rotate(keys, cos, sin, inverse=True, out=keys)
-        if not in_place:
-            feats[0].copy_(keys.to(k0.dtype))
+        if codec is None:
+            feats[0, :, :, i].copy_(source_layers[s][0][:, :, sl].transpose(1, 2))
+    if codec is None:
+        return feats.view(2, batch * n, len(used) * n_kv * d)
+    # strip tile by tokens, so the passes RoPE makes over its output (and a float32 scratch for a reduced-precision
+    # cache or map) stay in cache: elementwise, so bit-identical to one whole-chunk pass
+    cos, sin = (x.to(device)[:, 0, :, None, :] for x in codec.cos_sin(pos))  # [batch|1, chunk, 1, d]
+    direct = dtype == k0.dtype == torch.float32  # no rounding step between strip and map: straight into feats
+    tile = _tile(n, 4 * batch * n_kv * d, device)
+    scratch = None if direct else torch.empty(batch, tile, n_kv, d, device=device)
+    twice = k0.dtype not in (torch.float32, dtype)  # RopeCodec.strip returns the cache dtype: round there first
+    for i, s in enumerate(used):
+        for a in range(0, n, tile):
+            b = min(n, a + tile)
+            src = source_layers[s][0][:, :, sl.start + a:sl.start + b].transpose(1, 2)
+            if direct:
+                rope.rotate(src, cos[:, a:b], sin[:, a:b], inverse=True, out=feats[0, :, a:b, i])
+                continue
+            tmp = scratch[:, :b - a]  # RoPE reads the cache dtype and computes in float32 (exact widening)
+            rope.rotate(src, cos[:, a:b], sin[:, a:b], inverse=True, out=tmp)
+            feats[0, :, a:b, i].copy_(tmp.to(k0.dtype) if twice else tmp)
     return feats.view(2, batch * n, len(used) * n_kv * d)
 
 

@@ -69,7 +69,7 @@ def test_the_consumer_maps_from_redis_and_a_dead_redis_is_a_counted_normal_prefi
         server.stop()
         t0 = time.monotonic()
         assert conn.get_num_new_matched_tokens(_request("down", ids), 0) == (0, False)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 3 * store.timeout_s  # the store's timeout, not a hang
         assert conn.counters.reasons == {MAPPED: 1, "store_unavailable": 1}
         # a load planned before the outage: a load error (vLLM recomputes), not an exception
         conn._failed_blocks = set()

@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -84,6 +85,7 @@ class Check:
         self.record = {"device": device, "smoke": smoke, "parts_requested": parts, "parts": {},
                        "machine": machine(device)}
         self.procs: dict[str, tuple] = {}
+        self.reference = None   # the tiny part's CPU reference calibration (a Future), computed beside the runs
         # one thread per run where the CPU is shared (OpenMP spin-waits cost a tiny model 10x); a few on a GPU node
         threads = "1" if smoke else str(max(1, min(4, (os.cpu_count() or 4) // 4)))
         self.env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
@@ -171,32 +173,45 @@ def forward_bounds() -> dict:
     return {"forward_factor": factor, "positions": seq, "per_token_nll": per_token, "reason": tol.FORWARD}
 
 
-def reference_perturbation(run_cfg: dict, out_dir: Path) -> dict:
-    """phi and the R² bound of the run's map against a CPU calibration made with results/tiny's calibration
-    settings (results/precision/make.py's derivation): the run's moments are read from its cache."""
+def reference_calibration(executor) -> "Future":
+    """A Future of (calibration, head_dim, seconds): the tiny pair calibrated on the CPU as results/tiny's was (its
+    config.json's calib settings). Independent of the run, so it computes beside it on `executor`; the models load
+    here, in the calling thread (model loading patches module construction process-wide: one thread at a time)."""
     import kvtransfer as kt
     from kvtransfer.core.data import read_documents, token_sequences
+
+    committed = json.loads((COMMITTED / "config.json").read_text())
+    c = committed["calib"]
+    src, tok = kt.load_model(str(ROOT / committed["pair"]["source"]["path"]), dtype="float32", device="cpu")
+    tgt, _ = kt.load_model(str(ROOT / committed["pair"]["target"]["path"]), dtype="float32", device="cpu")
+    ids = token_sequences(read_documents([str(ROOT / f) for f in c["files"]]), tok, c["n_sequences"], c["seq_len"],
+                          context_start=c["context_start"])
+
+    def compute():
+        t0 = time.time()
+        ref = kt.collect_moments(src, tgt, ids, stride=c["stride"], batch_size=c["batch_size"],
+                                 heldout_fraction=c["heldout_fraction"], heldout_observations=c["heldout_observations"],
+                                 accumulate=c["accumulate"], flush_batches=c.get("flush_batches") or 8,
+                                 seed=committed["seed"])
+        return ref, kt.kv_shape(tgt).head_dim, round(time.time() - t0, 1)
+    return executor.submit(compute)
+
+
+def reference_perturbation(run_cfg: dict, out_dir: Path, reference: tuple) -> dict:
+    """phi and the R² bound of the run's map against the CPU `reference` calibration (results/precision/make.py's
+    derivation): the run's moments and map are read from its cache."""
+    import kvtransfer as kt
     from kvtransfer.runner.run import Run
 
     prec = _load("results/precision/make.py")
     committed = json.loads((COMMITTED / "config.json").read_text())
-    c = committed["calib"]
+    lam = committed["mapper"]["lam"]
+    ref, head_dim, seconds = reference
     run = Run(run_cfg, out_dir)   # reads the run's cached moments and map
     moments, _, _ = run.moments()
-    src, tok = kt.load_model(str(ROOT / committed["pair"]["source"]["path"]), dtype="float32", device="cpu")
-    tgt, _ = kt.load_model(str(ROOT / committed["pair"]["target"]["path"]), dtype="float32", device="cpu")
-    ids = token_sequences(read_documents([str(ROOT / f) for f in c["files"]]), tok, c["n_sequences"], c["seq_len"],
-                          context_start=committed["calib"]["context_start"])
-    t0 = time.time()
-    ref = kt.collect_moments(src, tgt, ids, stride=c["stride"], batch_size=c["batch_size"],
-                             heldout_fraction=c["heldout_fraction"], heldout_observations=c["heldout_observations"],
-                             accumulate=c["accumulate"], flush_batches=c.get("flush_batches") or 8,
-                             seed=committed["seed"])
-    head_dim = kt.kv_shape(tgt).head_dim
     selected = run.mapper().selected_layers.tolist()
-    ref_fit = kt.fit_ridge(ref.train, selected, heldout=ref.heldout, head_dim=head_dim, lam=committed["mapper"]["lam"])
-    cr = prec._condition_and_rho(SimpleNamespace(train=moments), ref, None, ref_fit, selected,
-                                 committed["mapper"]["lam"])
+    ref_fit = kt.fit_ridge(ref.train, selected, heldout=ref.heldout, head_dim=head_dim, lam=lam)
+    cr = prec._condition_and_rho(SimpleNamespace(train=moments), ref, None, ref_fit, selected, lam)
     r2_min = min(float(ref_fit.r2["heldout"][k].double().min()) for k in ("k", "v"))
     rho = max(cr[k]["rho_max"] for k in ("k", "v"))
     phi = math.sqrt(rho / max(1e-12, 1 - r2_min))
@@ -204,8 +219,9 @@ def reference_perturbation(run_cfg: dict, out_dir: Path) -> dict:
               + cr[k]["rho_max"] for k in ("k", "v")}
     # this CPU's reference and the CPU that made results/tiny differ by rounding of the same kind, taken here as
     # no larger than this device's against this CPU: phi doubles
-    return {"rho": rho, "phi": 2 * phi, "cond": cr, "r2_tolerance": tol_r2, "reference_seconds": round(time.time() - t0, 1),
-            "reference_accumulate": c["accumulate"], "run_accumulate": run_cfg["calib"]["accumulate"]}
+    return {"rho": rho, "phi": 2 * phi, "cond": cr, "r2_tolerance": tol_r2, "reference_seconds": seconds,
+            "reference_accumulate": committed["calib"]["accumulate"],
+            "run_accumulate": run_cfg["calib"]["accumulate"]}
 
 
 def _eval_records(run_cfg: dict, out_dir: Path, task: str, mode: str) -> list[dict]:
@@ -276,7 +292,7 @@ def finish_tiny(ck: Check) -> None:
     ref_scores = json.loads((COMMITTED / "scores.json").read_text())
     ref_summary = json.loads((COMMITTED / "summary.json").read_text())
     fb = forward_bounds()
-    pert = reference_perturbation(run_cfg, out_dir)
+    pert = reference_perturbation(run_cfg, out_dir, ck.reference.result())
     windows = compare_windows(scores["ppl_window_nll"], ref_scores["ppl_window_nll"], per_token=fb["per_token_nll"],
                               phi=pert["phi"])
     items = {}
@@ -290,6 +306,14 @@ def finish_tiny(ck: Check) -> None:
         for mode, values in (scores["tasks"].get(task) or {}).items():
             ref = ref_scores["tasks"][task][mode][:len(values)]
             generative[f"{task}/{mode}"] = {"mean": sum(values) / len(values), "committed_mean": sum(ref) / len(ref)}
+    for protocol, modes in (scores.get("coqa") or {}).items():   # per conversation and turn, as results/tiny
+        for mode, values in modes.items():
+            ref = ((ref_scores.get("coqa") or {}).get(protocol) or {}).get(mode)
+            flat = [x for conv in values for x in (conv if isinstance(conv, list) else [conv])]
+            flat_ref = [x for conv in ref or [] for x in (conv if isinstance(conv, list) else [conv])]
+            if flat and flat_ref:   # turns of every conversation
+                generative[f"coqa.{protocol}/{mode}"] = {"mean": sum(flat) / len(flat),
+                                                         "committed_mean": sum(flat_ref) / len(flat_ref)}
     r2 = {k: {"run": summary["r2"][k]["heldout"], "committed": ref_summary["r2"][k]["heldout"],
               "tolerance": pert["r2_tolerance"][k]} for k in ("k", "v")}
     same_layers = summary["mapper"]["selected_layers"] == ref_summary["mapper"]["selected_layers"]
@@ -353,10 +377,11 @@ def start_dryrun(ck: Check) -> None:
     offline_hub.build_offline_hub(hub)
     overrides = [f"pair={PAIR}", "dry_run=true", f"dry.device={ck.device}", "dry.eval_limit=1",
                  f"cache_dir={ck.out / 'dryrun' / 'artifacts'}", "report.rotated_heatmap=false"]
-    # --smoke: one task, no perplexity or CoQA, and the plan of the node a user books (this CPU's plan would make the
-    # dry run rehearse the sequential capture the real run needs here, which is slower and not what the node runs)
+    # --smoke: one task, no perplexity or CoQA, one source layer per target layer (a third of the calibration), and
+    # the plan of the node a user books (this CPU's plan would make the dry run rehearse the sequential capture the
+    # real run needs here, which is slower and not what the node runs)
     overrides += (["eval.tasks=[hellaswag]", "eval.coqa.enabled=false", "eval.ppl.enabled=false", "eval.controls=[]",
-                   "stage=[calibrate,fit,eval]", "dry.node=dgx-h200"] if ck.smoke
+                   "stage=[calibrate,fit,eval]", "dry.node=dgx-h200", "pair.k=1"] if ck.smoke
                   else ["eval.tasks=[arc_challenge,hellaswag,winogrande]"])
     ck.start("dryrun", overrides, env=offline_hub.offline_env(hub))
 
@@ -616,6 +641,8 @@ def main(argv=None) -> int:
     finishers = {"tiny": finish_tiny, "mlp": lambda c: finish_map(c, "mlp"), "trained": lambda c: finish_map(c, "trained"),
                  "dryrun": finish_dryrun}
     checks = {"paged": check_paged, "device_map": check_device_map, "bench": check_bench, "calib": check_calib}
+    if "tiny" in parts:   # the CPU reference the tiny run is held to: beside the runs, in a thread (torch frees the GIL)
+        ck.reference = reference_calibration(ThreadPoolExecutor(max_workers=1))
     for part in (p for p in RUN_PARTS if p in parts):
         try:
             starters[part]()

@@ -281,3 +281,26 @@ def test_map_dtype_applies_the_map_and_its_controls_in_that_dtype(fitted):
     assert not torch.equal(f32.score_tokens(request)[0][0], b16.score_tokens(request)[0][0])
     with pytest.raises(ValueError, match=r"not one of \['bfloat16', 'float32'\]"):
         KVTransferLM(mapper=mapper, map_dtype="float16", **kw)
+
+
+def test_map_dtype_through_the_pipeline_keys_its_own_results(tiny_pair_dirs, tmp_path):  # noqa: F811
+    """eval.map_dtype=bfloat16 through `execute`: the mapped results go to their own cached files (the float32 run's
+    are not read), the baselines are the float32 run's own files, and the bf16 transfer's perplexity is another
+    number; the bench times the dtype the evaluation used."""
+    from kvtransfer.runner.eval_stage import result_dirs
+    from kvtransfer.runner.pipeline import Run
+
+    base = ("stage=[calibrate,fit,eval,bench]", "eval.tasks=[]", "eval.coqa.enabled=false", "eval.bootstrap=10",
+            "eval.fidelity.enabled=false", "eval.controls=[]", "eval.modes=[no_context,transfer,target]",
+            "eval.ppl.prefixes=[0,16]", "eval.ppl.windows=3", "eval.ppl.continuation=8", "bench.tokens=[16]",
+            "bench.warmup=0", "bench.repeats=1")
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, *base, f"eval.map_dtype={dtype}")
+        runs[dtype] = (execute(cfg, tmp_path / dtype), result_dirs(Run(cfg, tmp_path / dtype), "ppl"))
+    (s32, d32), (s16, d16) = runs["float32"], runs["bfloat16"]
+    assert d32["baseline"] == d16["baseline"] and d32["mapped"] != d16["mapped"]
+    assert (d16["mapped"] / "transfer.ppl.wikitext2.json").is_file()
+    p32, p16 = ({r["prefix"]: r for r in s["ppl"]} for s in (s32, s16))
+    assert p32[16]["target"] == p16[16]["target"] and p32[16]["transfer"] != p16[16]["transfer"]
+    assert [r["mapper_dtype"] for r in s16["speed"]] == ["bfloat16"] and all(r["eval_dtype"] for r in s16["speed"])

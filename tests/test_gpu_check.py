@@ -90,3 +90,16 @@ def test_smoke_path_runs_every_part_on_this_cpu(tmp_path):
     tiny = record["parts"]["tiny"]["details"]
     assert tiny["windows"] and tiny["items"]["tiny_cloze"]["target"]["items"] == 8
     print(f"gpu_check --smoke: {record['seconds']:.0f} s", {p: r["seconds"] for p, r in record["parts"].items()})
+
+
+def test_the_dry_run_runs_its_stand_ins_on_dry_device(tmp_path):
+    """dry.device (what the GPU check's dryrun part sets): the shrunk config runs there, maps train there; cpu stays
+    the default, and a device name that is not one is refused naming the choices."""
+    from kvtransfer.dryrun.run import shrink
+    from run_configs import compose_config
+
+    assert shrink(compose_config("pair=qwen3_14b_32b"), tmp_path)["device"] == "cpu"
+    small = shrink(compose_config("pair=qwen3_14b_32b", "mapper=trained", "dry.device=cuda"), tmp_path)
+    assert small["device"] == "cuda" and small["mapper"]["device"] == "cuda"
+    with pytest.raises(ValueError, match="dry.device='gpu': use cpu"):
+        shrink(compose_config("pair=qwen3_14b_32b", "dry.device=gpu"), tmp_path)

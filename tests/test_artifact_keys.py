@@ -371,3 +371,19 @@ def test_a_cache_of_older_keys_is_named_once_and_never_read(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_cache_version(fresh)  # an empty cache has nothing to say
+
+
+def test_the_map_dtype_keys_the_mapped_results_only_when_it_is_not_float32():
+    """eval.map_dtype=float32 (the default) keeps the keys the mapped results had before the knob existed;
+    bfloat16 gives every mapped part a key of its own, and no baseline result moves."""
+    base = BASES["ridge"]
+    assert base["eval"]["map_dtype"] == "float32"
+    without = copy.deepcopy(base)
+    del without["eval"]["map_dtype"]
+    bf16 = _set(base, "eval.map_dtype", "bfloat16")
+    for part in ("tasks", "ppl", "coqa"):
+        mapped = f"eval_{part}_mapped"
+        assert _chain_key(mapped, base) == _chain_key(mapped, without)
+        assert _chain_key(mapped, bf16) != _chain_key(mapped, base)
+        for baseline in (f"eval_{part}", f"eval_{part}_native"):
+            assert _chain_key(baseline, bf16) == _chain_key(baseline, base)

@@ -258,3 +258,49 @@ def test_run_ends_with_one_table_and_says_when_a_ratio_is_not_measurable():
     assert len(lines) == 3 and all(len(line) <= len(lines[0]) + 40 for line in lines)
     assert "not measurable at this n" in lines[1] and "80 ± 10 %" in lines[1]
     assert "ppl wikitext2 @256 (62 docs)" in lines[2] and "74.0 ± 3.0 %" in lines[2]
+
+
+def test_map_dtype_applies_the_map_and_its_controls_in_that_dtype(fitted):
+    """eval.map_dtype=bfloat16: the transfer LM and the control maps handed to it (with_mode) map in bfloat16 on
+    copies, the run's fitted map stays float32, and the scores move; float32 is the map as given (no copy)."""
+    from kvtransfer.eval.adapter import KVTransferLM
+    from kvtransfer.runner.eval_stage import control_lm
+
+    run, mapper, _ = fitted
+    source, tok = run.model("source")
+    target, _ = run.model("target")
+    kw = dict(source_model=source, target_model=target, tokenizer=tok, mode="transfer", batch_size=1)
+    f32 = KVTransferLM(mapper=mapper, map_dtype="float32", **kw)
+    b16 = KVTransferLM(mapper=mapper, map_dtype="bfloat16", **kw)
+    assert f32.mapper is mapper and b16.mapper is not mapper
+    assert b16.mapper.weight.dtype == torch.bfloat16 and mapper.weight.dtype == torch.float32
+    for mode in ("mean_map", "random_map"):
+        lm, base = control_lm(b16, mode, run, seed=0)
+        assert base == "transfer" and lm.mapper.weight.dtype == torch.bfloat16, mode
+    request = [(tok.encode("the dog ran to the park and the sun was warm"), tok.encode(" on the grass"))]
+    assert not torch.equal(f32.score_tokens(request)[0][0], b16.score_tokens(request)[0][0])
+    with pytest.raises(ValueError, match=r"not one of \['bfloat16', 'float32'\]"):
+        KVTransferLM(mapper=mapper, map_dtype="float16", **kw)
+
+
+def test_map_dtype_through_the_pipeline_keys_its_own_results(tiny_pair_dirs, tmp_path):  # noqa: F811
+    """eval.map_dtype=bfloat16 through `execute`: the mapped results go to their own cached files (the float32 run's
+    are not read), the baselines are the float32 run's own files, and the bf16 transfer's perplexity is another
+    number; the bench times the dtype the evaluation used."""
+    from kvtransfer.runner.eval_stage import result_dirs
+    from kvtransfer.runner.pipeline import Run
+
+    base = ("stage=[calibrate,fit,eval,bench]", "eval.tasks=[]", "eval.coqa.enabled=false", "eval.bootstrap=10",
+            "eval.fidelity.enabled=false", "eval.controls=[]", "eval.modes=[no_context,transfer,target]",
+            "eval.ppl.prefixes=[0,16]", "eval.ppl.windows=3", "eval.ppl.continuation=8", "bench.tokens=[16]",
+            "bench.warmup=0", "bench.repeats=1")
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, *base, f"eval.map_dtype={dtype}")
+        runs[dtype] = (execute(cfg, tmp_path / dtype), result_dirs(Run(cfg, tmp_path / dtype), "ppl"))
+    (s32, d32), (s16, d16) = runs["float32"], runs["bfloat16"]
+    assert d32["baseline"] == d16["baseline"] and d32["mapped"] != d16["mapped"]
+    assert (d16["mapped"] / "transfer.ppl.wikitext2.json").is_file()
+    p32, p16 = ({r["prefix"]: r for r in s["ppl"]} for s in (s32, s16))
+    assert p32[16]["target"] == p16[16]["target"] and p32[16]["transfer"] != p16[16]["transfer"]
+    assert [r["mapper_dtype"] for r in s16["speed"]] == ["bfloat16"] and all(r["eval_dtype"] for r in s16["speed"])

@@ -203,15 +203,19 @@ def test_unknown_kind_is_refused(tmp_path):
 
 
 # -- §3e the speed stage times the dtype evaluation maps with -------------------------------------
-def test_eval_mapper_dtype_is_the_saved_mappers(tmp_path, sink_pair):
-    """Evaluation maps with the mapper as loaded (eval/adapter moves it to the device only)."""
+def test_eval_map_dtype_defaults_to_the_saved_mappers_and_the_bench_follows_it(tmp_path, sink_pair):
+    """The evaluation applies the map as saved (float32) unless eval.map_dtype says otherwise, and the bench times
+    the dtype the evaluation uses unless bench.mapper_dtypes is set."""
+    from run_configs import compose_config
+
     _, _, mapper = sink_pair
     mapper.save(tmp_path / "m")
-    assert str(kt.load_mapper(tmp_path / "m").dtype) == f"torch.{bench_stage.EVAL_MAPPER_DTYPE}"
-    from omegaconf import OmegaConf
-
-    default = OmegaConf.load(REPO / "conf" / "bench" / "default.yaml")
-    assert list(default.mapper_dtypes) == [bench_stage.EVAL_MAPPER_DTYPE]
+    default = compose_config()
+    assert str(kt.load_mapper(tmp_path / "m").dtype) == f"torch.{default['eval']['map_dtype']}" == "torch.float32"
+    assert default["bench"]["mapper_dtypes"] == ["float32"]
+    assert compose_config("eval.map_dtype=bfloat16")["bench"]["mapper_dtypes"] == ["bfloat16"]
+    both = compose_config("eval.map_dtype=bfloat16", "bench.mapper_dtypes=[float32,bfloat16]")
+    assert both["bench"]["mapper_dtypes"] == ["float32", "bfloat16"]
 
 
 def test_bench_loaded_times_the_eval_dtype_on_bf16_models(sink_pair, monkeypatch):

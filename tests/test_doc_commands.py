@@ -36,6 +36,8 @@ RULES = [
     (r"^python -m pytest", "not run", "the test suite itself"),
     (r"^(KVT_\w+=\S+ )*python -m pytest", "not run", "the test suite itself (needs the real pair's models)"),
     (r"^(bash )?scripts/setup_serve\.sh", "not run", "builds the vLLM serving environment (~5 GB, minutes)"),
+    (r"^(bash )?scripts/wheelhouse\.sh", "not run", "downloads ~200 MB of wheels from PyPI (tests/test_wheelhouse.py, "
+                                                 "slow, runs it)"),
     (r"^bash experiments/qwen25coder/get_models\.sh", "not run", "downloads ~1.8 GB of models and text"),
     (r"^bash experiments/\S+/run\.sh", "not run", "the real-pair runs: hours on a CPU"),
     (r"^python experiments/gpu_bench\.py", "not run", "needs a GPU"),

@@ -58,7 +58,8 @@ def real_config(name: str, layers: int | None = None, attn: str = "sdpa"):
 
 class ShapesOnlyLM(torch.nn.Module):
     """A decoder body (`.model`, no LM head) behind the causal-LM surface `kvtransfer` uses
-    (`base_model_prefix`, `.config`, `.dtype`): works with `prefill`, `RopeCodec`, `kv_features`."""
+    (`base_model_prefix`, `.config`, `.dtype`, `.device`): works with `prefill`, `RopeCodec`, `kv_features` and
+    `collect_moments`."""
 
     base_model_prefix = "model"
 
@@ -72,6 +73,11 @@ class ShapesOnlyLM(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         """Parameter dtype of the body."""
         return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the body's parameters."""
+        return self.model.device
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from .standin import STANDIN_NOTE, write_standins
 CANNOT_SHOW = (
     "online resolution of the model hub ids: the stand-ins load from a local cache under those ids (the preflight "
     "reads each real config.json where it can: online, or from the HF cache)",
-    "multi-GPU placement: device_map / max_memory are validated, not applied (the dry run runs on this CPU)",
+    "multi-GPU placement: device_map / max_memory are validated, not applied (the stand-ins run on one device)",
     "GPU memory: the plan above estimates it; the stand-ins' sizes say nothing about it",
     "the real tokenizers: a stand-in BPE trained on the repository's benchmark samples, with the real vocabulary "
     "size and special-token ids (token counts within about 10-30 % of a real tokenizer's on English)",
@@ -122,11 +122,14 @@ def calib_sequences(cfg: dict, dry: dict, seq_len: int) -> int:
 
 
 def shrink(cfg: dict, out_dir: Path) -> dict:
-    """The dry run's config: `cfg` with tiny sizes (dry.*), on this CPU, artifacts under out_dir. Everything
-    else -- data sources, protocol keys, tasks, modes, stages, dtypes, mapper kind -- stays as given."""
+    """The dry run's config: `cfg` with tiny sizes (dry.*), on dry.device (default this CPU), artifacts under out_dir.
+    Everything else -- data sources, protocol keys, tasks, modes, stages, dtypes, mapper kind -- stays as given."""
     dry = cfg["dry"]
+    device = str(dry.get("device") or "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"dry.device={device!r}: use cpu (the default) or cuda / cuda:N")
     small = copy.deepcopy(cfg)
-    small.update(device="cpu", device_map=None, cache_dir=str(out_dir / "artifacts"))
+    small.update(device=device, device_map=None, cache_dir=str(out_dir / "artifacts"))
     for side in ("source", "target"):
         small["pair"][side] = dict(small["pair"][side], device_map=None, max_memory=None)
     calib = small["calib"]
@@ -135,12 +138,12 @@ def shrink(cfg: dict, out_dir: Path) -> dict:
                  heldout_observations=min(calib.get("heldout_observations") or 512, 512),
                  mlp_samples=min(calib.get("mlp_samples") or 0, 2048), store_device="cpu")
     if small["mapper"].get("kind") == "mlp":
-        small["mapper"].update(hidden=min(small["mapper"]["hidden"], 16), epochs=1, device="cpu")
+        small["mapper"].update(hidden=min(small["mapper"]["hidden"], 16), epochs=1, device=device)
     if small["mapper"].get("kind") == "trained":  # the calibration keeps >= 10 sequences: 2 stop + up to 4 to train on
         m = small["mapper"]
         m.update(train_sequences=min(int(m["train_sequences"]), 4), stop_sequences=min(int(m["stop_sequences"]), 2),
                  query_positions=min(int(m["query_positions"]), seq_len), steps=min(int(m["steps"]), 4),
-                 eval_every=min(int(m["eval_every"]), 2), device="cpu")
+                 eval_every=min(int(m["eval_every"]), 2), device=device)
         if m.get("continuation_tokens") is not None:  # end_to_end: context + continuation within the short sequences
             cont = min(int(m["continuation_tokens"]), seq_len // 2)
             ctx = m.get("context_tokens")
@@ -214,7 +217,7 @@ def dry_run(cfg: dict, out_dir: str | Path, *, log=print) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     stages = parse_stages(cfg.get("stage", "all"))
     log(f"[dry run] {cfg['pair']['name']}: stages {stages} on stand-in models with the real data sources at tiny "
-        "sizes, on this CPU")
+        f"sizes, on {(cfg.get('dry') or {}).get('device') or 'cpu'}")
     check_feature_sample(cfg)
     cfg, plan = plan_real_run(cfg, out_dir, stages, log=log)
     checks = preflight(cfg, stages, log=log)

@@ -30,6 +30,10 @@ to the mapped KV of the rest. `gate=thresholds` (transfer mode; kvtransfer.core.
 decides map / recompute(thresholds' fraction) / the target's own prefill; `gate_signals` are recorded beside it. Both
 record per cached prefix in `events` (action, fraction, score, tokens recomputed, FLOPs / re-prefill, seconds).
 
+`map_dtype` (transfer mode; kvtransfer.core.map_dtype): the dtype the map is applied in, "float32" (the fitted
+map) or "bfloat16"; None (the default) applies the mapper in the dtype it is given in. A mapper given through
+`with_mode(mapper=...)` (the content controls) is applied in the same dtype.
+
 `time_contexts=True`: `timing` accumulates what reading the contexts cost, per mode (kvtransfer.eval.truncate).
 
 `share_prefix=True`: target/source modes also prefill each context[:-1] once for all its continuations (equal to one
@@ -51,6 +55,7 @@ from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normali
 from ..core.context import check_mapper, check_policy, start_ids
 from ..maps.controls import wrong_contexts
 from ..core.cache import continuation_logprobs, forward_on_cache
+from ..core.map_dtype import in_map_dtype, map_dtype as parse_map_dtype
 from ..core.mapper import MapperBase, load_mapper
 from ..core.models import check_same_tokenizer, kv_shape, load_model
 from ..core.gate import check_thresholds
@@ -88,6 +93,7 @@ class KVTransferLM(TemplateLM):
                  recompute_fraction: float = 0.0, recompute_select: str = "deviation", recompute_seed: int = 0,
                  gate: dict | None = None, gate_tail: int = 8, gate_score: str = "tail_kv", gate_signals=None,
                  truncate_tokens: int | None = None, truncate_fraction: float | None = None, time_contexts=False,
+                 map_dtype: str | None = None,
                  batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  device: str | None = None, dtype="auto", add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, trust_remote_code: bool = False, **unused) -> None:
@@ -132,6 +138,9 @@ class KVTransferLM(TemplateLM):
             self.mapper = mapper if isinstance(mapper, MapperBase) else load_mapper(mapper, source_model, target_model)
             self.mapper.check_pair(source_model, target_model)
             self.mapper.to(self.target_model.device)
+        self.map_dtype = None if map_dtype is None else parse_map_dtype(map_dtype)
+        if self.mapper is not None and self.map_dtype is not None:
+            self.mapper = in_map_dtype(self.mapper, self.map_dtype)  # a copy: the caller's mapper keeps its dtype
         self.context_start = check_policy(context_start)
         self.allow_context_start_mismatch = str(allow_context_start_mismatch).lower() in ("true", "1", "yes")
         if self.mapper is not None:
@@ -190,6 +199,8 @@ class KVTransferLM(TemplateLM):
             check_truncate(other.truncate_tokens, other.truncate_fraction)
         if "mapper" in changes and "native_sink" not in changes and other.mapper is not None:
             other.native_sink = other.mapper.native_sink  # a map comes with its sink
+        if "mapper" in changes and other.mapper is not None and other.map_dtype is not None:
+            other.mapper = in_map_dtype(other.mapper, other.map_dtype)  # a control is applied as the map is
         if other.mode == "transfer":
             other.mapper.check_pair(other.source_model, other.target_model)
         if "context_start" in changes or "mapper" in changes:

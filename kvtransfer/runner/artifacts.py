@@ -55,7 +55,11 @@ class Artifact:
 # what every model computation reads: weights dtype and attention kernel change the numbers
 _MODEL_RUN = ("pair.dtype", "attn_implementation")
 _EVAL_COMMON = ("eval.data_dir", "eval.batch_size", "eval.bootstrap", "calib.context_start", "seed", *_MODEL_RUN)
-_EVAL_MAPPED = ("eval.native_tail", "eval.allow_context_start_mismatch", "ablation.rope_at_inference")
+_EVAL_MAPPED = ("eval.native_tail", "eval.allow_context_start_mismatch", "ablation.rope_at_inference",
+                "eval.map_dtype")
+# the dtype the map is applied in enters the mapped results' keys only when it is not the fitted map's float32, so the
+# results computed before eval.map_dtype existed (all float32) keep their keys, and a bfloat16 evaluation never reads them
+_MAP_DTYPE_WHEN = {"eval.map_dtype": ("eval.map_dtype", ("bfloat16",))}
 _TASKS = ("eval.limit", "eval.limits", "eval.num_fewshot", "eval.share_prefix", "eval.max_gen_toks")
 _PPL = ("eval.ppl.file", "eval.ppl.dataset", "eval.ppl.dataset_name", "eval.ppl.split", "eval.ppl.field",
         "eval.ppl.prefixes", "eval.ppl.continuation", "eval.ppl.windows", "eval.ppl.draw")
@@ -140,11 +144,14 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
     Artifact("eval_coqa_native", code=_EVAL_CODE, doc="CoQA drift of native_injected",
              inputs=(*_COQA, *_EVAL_COMMON, "eval.native_tail"), identities=("source", "target", "eval_data")),
     Artifact("eval_tasks_mapped", code=_EVAL_CODE, doc="lm-eval task scores through the map",
-             inputs=(*_TASKS, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",)),
+             inputs=(*_TASKS, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",),
+             when=_MAP_DTYPE_WHEN),
     Artifact("eval_ppl_mapped", code=_EVAL_CODE, doc="prefix perplexity through the map",
-             inputs=(*_PPL, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data", "ppl_data")),
+             inputs=(*_PPL, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data", "ppl_data"),
+             when=_MAP_DTYPE_WHEN),
     Artifact("eval_coqa_mapped", code=_EVAL_CODE, doc="CoQA drift through the map",
-             inputs=(*_COQA, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",)),
+             inputs=(*_COQA, *_EVAL_COMMON, *_EVAL_MAPPED), upstream=("mapper",), identities=("eval_data",),
+             when=_MAP_DTYPE_WHEN),
     Artifact("bench", code=("runner/bench_stage",), doc="mapper vs re-prefill timing of the run's models",
              inputs=("bench.tokens", "bench.warmup", "bench.repeats", "bench.shapes_only", "bench.dtype",
                      "bench.native_tails", "bench.mapper_dtypes", *_MODEL_RUN),

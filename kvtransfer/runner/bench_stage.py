@@ -5,10 +5,10 @@ few distinct inputs rotated), the mapper is the run's fitted mapper, and the pre
 target's decoder body. `bench.shapes_only=true` instead times random-weight models with the real
 configs of a paper pair (see kvtransfer.bench). Rows are cached by config and device.
 
-The mapper is timed in the dtype evaluation maps with: evaluation uses the saved mapper as loaded
-(float32; `eval/adapter` only moves it to the device) on the target's cache dtype. `bench.mapper_dtypes`
-lists the mapper dtypes to time (default [float32]); each row says its `mapper_dtype`, and
-`eval_dtype` whether that is the dtype evaluation uses.
+The mapper is timed in the dtype the evaluation applies it in (`eval.map_dtype`, kvtransfer.core.map_dtype; the
+saved mapper is float32) on the target's cache dtype. `bench.mapper_dtypes` lists the mapper dtypes to time
+(default: [eval.map_dtype]); each row says its `mapper_dtype`, and `eval_dtype` whether that is the dtype the
+evaluation uses (set when the rows are read, so it follows eval.map_dtype).
 """
 from __future__ import annotations
 
@@ -22,13 +22,11 @@ from ..bench.measure import bench_pair
 from ..core.cache import cache_to_layers, forward_on_cache, layers_to_cache, prefill
 from ..core.hidden import prefill_with_hidden, used_layers
 from ..core.io import atomic_write_json
+from ..core.map_dtype import DEFAULT_MAP_DTYPE, map_dtype
 from ..core.models import kv_shape
 from ..core.transfer import codec_for, map_layers
 
 
-# The dtype evaluation maps in: the saved mapper's (artifacts store float32 weights, and eval/adapter
-# moves the loaded mapper to the device without a dtype). A test keeps this in step with the artifact.
-EVAL_MAPPER_DTYPE = "float32"
 
 
 def _dtype(name: str, device: str) -> torch.dtype:
@@ -38,21 +36,23 @@ def _dtype(name: str, device: str) -> torch.dtype:
 
 
 def bench_loaded(source, target, mapper, tokens, *, mapper_dtype: torch.dtype | None = None, warmup: int = 3,
-                 repeats: int = 10, n_inputs: int = 3, native_tails=(), log=print) -> list[dict]:
+                 repeats: int = 10, n_inputs: int = 3, native_tails=(), eval_map_dtype=None,
+                 log=print) -> list[dict]:
     """Table-5 rows for loaded models: mapper ms vs target body prefill ms per token count.
 
     native_tails: for each m, also the target's forward over the last m tokens on the mapped cache of the
     first n - m (`tail{m}_ms`; eval.native_tail=m), and the speedup of mapper + that forward over re-prefill
     (`tail{m}_speedup`; the mapper timed at n tokens, so a slight overestimate of the transfer's cost).
 
-    The mapper computes in `mapper_dtype` (default: its own dtype, as evaluation maps) on a copy;
-    `mapper` itself is left as it is. Token counts beyond the target's max_position_embeddings are
+    The mapper computes in `mapper_dtype` (default: its own dtype) on a copy; `mapper` itself is left as it is.
+    `eval_map_dtype`: the dtype the evaluation applies the map in (default: the mapper's own), which each row's
+    `eval_dtype` compares with. Token counts beyond the target's max_position_embeddings are
     skipped. Times in ms (median and spread over `repeats`), FLOPs/bytes of both sides and their
     floors on this device.
     """
     device, dtype = target.device, target.dtype
     caps = timing.measure_device(device, dtype)
-    eval_dtype = mapper.dtype
+    eval_dtype = mapper.dtype if eval_map_dtype is None else map_dtype(eval_map_dtype)
     mapper = copy.copy(mapper).to(device, mapper_dtype)  # shallow copy: .to rebinds its tensors only
     s_shape, t_shape = kv_shape(source), kv_shape(target)
     used = len(set(mapper.selected_layers.flatten().tolist()))
@@ -123,29 +123,42 @@ def benchmark(run) -> list[dict]:
     if path.exists():
         return _read_bench(run, name, path)
     dtype = _dtype(bcfg.get("dtype"), device)
-    mapper_dtypes = [getattr(torch, name) for name in (bcfg.get("mapper_dtypes") or [EVAL_MAPPER_DTYPE])]
+    eval_map = _eval_map_dtype(run)
+    mapper_dtypes = [map_dtype(name) for name in (bcfg.get("mapper_dtypes") or [eval_map])]
     rows = []
     for mapper_dtype in mapper_dtypes:
         if shapes_only:
             name = run.cfg["pair"]["name"]
             if name not in shapes.PAIRS:
                 raise ValueError(f"bench.shapes_only knows the paper pairs {sorted(shapes.PAIRS)}, not {name!r}")
-            rows += [dict(r, eval_dtype=r["mapper_dtype"] == EVAL_MAPPER_DTYPE) for r in bench_pair(
+            rows += [dict(r, eval_dtype=r["mapper_dtype"] == eval_map) for r in bench_pair(
                 name, bcfg["tokens"], layers=bcfg.get("layers"), device=device, dtype=dtype,
                 mapper_dtype=mapper_dtype, warmup=bcfg["warmup"], repeats=bcfg["repeats"])]
         else:
             source, target = run.model("source")[0], run.model("target")[0]
             rows += bench_loaded(source, target, run.mapper(), bcfg["tokens"], mapper_dtype=mapper_dtype,
-                                 warmup=bcfg["warmup"], repeats=bcfg["repeats"], native_tails=tails)
+                                 warmup=bcfg["warmup"], repeats=bcfg["repeats"], native_tails=tails,
+                                 eval_map_dtype=eval_map)
     atomic_write_json(path, {"rows": rows, "produced_by": run.stamp(name)})
     return _read_bench(run, name, path)
 
 
+def _eval_map_dtype(run) -> str:
+    """The name of the dtype this run's evaluation applies the map in (eval.map_dtype)."""
+    name = (run.cfg.get("eval") or {}).get("map_dtype") or DEFAULT_MAP_DTYPE
+    return str(map_dtype(name)).removeprefix("torch.")
+
+
 def _read_bench(run, name: str, path) -> list[dict]:
-    """The bench rows at `path`, noting their producer (a bare list: written before bench files carried one)."""
+    """The bench rows at `path`, noting their producer (a bare list: written before bench files carried one);
+    each row's `eval_dtype` says whether its mapper dtype is this run's eval.map_dtype (rows are keyed by the
+    dtypes timed, not by which of them the evaluation uses)."""
     data = json.loads(path.read_text())
     if isinstance(data, list):
         run.note(name, path, None)
-        return data
-    run.note(name, path, data.get("produced_by"))
-    return data["rows"]
+        rows = data
+    else:
+        run.note(name, path, data.get("produced_by"))
+        rows = data["rows"]
+    eval_map = _eval_map_dtype(run)
+    return [dict(r, eval_dtype=r["mapper_dtype"] == eval_map) if "mapper_dtype" in r else r for r in rows]

@@ -39,6 +39,7 @@ from ..eval.tiny_suite import TINY_TASKS, write_tiny_yamls
 from ..config.hub import data_access
 from ..core import io
 from ..core.io import atomic_write_json
+from ..core.map_dtype import DEFAULT_MAP_DTYPE
 from ..core.models import kv_shape
 from . import gate_stage
 from .eval_rows import gate_summary, ppl_rows as _ppl_rows, timing_columns as _timing_columns
@@ -276,7 +277,8 @@ def evaluate(run, on_compute=None) -> dict:
                       native_tail=ecfg.get("native_tail", 1), rope_at_inference=run.rope_at_inference,
                       context_start=run.context_start, share_prefix=ecfg.get("share_prefix", False),
                       allow_context_start_mismatch=ecfg.get("allow_context_start_mismatch", False),
-                      progress=run.progress is not None, time_contexts=ecfg.get("time_contexts", True))
+                      progress=run.progress is not None, time_contexts=ecfg.get("time_contexts", True),
+                      map_dtype=ecfg.get("map_dtype", DEFAULT_MAP_DTYPE))
     per_mode = {}
     ppl_sets = ppl_set_names(ecfg) if ecfg["ppl"].get("enabled") else []
     twins_coqa, only_coqa = set(coqa_twins(ecfg)), coqa_only(ecfg)

@@ -26,6 +26,7 @@ extra config
     mapper         consumer: a saved mapper directory (kvtransfer.core.mapper)
     source_model   consumer: the source model's directory (its config builds the source RoPE)
     native_tail    consumer: prompt tokens the target always computes itself (default 1, the paper's)
+    map_dtype      consumer: the dtype the map is applied in, float32 (default: the map as fitted) or bfloat16
     gate           consumer: a gate artifact (kvtransfer.core.gate.save_gate): the per-request gate, served
                    (kvtransfer.serve.gating; gate_tail overrides the artifact's tail). An unusable file: every
                    request is prefilled normally, reason "gate_unusable"
@@ -296,7 +297,7 @@ class KVTransferConnector(KVConnectorBase_V1):
         return ServeMap(self._extra["mapper"], source_cfg, target_cfg,
                         target_path=self.model_path if with_sink else None, dtype=dtype,
                         sink_cache=sink_dir(self.store, self._extra), source_identity=source_id,
-                        target_identity=target_id)
+                        target_identity=target_id, map_dtype=self._extra.get("map_dtype", "float32"))
 
     def _scheduler_spec(self, role) -> MapSpec | None:
         if HAVE_VLLM and role != KVConnectorRole.SCHEDULER:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..core.map_dtype import DEFAULT_MAP_DTYPE, in_map_dtype
 from ..core.mapper import MapperBase, load_mapper
 from ..core.models import config_hash, kv_shape, text_config
 from ..core.rope import RopeCodec
@@ -81,13 +82,16 @@ class ServeMap:
     where the mapper records "weights" for a side and that side's serving identity is given
     (`source_identity` / `target_identity`, kvtransfer.serve.ident) -- for other weights of the same
     architecture. `source_hash` is the key store blocks are looked up under (the source's weights key when
-    `source_identity` is given, else its config hash).
+    `source_identity` is given, else its config hash). `map_dtype`: the dtype the map is applied in (float32, the
+    fitted map, or bfloat16: kvtransfer.core.map_dtype); `dtype`: the mapped K/V's (the engine's cache).
     """
 
     def __init__(self, mapper_dir: str | Path, source_config, target_config, *, target_path: str | None = None,
                  dtype: torch.dtype = torch.float32, sink_cache: str | Path | None = None,
-                 source_identity: dict | None = None, target_identity: dict | None = None):
-        self.mapper: MapperBase = load_mapper(mapper_dir)
+                 source_identity: dict | None = None, target_identity: dict | None = None,
+                 map_dtype: str | torch.dtype = DEFAULT_MAP_DTYPE):
+        # the dtype the map is applied in (kvtransfer.core.map_dtype, as eval.map_dtype); `dtype` is the cache's
+        self.mapper: MapperBase = in_map_dtype(load_mapper(mapper_dir), map_dtype)
         if self.mapper.needs_hidden:  # issue 23 §2: documented (conf/mapper/hidden.yaml), not served
             raise ValueError(f"mapper {mapper_dir} is a {self.mapper.kind!r} map from the source's hidden states "
                              f"(features {self.mapper.features!r}); the vLLM connector stores only the source's K/V, "

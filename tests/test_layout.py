@@ -185,6 +185,8 @@ ONE_JOB: dict[str, str] = {
                                   "counted fallback",
     "kvtransfer.serve.proxy": "the proxy's routing of one request: source turn, switch or later turn, and its "
                               "fallbacks (session state and wire formats live in proxy_state / proxy_wire)",
+    "kvtransfer.core.mapper": "the mapper artifacts (every kind's selected layers and maps) and their apply: blocks "
+                              "from strided views, the dtype paths and the finiteness check",
 }
 
 

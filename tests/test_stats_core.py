@@ -12,7 +12,7 @@ import pytest
 
 from kvtransfer.eval import metrics as M
 from kvtransfer.eval import stats as S
-from kvtransfer.eval import timing as T
+from kvtransfer.core import timing as T
 from scripts import load_script
 from tolerance import assert_close
 

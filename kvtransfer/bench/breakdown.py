@@ -4,7 +4,7 @@ out, and the bytes it moves beyond the floor counted and priced at a copy rate m
     python -m kvtransfer.bench.breakdown --pair qwen3_14b_32b --layers 2 --tokens 4096 --dtype bfloat16 \
         --selection random --out results/bench_cpu/breakdown.json
 
-Every mode runs interleaved (`eval.timing.interleaved`: ABAB rounds after a warm-up, so load drifts hit every
+Every mode runs interleaved (`core.timing.interleaved`: ABAB rounds after a warm-up, so load drifts hit every
 mode alike) and reports median, p95 and max; the load average before and after is kept with the row. Measures
 that do not depend on load: the GEMM share is `gemm` / `full` from the same rounds, the GEMM rate is a fraction
 of `matmul` (one contiguous GEMM of the same shape) timed in the same rounds, and the bytes are counted.
@@ -12,17 +12,18 @@ of `matmul` (one contiguous GEMM of the same shape) timed in the same rounds, an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from pathlib import Path
 
 import torch
 
+from ..config.provenance import json_provenance
+from ..core.io import atomic_write_json
 from ..core.models import kv_shape
 from ..core.rope import RopeCodec
 from ..core.transfer import _runs, map_layers
-from ..eval.timing import interleaved
+from ..core.timing import interleaved
 from .shapes import PAIRS, dtype_size, floor_ms, mapper_cost, random_mapper, real_config, rope_only
 
 
@@ -211,17 +212,8 @@ def main(argv=None) -> None:
                 print(f"{a.pair} L={a.layers} T={tokens} {sel} {dt}: {r['full_ms']['median']:.0f} ms (p95 "
                       f"{r['full_ms']['p95']:.0f}), GEMMs {r['gemm_share']:.0%} at {r['gemm_rate_of_matmul']:.0%} of "
                       f"matmul, floor {r['floor_fraction']:.0%}, before {r['before_ms'] or 0:.0f} ms, load {r['load_avg']}", flush=True)
-                a.out.parent.mkdir(parents=True, exist_ok=True)
-                a.out.write_text(json.dumps({"rows": rows, "commit": _commit()}, indent=1))
-
-
-def _commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 (no git: the row says so)
-        return "unknown"
+                prov = json_provenance()  # rewritten after each row (atomically): an interrupted run keeps its rows
+                atomic_write_json(a.out, {"rows": rows, "commit": prov["commit"], "provenance": prov})
 
 
 if __name__ == "__main__":

@@ -309,7 +309,7 @@ def equal_cost(nll: Mapping[str, Sequence[float]], costs: Mapping[str, float], m
 
     Returns {"cost", "between": (label, label), "truncation": the curve's gap closed at that cost, "difference",
     "difference_se" (windows), "below_curve", "curve_cost", "curve_m"}; with cost_se ({mode: SE of its cost}, e.g.
-    kvtransfer.eval.timing's SE of a median ratio) also "difference_se_timing" and "difference_se_total".
+    kvtransfer.core.timing's SE of a median ratio) also "difference_se_timing" and "difference_se_total".
 
     The timing term is the delta method on the interpolation, the frontier held where the point costs put it: with
     slope s = (g1 - g0) / (c1 - c0) and w = (x - c0) / (c1 - c0), SE_timing = |s| sqrt(se_x^2 + (1 - w)^2 se_c0^2 +

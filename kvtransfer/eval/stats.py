@@ -34,8 +34,7 @@ import math
 import statistics
 from typing import Hashable, Sequence
 
-# the large-sample SE of a median of normal noise is this factor times the mean's, sd / sqrt(n)
-MEDIAN_SE_FACTOR = math.sqrt(math.pi / 2)
+from ..core.timing import MEDIAN_SE_FACTOR, median_se  # noqa: F401,E402 -- the timing protocol's, re-exported here
 
 
 def mean_se(xs: Sequence[float]) -> tuple[float, float | None]:
@@ -155,14 +154,3 @@ def clustered_ratio(num: Sequence[float], den: Sequence[float], clusters: Sequen
 def clustered_mean(values: Sequence[float], clusters: Sequence[Hashable], *, level: float = 0.95) -> dict:
     """The pooled mean of `values` with its SE clustered by `clusters`: clustered_ratio(values, 1 each, clusters)."""
     return clustered_ratio(values, [1.0] * len(values), clusters, level=level)
-
-
-def median_se(seconds: Sequence[float]) -> tuple[float, float | None]:
-    """(median, sqrt(pi / 2) * sd(ddof 1) / sqrt(n)) of repeated timings; SE None for fewer than 2 repeats."""
-    n = len(seconds)
-    if n == 0:
-        raise ValueError("median_se needs at least one timing")
-    med = statistics.median(seconds)
-    if n < 2:
-        return med, None
-    return med, MEDIAN_SE_FACTOR * statistics.stdev(seconds) / math.sqrt(n)

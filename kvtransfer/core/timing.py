@@ -8,7 +8,7 @@
 Each round calls every mode once in a fixed order (A B C A B C ...), after `warmup` untimed rounds, so a change of
 the machine's load during the measurement falls on every mode alike instead of on whichever ran last. The ratio
 to `reference` is taken within each round (the two calls ran seconds apart, under one load) and summarised like a
-timing: the median of the per-round ratios and its SE (kvtransfer.eval.stats.median_se). The 1/5/15-minute load
+timing: the median of the per-round ratios and its SE (`median_se`). The 1/5/15-minute load
 average before and after and the machine are recorded beside the numbers: a timing taken under another load or on
 another machine is not the same measurement and is never merged into a table without saying so.
 
@@ -17,16 +17,32 @@ clock starts and before it stops, so queued kernels are inside the call they bel
 """
 from __future__ import annotations
 
+import math
 import os
 import platform
+import statistics
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from ..config.provenance import cpu_model
-from .stats import median_se
 
 # fewer repeats give an SE of the median that is itself too noisy to print (its relative error is ~ 1 / sqrt(2 (n - 1)))
 MIN_REPEATS = 5
+
+
+# the large-sample SE of a median of normal noise is this factor times the mean's, sd / sqrt(n)
+MEDIAN_SE_FACTOR = math.sqrt(math.pi / 2)
+
+
+def median_se(seconds: Sequence[float]) -> tuple[float, float | None]:
+    """(median, sqrt(pi / 2) * sd(ddof 1) / sqrt(n)) of repeated timings; SE None for fewer than 2 repeats."""
+    n = len(seconds)
+    if n == 0:
+        raise ValueError("median_se needs at least one timing")
+    med = statistics.median(seconds)
+    if n < 2:
+        return med, None
+    return med, MEDIAN_SE_FACTOR * statistics.stdev(seconds) / math.sqrt(n)
 
 
 def load_average() -> list[float] | None:

@@ -126,8 +126,9 @@ def test_collect_pairs_the_two_maps_on_the_confirmation_half_with_a_known_answer
     assert list(result) == ["float32"]  # the bfloat16-engine runs are not there: no row
     wiki, stdlib = result["float32"]["wikitext2/confirmation"], result["float32"]["python_stdlib/all"]
     assert wiki["windows"] == 4 and stdlib["windows"] == 4
-    assert_close(wiki["gap_closed_float32"]["gap_closed"], 0.8, factor=8, reason=(
-        "a ratio of two differences of means of 4 float64 values: ~8 roundings"))
+    assert_close(wiki["gap_closed_float32"]["gap_closed"], 0.8, factor=32, reason=(
+        "a ratio of two differences of means of 4 float64 values (~8 roundings); the differences cancel values of "
+        "~3.3 down to 0.8 and 1.0, which scales each rounding's relative error by up to ~4"))
     assert_close(wiki["loss"], 0.005, factor=64, magnitude=1.0, reason=(
         "the difference of two such ratios, each 0.8 or 0.795 of magnitude <= 1: a few float64 roundings, x10"))
     assert_close(stdlib["loss"], 0.05, factor=64, magnitude=1.0, reason="as above")

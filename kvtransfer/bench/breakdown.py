@@ -122,21 +122,22 @@ def breakdown_row(pair: str, *, layers: int = 2, tokens: int = 4096, dtype=torch
     sel = mapper.selected_layers.tolist()
     used = sorted({x for row in sel for x in row})
     slot = {x: i for i, x in enumerate(used)}
-    g = torch.Generator().manual_seed(seed)
-    real = {x: tuple(torch.randn(1, s.n_kv, tokens, s.head_dim, generator=g).to(dtype) for _ in range(2)) for x in used}
+    g = torch.Generator(device="cpu").manual_seed(seed)  # this tool times the CPU apply
+    real = {x: tuple(torch.randn(1, s.n_kv, tokens, s.head_dim, generator=g, device="cpu").to(dtype)
+                     for _ in range(2)) for x in used}
     src = [real.get(x, real[used[0]]) for x in range(s.n_layers)]
     sc, tc = (RopeCodec(rope_only(c), initial_positions=tokens) for c in (s_cfg, t_cfg))
-    pos = torch.arange(tokens)
+    pos = torch.arange(tokens, device="cpu")
     kw = dict(source_codec=sc, target_codec=tc, target_n_kv=t.n_kv, out_dtype=dtype, chunk_tokens=chunk_tokens)
     # the same GEMMs alone: each target's blocks of one used-layer buffer of the chunk's shape, same calls
     rows = min(tokens, chunk_tokens)
-    flat = torch.randn(2, rows, len(used) * s.width, generator=g).to(dtype)
+    flat = torch.randn(2, rows, len(used) * s.width, generator=g, device="cpu").to(dtype)
     runs = [_runs([slot[x] for x in row]) for row in sel]
     n_chunks = -(-tokens // chunk_tokens)
 
     # (a reduced-precision map of several blocks gathers them first, `Mapper.map_blocks`: its GEMM alone reads an
     # already gathered x, so the gather counts outside the GEMMs)
-    xg = torch.randn(2, rows, k * s.width, generator=g).to(dtype)
+    xg = torch.randn(2, rows, k * s.width, generator=g, device="cpu").to(dtype)
     alone = [[(0, xg)] if len(r) > 1 and dtype_size(dtype) < 4 else
              [(j * s.width, flat[:, :, a * s.width:(a + n) * s.width]) for a, j, n in r] for r in runs]
 
@@ -145,9 +146,9 @@ def breakdown_row(pair: str, *, layers: int = 2, tokens: int = 4096, dtype=torch
             for i, blocks in enumerate(alone):
                 mapper.map_blocks(i, blocks)
 
-    x = torch.randn(rows, k * s.width, generator=g).to(dtype)
+    x = torch.randn(rows, k * s.width, generator=g, device="cpu").to(dtype)
     w = mapper.weight[0, 0].contiguous()
-    big = torch.empty(64 << 20, dtype=torch.uint8)
+    big = torch.empty(64 << 20, dtype=torch.uint8, device="cpu")
     big2 = torch.empty_like(big)
     fns = {"full": lambda: map_layers(src, mapper, pos, **kw),
            "no_rope": lambda: map_layers(src, mapper, pos, rope_at_inference=False, **kw),

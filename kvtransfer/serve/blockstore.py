@@ -16,11 +16,12 @@ from __future__ import annotations
 import abc
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from threading import Lock
 from urllib.parse import urlsplit, urlunsplit
 
-from .blockformat import Prefix, chain_hashes, chain_seed
+from .blockformat import BadEntry, Prefix, chain_hashes, chain_seed
 
 URL_SCHEMES = ("redis", "rediss")
 
@@ -87,6 +88,37 @@ class BlockStore(abc.ABC):
 
     def close(self) -> None:
         """Release connections (a no-op for a directory)."""
+
+
+BlockCheck = Callable[[int, str, str], "tuple[str, dict] | None"]  # (j, h, parent) -> (where, header) or None
+
+
+def walk_chain(store: BlockStore, model_key: str, ns: str, hashes: list[str], check: BlockCheck) -> Prefix:
+    """The longest stored prefix of the chain `hashes` (the prompt's, under `model_key` in `ns`), walked from h_0.
+
+    check(j, h, parent) reads block j (hash h, parent hash `parent`) the store's own way: it returns (where,
+    header) -- `where` names the block in messages, `header` is checked (kvtransfer.serve.blockformat
+    .check_block_header) -- or None when the block is missing, or raises BadEntry. A missing block ends the
+    chain; a BadEntry, or a model identity that differs from block 0's, ends it with `detail`
+    "<reason>: <message>". Blocks after the end are never checked."""
+    parent = store.seed(model_key, ns)
+    found, model, detail = [], {}, ""
+    for j, h in enumerate(hashes):
+        try:
+            block = check(j, h, parent)
+        except BadEntry as err:
+            detail = f"{err.reason}: {err}"
+            break
+        if block is None:
+            break  # missing (never written, evicted or expired): a chain is a prefix, a hole ends it
+        where, header = block
+        if model and header["model"] != model:
+            detail = f"corrupt: {where}: model identity differs from block 0's"
+            break
+        model = header["model"]
+        found.append(h)
+        parent = h
+    return Prefix(model_key, store.block_size, tuple(found), model, detail, ns)
 
 
 def is_url(spec) -> bool:

@@ -46,7 +46,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from .blockformat import (DEFAULT_BLOCK_SIZE, BadEntry, Prefix, block_header, check_block_header, check_model_key,
                           check_namespace, checksum, concat_range, encode_block, is_int, parse_block, peek_header,
                           plan_write, verify_block)
-from .blockstore import BlockStore, TierStats, redact
+from .blockstore import BlockStore, TierStats, redact, walk_chain
 
 log = logging.getLogger("kvtransfer.serve")
 
@@ -265,8 +265,6 @@ class RedisStore(BlockStore):
         """The longest stored prefix, each block's header checked (one pipelined GETRANGE of the headers); a missing
         block ends it, a bad one or a fault ends it with detail "<reason>: <message>"."""
         hashes = self.hashes(token_ids, model_key, ns)
-        parent = self.seed(model_key, ns)
-        found, model, detail = [], {}, ""
         if not hashes:
             return Prefix(model_key, self.block_size, (), {}, "", ns)
         t0 = time.perf_counter()
@@ -287,23 +285,16 @@ class RedisStore(BlockStore):
         except Exception as err:  # noqa: BLE001 -- no prefix: the target prefills normally
             why = self._fault("lookup", err, t0)
             return Prefix(model_key, self.block_size, (), {}, f"store_unavailable: {why}", ns)
-        for j, (h, k, head) in enumerate(zip(hashes, keys, heads)):
-            if not head:
-                break  # missing (never written, expired or evicted): the chain is a prefix, a hole ends it
-            try:
-                header, shapes = peek_header(head, k)
-                header = check_block_header(header, shapes, k, model_key, j, parent, h, ns, self.block_size)
-            except BadEntry as err:
-                detail = f"{err.reason}: {err}"
-                break
-            if model and header["model"] != model:
-                detail = f"corrupt: {k}: model identity differs from block 0's"
-                break
-            model = header["model"]
-            found.append(h)
-            parent = h
-        self.stats.observe("lookup", time.perf_counter() - t0, hit=bool(found))
-        return Prefix(model_key, self.block_size, tuple(found), model, detail, ns)
+
+        def check(j: int, h: str, parent: str) -> tuple[str, dict] | None:
+            if not heads[j]:
+                return None  # never written, expired or evicted
+            header, shapes = peek_header(heads[j], keys[j])
+            return keys[j], check_block_header(header, shapes, keys[j], model_key, j, parent, h, ns, self.block_size)
+
+        prefix = walk_chain(self, model_key, ns, hashes, check)
+        self.stats.observe("lookup", time.perf_counter() - t0, hit=prefix.n_blocks > 0)
+        return prefix
 
     def others(self, token_ids, model_key: str, ns: str = "") -> list[str]:
         """Keys of other models that stored the prompt's first block in `ns` ([] on a fault)."""

@@ -51,7 +51,7 @@ from .blockformat import (DEFAULT_BLOCK_SIZE, DTYPES as _DTYPES, FORMAT, HASH as
                           block_header, block_major, check_block_header, check_hash, check_layers, check_model_key,
                           check_namespace, checksum, concat_range, ids_bytes as _ids_bytes, is_int as _is_int,
                           parse_block, plan_write, prompt_key, verify_block)
-from .blockstore import BlockStore
+from .blockstore import BlockStore, walk_chain
 from .ident import identity_from_config  # noqa: F401 -- re-exported (older imports)
 
 LAYOUT = 2  # store.json's "layout": 1 (no field) had no namespace level and another chain seed
@@ -277,25 +277,16 @@ class KVStore(BlockStore):
         The chain stops at the first missing block, or at a block whose header is bad or torn (then `detail` says
         why, prefixed with its BadEntry reason: "<reason>: <message>").
         """
-        parent = self.seed(model_key, ns)
+        hashes = self.hashes(token_ids, model_key, ns)
         ns_dir = _ns_dir(ns)
-        found, model, detail = [], {}, ""
-        for j, h in enumerate(self.hashes(token_ids, model_key, ns)):
+
+        def check(j: int, h: str, parent: str) -> tuple[str, dict] | None:
             path = self._path(model_key, h, ns_dir)
             if not path.is_file():
-                break
-            try:
-                header = self.check_header(path, model_key, j, parent, h, ns)
-            except BadEntry as err:
-                detail = f"{err.reason}: {err}"
-                break
-            if model and header["model"] != model:
-                detail = f"corrupt: {path}: model identity differs from block 0's"
-                break
-            model = header["model"]
-            found.append(h)
-            parent = h
-        return Prefix(model_key, self.block_size, tuple(found), model, detail, ns)
+                return None
+            return str(path), self.check_header(path, model_key, j, parent, h, ns)
+
+        return walk_chain(self, model_key, ns, hashes, check)
 
     def read(self, prefix: Prefix, token_ids, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) [n_kv, hi - lo, head_dim] of tokens lo..hi-1 from the blocks of `prefix` (in its

@@ -34,7 +34,7 @@ def _runs(flip: bool = True):
     cost = {"transfer": 0.1, "truncate_tokens_1": 0.01, "truncate_tokens_4": 0.05, "truncate_tokens_16": 0.15,
             "truncate_tokens_64": 0.4, "target": 1.0}
 
-    flops = {"truncate_tokens_1": 0.0, "truncate_tokens_4": 0.01, "truncate_tokens_16": 0.05, "truncate_tokens_64": 0.25}
+    flops = {"no_context": 0.0, "truncate_tokens_1": 0.0, "truncate_tokens_4": 0.01, "truncate_tokens_16": 0.05, "truncate_tokens_64": 0.25}
 
     def run(nll):
         row = {"prefix": 256, **{f"{m}_seconds_rel": c for m, c in cost.items() if m in nll},
@@ -179,3 +179,85 @@ def test_another_calibrations_map_sits_beside_the_main_one():
     assert "transfer_code_calib" in res["worth"]
     text = "\n".join(collect.table(res))
     assert "minus `transfer`: +10.0" in text
+
+
+def _timing(windows: int = 8) -> dict:
+    """A timing file (experiments/baselines/timing.py) for run b's modes at P = 256: 5 rounds in which every mode
+    takes the same time, so each median ratio is known; SEs given by hand; the source reads 3 / 10 of the target's
+    seconds and 2 / 10 of its FLOPs."""
+    rel = {"target": (1.0, 0.0), "transfer": (0.1, 0.01), "source": (0.3, 0.02), "truncate_tokens_1": (0.01, 0.0),
+           "truncate_tokens_4": (0.05, 0.005), "truncate_tokens_16": (0.15, 0.005), "truncate_tokens_64": (0.4, 0.01)}
+    return {"set": "wikitext2", "prefix": 256, "windows": windows, "flops": {"target": 100.0, "source": 20.0},
+            "timing": {"repeats": 5, "seconds": {m: [8.0 * r] * 5 for m, (r, _) in rel.items()},
+                       "median": {m: 8.0 * r for m, (r, _) in rel.items()},
+                       "median_se": {m: 0.08 * r for m, (r, _) in rel.items()},
+                       "relative": {m: {"median": r, "se": se} for m, (r, se) in rel.items()},
+                       "load_avg": {"before": [1.0, 1.0, 1.0], "after": [1.5, 1.0, 1.0]},
+                       "machine": {"cpu": "a CPU", "torch_threads": 2}},
+            "provenance": {"commit": "0123456789", "dirty": False}}
+
+
+def test_interleaved_timings_price_every_mode_with_their_se_and_the_cold_start():
+    """With a timing file the seconds are its per-round medians (a mode it did not time has none: never the eval's
+    wall clock beside them), the equal-seconds SE adds the delta-method timing term in quadrature, and the cold start
+    charges the map the source's prefill: (map + source) / target per round, and FLOPs map + source / target."""
+    runs, _ = _runs()
+    timings = {("wikitext2", 256): _timing()}
+    res = collect.analyse(collect.merge(runs), timings)[("wikitext2", 256, "confirmation")]
+    assert res["modes"]["truncate_tokens_16"]["seconds_rel"] == 0.15
+    assert res["modes"]["truncate_tokens_16"]["seconds_rel_se"] == 0.005
+    assert res["modes"]["recompute_recent_0.3"]["seconds_rel"] is None   # run a timed it by wall clock: not mixed in
+    assert res["timing"]["repeats"] == 5 and res["timing"]["commit"] == "0123456"
+    reason = "linear interpolation of ratios of float64 means of 31 windows; a few roundings"
+    eq = res["equal_cost"]["transfer"]
+    # the map at 0.1 +- 0.01 sits halfway between m = 4 (0.05 +- 0.005, closes 0.2) and m = 16 (0.15 +- 0.005, 0.4)
+    slope, w = (0.4 - 0.2) / (0.15 - 0.05), 0.5
+    by_hand = slope * np.sqrt(0.01 ** 2 + (1 - w) ** 2 * 0.005 ** 2 + w ** 2 * 0.005 ** 2)
+    assert_close(eq["difference_se_timing"], by_hand, factor=64, magnitude=1, reason=reason)
+    assert_close(eq["difference_se_total"], np.hypot(eq["difference_se"], by_hand), factor=64, magnitude=1,
+                 reason=reason)
+    cold = res["counted"]
+    # seconds: (0.8 + 2.4) / 8 = 0.4 per round, the m = 64 point (closes 0.8): the map's 0.3 - 0.8
+    assert_close(cold["seconds"]["cost"], 0.4, factor=16, magnitude=1, reason=reason)
+    assert_close(cold["seconds"]["difference"], 0.3 - 0.8, factor=64, magnitude=1, reason=reason)
+    # FLOPs: the map's 0.03 + sink 0 + 20 / 100 = 0.23, 0.9 of the way from m = 16 (0.05, 0.4) to m = 64 (0.25, 0.8)
+    assert_close(cold["flops"]["cost"], 0.23, factor=16, magnitude=1, reason=reason)
+    assert_close(cold["flops"]["difference"], 0.3 - (0.4 + 0.9 * 0.4), factor=64, magnitude=1, reason=reason)
+    text = "\n".join(collect.table(res))
+    assert "interleaved timing" in text and "0.150 ± 0.005" in text and "a cold start" in text
+    untimed = collect.analyse(collect.merge(runs), {})[("wikitext2", 256, "confirmation")]
+    assert untimed["modes"]["transfer"]["seconds_rel"] == 0.1 and "counted" in untimed and not untimed["counted"]
+    assert "one wall clock per mode" in "\n".join(collect.table(untimed))
+
+
+def test_the_map_is_charged_the_native_sink_prefill_truncation_pays_for():
+    """The map's FLOPs add the target's prefill of the sink token (no_context's FLOPs: the start id alone)."""
+    runs, _ = _runs()
+    for r in runs.values():
+        r["summary"]["ppl_sets"]["wikitext2"][0]["no_context_flops_rel"] = 0.01
+    res = collect.analyse(collect.merge(runs), {})[("wikitext2", 256, "confirmation")]
+    assert_close(res["modes"]["transfer"]["flops_rel"], 0.03 + 0.01, factor=4, magnitude=1,
+                 reason="one float64 addition")
+    runs["real_a"]["config"] = {"mapper": {"native_sink": 4}}
+    with pytest.raises(ValueError, match="native_sink=1"):
+        collect.merge(runs)
+
+
+def test_the_headline_leads_with_the_longest_context_and_its_convention():
+    """A second (set, P) at 1,024 (run b's windows again): the worth table has both, the lead names the handoff
+    convention first and speaks of P = 1,024, and says how the worth moved with P."""
+    runs, _ = _runs()
+    import copy
+    long = copy.deepcopy(runs["real_b"])
+    long["summary"]["ppl_sets"]["wikitext2"][0]["prefix"] = 1024
+    wn = long["scores"]["ppl_sets"]["wikitext2"]["window_nll"]
+    wn["1024"] = wn.pop("256")
+    runs["real_long"] = long
+    results = collect.analyse(collect.merge(runs), {})
+    rows = collect.worth_rows(results)
+    assert [(r["prefix"], r["windows"]) for r in rows if r["mode"] == "transfer"] == [(256, 62), (1024, 62)]
+    first = collect.lead(results)
+    assert first.startswith("**In a handoff (the source has read the context already")
+    assert "P = 1,024" in first and "8.0 tokens at P = 256" in first and "8.0 tokens at P = 1,024" in first
+    assert collect.headline(results, None).startswith(first)
+    assert "## Worth as the context grows" in "\n".join(collect.worth_table(results))

@@ -10,10 +10,11 @@ Definitions. gap closed = (log ppl no_context - log ppl mode) / (log ppl no_cont
 windows (one per document), ± a paired bootstrap SE over windows (1,000 resamples, seed 0). truncate_<r>: the target
 reads the start id and only the last round(r x (P - 1)) + 1 context tokens, nothing mapped -- exactly the target work
 of recompute_recent_<r> without the map; truncate_tokens_<m>: the last m tokens (the truncation curve; m = 1 is
-no_context). Measured cost: seconds the target spent reading the contexts (map + recompute in mapped modes, the
-source's prefill excluded; its own prefill of what it reads otherwise), per context, over the same seconds of
-`target`'s re-prefill of the same contexts (each mode timed in the run that computed it, on a shared 2-core CPU:
-see "Timing"); FLOPs: the target's, counted from the model config, over a re-prefill's (the map's own FLOPs apart).
+no_context). Measured cost: seconds the target spends reading a context (map + recompute in mapped modes, the
+source's prefill excluded; its own prefill of what it reads otherwise) over the seconds of `target`'s re-prefill
+of the same context (see "Timing"); FLOPs: the target's, counted from the model config, over a re-prefill's; a
+mapped mode adds the map's FLOPs and the target's prefill of the native-sink token (the start id, which truncation
+pays for too).
 The map's worth in native tokens: the m at which the truncation curve's gap closed reaches the mapped mode's,
 interpolated in log m, with the 2.5-97.5 % percentiles of a paired bootstrap over windows. Equal-cost truncation:
 the truncation curve's gap closed interpolated (linearly in cost, measured seconds or FLOPs, between the curve
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kvtransfer.core.io import atomic_write_bytes  # noqa: E402
+from kvtransfer.core.timing import median_se  # noqa: E402
 from kvtransfer.eval.coqa import coqa_summary_from_scores  # noqa: E402
 from kvtransfer.eval.stats import binomial_se, t_quantile  # noqa: E402
 from kvtransfer.eval.metrics import (equal_cost, gap_closed, native_token_worth, paired_bootstrap,  # noqa: E402
@@ -47,9 +49,11 @@ from kvtransfer.eval.metrics import (equal_cost, gap_closed, native_token_worth,
 from kvtransfer.report import readme  # noqa: E402
 
 RUNS = ROOT / "results" / "baselines" / "runs"
+TIMINGS = ROOT / "results" / "baselines" / "timing"
 OUT = ROOT / "results" / "baselines"
 SPLIT = ROOT / "experiments" / "baselines" / "split.yaml"
 N_BOOT, SEED = 1000, 0
+CHOICE_P = 256   # the P whose selection half chooses the repair
 CURVE = "truncate_tokens_"
 SET_NAMES = {"wikitext2": "WikiText-2", "python_stdlib": "Python stdlib"}
 
@@ -62,6 +66,31 @@ def load_runs(runs: Path = RUNS) -> dict:
                        "scores": json.loads((d / "scores.json").read_text()),
                        "config": json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}}
     return out
+
+
+def load_timings(path: Path = TIMINGS) -> dict:
+    """{(set, P): a file of experiments/baselines/timing.py (interleaved, repeated, with SEs)} that exist."""
+    files = sorted(path.glob("*.json")) if path.is_dir() else []
+    return {(d["set"], int(d["prefix"])): d for d in (json.loads(f.read_text()) for f in files)}
+
+
+def timed_costs(tm: dict) -> dict:
+    """{mode: (median seconds / target's re-prefill, its SE)} of a timing file, per-round ratios (timing protocol);
+    "transfer+source": the map with the source's prefill counted, (map_i + source_i) / target_i per round."""
+    t = tm["timing"]
+    out = {m: (r["median"], r["se"]) for m, r in t["relative"].items()}
+    if "transfer" in t["seconds"] and "source" in t["seconds"]:
+        out["transfer+source"] = median_se([(a + b) / c for a, b, c in zip(
+            t["seconds"]["transfer"], t["seconds"]["source"], t["seconds"]["target"])])
+    return out
+
+
+def timing_record(tm: dict) -> dict:
+    """What a table says about its seconds: repeats, windows, load before / after, CPU, the commit measured at."""
+    t, prov = tm["timing"], tm.get("provenance") or {}
+    return {"repeats": t["repeats"], "windows": tm["windows"], "load_avg": t["load_avg"],
+            "cpu": (t.get("machine") or {}).get("cpu"), "threads": (t.get("machine") or {}).get("torch_threads"),
+            "commit": f"{str(prov.get('commit'))[:7]}{', dirty' if prov.get('dirty') else ''}"}
 
 
 # committed runs whose mapped and baseline NLLs the target-only truncation runs (real_trunc_*) sit beside: the same
@@ -144,6 +173,13 @@ def merge(runs: dict, base: dict | None = None) -> dict:
                     if tt and tt.get("contexts") and "reference_flops" not in m:
                         m["reference_flops"] = tt["reference_flops"] / tt["contexts"]
                         m["reference_tokens"] = tt["reference_tokens"] / tt["contexts"]
+                ns = ((r.get("config") or {}).get("mapper") or {}).get("native_sink")
+                if ns is not None:
+                    if ns not in (0, 1) or m.setdefault("native_sink", ns) != ns:
+                        raise ValueError(f"{name}: mapper.native_sink={ns} (another run of {st} P={p}: "
+                                         f"{m.get('native_sink', 'none')}): the map's cost charges a sink of 0 or "
+                                         "1 token, "
+                                         "one value per (set, P); rerun with the pinned mapper.native_sink=1")
                 m["runs"].append(name)
                 m["commits"][name] = f"{str(env.get('commit'))[:7]}{', dirty' if env.get('dirty') else ''}"
     return merged
@@ -151,10 +187,17 @@ def merge(runs: dict, base: dict | None = None) -> dict:
 
 def map_flops_rel(m: dict) -> float | None:
     """The map's FLOPs over a re-prefill's: apply FLOPs per token x the tokens of each cached prefix (context[:-1],
-    start id included) over the target's prefill FLOPs of them (from the truncation runs' timing records)."""
+    start id included) over the target's prefill FLOPs of them (from the truncation runs' timing records), plus the
+    target's own prefill of the native-sink token at position 0 -- the start id, which truncation is charged for
+    too (no_context's FLOPs: a prefill of the start id alone)."""
     if m.get("map_flops_per_token") and m.get("reference_flops"):
-        return m["map_flops_per_token"] * m["reference_tokens"] / m["reference_flops"]
-    return (m["rows"].get("transfer") or {}).get("map_flops_rel")
+        apply = m["map_flops_per_token"] * m["reference_tokens"] / m["reference_flops"]
+    else:
+        apply = (m["rows"].get("transfer") or {}).get("map_flops_rel")
+    sink = (m["rows"].get("no_context") or {}).get("flops_rel") if m.get("native_sink", 1) else 0.0
+    if apply is None or sink is None:
+        return None   # a cost without the sink's prefill would charge the map less than truncation for one token
+    return apply + sink
 
 
 def split_halves() -> dict:
@@ -163,12 +206,14 @@ def split_halves() -> dict:
     return {"selection": list(d["selection"]), "confirmation": list(d["confirmation"])}
 
 
-def subsets(set_name: str, docs: list[int]) -> dict[str, list[int]]:
-    """{half: window indices}: WikiText-2's selection / confirmation halves (by article), or all windows."""
-    if set_name != "wikitext2":
-        return {"all": list(range(len(docs)))}
+def subsets(set_name: str, docs: list[int], prefix: int = 256) -> dict[str, list[int]]:
+    """{half: window indices}: at P = 256 (where the repair is chosen) WikiText-2's selection / confirmation halves
+    (by article) and all windows; elsewhere all windows (nothing is chosen there: both halves are held out)."""
+    every = {"all": list(range(len(docs)))}
+    if set_name != "wikitext2" or prefix != CHOICE_P:
+        return every
     halves = split_halves()
-    return {h: [i for i, d in enumerate(docs) if d in set(idx)] for h, idx in halves.items()}
+    return {**{h: [i for i, d in enumerate(docs) if d in set(idx)] for h, idx in halves.items()}, **every}
 
 
 def _take(nll: dict, idx: list[int]) -> dict:
@@ -236,16 +281,22 @@ def mapped_mode(mode: str) -> bool:
     return mode.startswith("transfer") or mode == "gated" or mode.startswith("recompute_")
 
 
-def analyse(merged: dict) -> dict:
-    """Per (set, P, half): every mode's gap closed, costs, the repair - twin differences, the worth, equal-cost."""
+def analyse(merged: dict, timings: dict | None = None) -> dict:
+    """Per (set, P, half): every mode's gap closed, costs, the repair - twin differences, the worth, equal-cost.
+
+    Seconds: from the (set, P)'s interleaved timing file when there is one (every mode's cost with its SE, which the
+    equal-seconds differences carry); else the eval runs' single wall clocks, marked as such (`timing` None)."""
     out = {}
+    timings = {} if timings is None else timings
     for (st, p), m in sorted(merged.items()):
-        for half, idx in subsets(st, m["docs"]).items():
+        tm = timings.get((st, p))
+        timed = timed_costs(tm) if tm else None
+        for half, idx in subsets(st, m["docs"], p).items():
             nll = _take(m["nll"], idx)
             if len(idx) < 2 or not all(k in nll for k in ("target", "no_context")):
                 continue
             res = {"set": st, "prefix": p, "half": half, "windows": len(idx), "modes": {}, "twins": {},
-                   "runs": m["runs"], "commits": m["commits"]}
+                   "runs": m["runs"], "commits": m["commits"], "timing": timing_record(tm) if tm else None}
             mf = map_flops_rel(m)
             res["reproduced"] = m.get("reproduced") or {}
             res["base"] = sorted(set((m.get("base") or {}).values()))
@@ -254,16 +305,20 @@ def analyse(merged: dict) -> dict:
                     continue
                 g, se = gap(nll, mode)
                 sec, flops = cost_of(mode, m["rows"].get(mode, {}), mf)
-                res["modes"][mode] = {"gap": g, "se": se, "seconds_rel": sec, "flops_rel": flops,
-                                      "seconds": m["rows"].get(mode, {}).get("seconds"),
-                                      "map_flops_rel": m["rows"].get(mode, {}).get("map_flops_rel")}
+                sec, sec_se = (timed.get(mode, (None, None)) if timed is not None else (sec, None))
+                res["modes"][mode] = {"gap": g, "se": se, "seconds_rel": sec, "seconds_rel_se": sec_se,
+                                      "flops_rel": flops, "map_flops_rel": m["rows"].get(mode, {}).get("map_flops_rel")}
                 if mode.startswith("recompute_"):
                     r = mode.rpartition("_")[2]
                     if f"truncate_{r}" in nll:
                         res["twins"][mode] = twin_difference(nll, mode, f"truncate_{r}")
                 if mode in OTHER_MAPS.values() and "transfer" in nll:   # another calibration's map - the main map's
                     res.setdefault("versus_main_map", {})[mode] = twin_difference(nll, mode, "transfer")
-            res["target_seconds"] = m["rows"].get("target", {}).get("seconds")
+            if timed is not None:
+                res["target_seconds"] = tm["timing"]["median"]["target"] / tm["windows"]
+                res["target_seconds_se"] = (tm["timing"]["median_se"]["target"] or 0.0) / tm["windows"]
+            else:
+                res["target_seconds"] = m["rows"].get("target", {}).get("seconds")
             if "gated" in nll:  # the gate: its realised actions here, and the fixed rule at its realised cost
                 events = (m.get("events") or {}).get("gated") or []
                 res["gate_rates"] = gate_rates(events, idx)
@@ -282,9 +337,35 @@ def analyse(merged: dict) -> dict:
                                 for mode in nll if mapped_mode(mode)}
                 for field, name in (("seconds_rel", "equal_cost"), ("flops_rel", "equal_flops")):
                     costs = {k: v[field] for k, v in res["modes"].items() if v.get(field) is not None}
+                    cost_se = ({k: v["seconds_rel_se"] for k, v in res["modes"].items()}
+                               if field == "seconds_rel" and timed is not None else None)
                     res[name] = {mode: e for mode in nll if mapped_mode(mode) and (e := equal_cost(
-                        nll, costs, mode, truncation_curve(nll), n_boot=N_BOOT, seed=SEED)) is not None}
+                        nll, costs, mode, truncation_curve(nll), n_boot=N_BOOT, seed=SEED, cost_se=cost_se)) is not None}
+                res["counted"] = counted(res, nll, tm, timed)
             out[(st, p, half)] = res
+    return out
+
+
+def counted(res: dict, nll: dict, tm: dict | None, timed: dict | None) -> dict:
+    """The map against truncation with the source's prefill charged to the map (a cold start, not a handoff):
+    {"seconds": equal_cost at (map + source) seconds (interleaved timing), "flops": at the map's FLOPs + the
+    source's prefill FLOPs over the target's}; empty without a timing file (which holds the source's numbers)."""
+    out: dict = {}
+    if tm is None or "transfer" not in nll or "transfer+source" not in (timed or {}):
+        return out
+    nll = {**nll, "transfer+source": nll["transfer"]}
+    sec, sec_se = timed["transfer+source"]
+    costs = {k: v["seconds_rel"] for k, v in res["modes"].items() if v.get("seconds_rel") is not None}
+    cost_se = {k: v["seconds_rel_se"] for k, v in res["modes"].items()}
+    costs["transfer+source"], cost_se["transfer+source"] = sec, sec_se
+    out["seconds"] = equal_cost(nll, costs, "transfer+source", truncation_curve(nll), n_boot=N_BOOT, seed=SEED,
+                                cost_se=cost_se)
+    flops = tm.get("flops") or {}
+    mf = res["modes"]["transfer"].get("flops_rel")
+    if flops.get("source") and flops.get("target") and mf is not None:
+        costs = {k: v["flops_rel"] for k, v in res["modes"].items() if v.get("flops_rel") is not None}
+        costs["transfer+source"] = mf + flops["source"] / flops["target"]
+        out["flops"] = equal_cost(nll, costs, "transfer+source", truncation_curve(nll), n_boot=N_BOOT, seed=SEED)
     return out
 
 
@@ -324,12 +405,35 @@ def _worth(w: dict | None) -> str:
     return f"{w['tokens']:.1f} [{lo}, {hi}]"
 
 
+def _se(e: dict) -> float:
+    """An equal-cost difference's SE: windows and, where the costs were timed with SEs, the timing's (quadrature)."""
+    return e.get("difference_se_total", e["difference_se"])
+
+
 def _eq_cell(e: dict | None, d: int) -> str:
     if not e:
         return "–"
     where = (f"m = {e['curve_m']} at {e['curve_cost']:.{d}f}, dearer than the mode's {e['cost']:.{d}f}"
              if e.get("below_curve") else f"at {e['cost']:.{d}f}")
-    return f"{_pct(e['truncation'])} ({where}); mapped - truncation {_pp(e['difference'], e['difference_se'])}"
+    return f"{_pct(e['truncation'])} ({where}); mapped - truncation {_pp(e['difference'], _se(e))}"
+
+
+def _sec(v: dict) -> str:
+    """A mode's measured seconds over the target's, ± the timing SE where it was measured with one."""
+    if v.get("seconds_rel") is None:
+        return "–"
+    return _num(v["seconds_rel"]) + (f" ± {_num(v['seconds_rel_se'])}" if v.get("seconds_rel_se") is not None else "")
+
+
+def timing_words(res: dict) -> str:
+    """Where a table's seconds come from, in one sentence."""
+    t = res.get("timing")
+    if not t:
+        return ("seconds: one wall clock per mode in the eval run that computed it (no SE; modes computed in "
+                "different runs were timed at different loads)")
+    return (f"seconds: interleaved timing (experiments/baselines/timing.py), median of {t['repeats']} rounds over "
+            f"{t['windows']} contexts, one at a time, ± its SE, load {t['load_avg']['before'][0]:.1f} -> "
+            f"{t['load_avg']['after'][0]:.1f} ({t['cpu']}, {t['threads']} threads, commit `{t['commit']}`)")
 
 
 def table(res: dict) -> list[str]:
@@ -353,19 +457,28 @@ def table(res: dict) -> list[str]:
         main = (res.get("versus_main_map") or {}).get(mode)
         eq = (res.get("equal_cost") or {}).get(mode)
         ef = (res.get("equal_flops") or {}).get(mode)
-        rows.append([f"`{mode}`", _pct(v["gap"], v["se"]), _num(v["seconds_rel"]), _num(v["flops_rel"]),
+        rows.append([f"`{mode}`", _pct(v["gap"], v["se"]), _sec(v), _num(v["flops_rel"]),
                      _pp(*twin) if twin else f"minus `transfer`: {_pp(*main)}" if main else "–",
                      _worth((res.get("worth") or {}).get(mode)),
                      _eq_cell(eq, 3),
                      _eq_cell(ef, 4)])
     target = res.get("target_seconds")
+    cnt = res.get("counted") or {}
+    cnt_line = ("The source's prefill charged to the map (a cold start, not a handoff): " + "; ".join(
+        f"at {what} ({e['cost']:.3g} of a re-prefill) truncation closes {_pct(e['truncation'])}, map - truncation "
+        f"{_pp(e['difference'], _se(e))}" for what, e in (("its FLOPs", cnt.get("flops")),
+                                                          ("its measured seconds", cnt.get("seconds"))) if e)
+        + "." if any(cnt.values()) else "")
     gate = gate_lines(res)
     lines = [head, "", readme.md_table(
         ["mode", "gap closed", "measured seconds (x target's re-prefill)", "FLOPs (x re-prefill; mapped: + the map's)",
          "minus its truncation twin", "worth in native tokens [95 % interval]", "truncation at the same measured seconds",
          "truncation at the same FLOPs"],
         rows).rstrip("\n"), "",
-        f"target's re-prefill: {_num(target, 2)} s per context; runs: "
+        *([cnt_line, ""] if cnt_line else []),
+        f"{timing_words(res)}; target's re-prefill: "
+        + (f"{_num(target, 2)}" + (f" ± {_num(res['target_seconds_se'], 2)}" if res.get("target_seconds_se") is not None
+                                   else "") + " s per context; runs: " if target else "runs: ")
         + ", ".join(f"`{r}` ({c})" for r, c in res["commits"].items()) + "."
         + (f" transfer / target / no_context NLLs from the committed {', '.join(f'`{b}`' for b in res['base'])}"
            " (the same windows)" if res.get("base") else "")
@@ -528,33 +641,158 @@ def coqa_sentence(runs: dict | None) -> str | None:
             + "; ".join(out))
 
 
+def verdict(e: dict) -> str:
+    """"beats" / "loses to" / "does not separate from": an equal-cost difference against 2 of its SEs."""
+    return "beats" if e["difference"] - 2 * _se(e) > 0 else \
+        "loses to" if e["difference"] + 2 * _se(e) < 0 else "does not separate from"
+
+
+def worth_rows(results: dict) -> list[dict]:
+    """One row per (set, P, map) over all of a (set, P)'s windows: gap closed, worth in native tokens and its share
+    of P, map - truncation at equal FLOPs and seconds (handoff), and with the source's prefill charged; P order."""
+    rows = []
+    for (st, p, half), res in sorted(results.items(), key=lambda kv: (kv[0][0] != "wikitext2", kv[0][0], kv[0][1])):
+        if half != "all":
+            continue
+        for mode in ("transfer", *OTHER_MAPS.values()):
+            if mode not in res["modes"]:
+                continue
+            w = (res.get("worth") or {}).get(mode)
+            rows.append({"set": st, "prefix": p, "windows": res["windows"], "mode": mode,
+                         "gap": res["modes"][mode]["gap"], "se": res["modes"][mode]["se"], "worth": w,
+                         "flops": (res.get("equal_flops") or {}).get(mode),
+                         "seconds": (res.get("equal_cost") or {}).get(mode),
+                         "counted": (res.get("counted") or {}) if mode == "transfer" else {},
+                         "timed": res.get("timing") is not None})
+    return rows
+
+
+def _diff(e: dict | None) -> str:
+    return "–" if not e else ("vs a dearer point: " if e.get("below_curve") else "") + _pp(e["difference"], _se(e))
+
+
+def worth_table(results: dict) -> list[str]:
+    """The "worth vs P" table: every (set, P) with all of its windows, one row per map."""
+    rows = worth_rows(results)
+    if not rows:
+        return []
+    cells = [[SET_NAMES.get(r["set"], r["set"]), f"{r['prefix']:,}", str(r["windows"]), f"`{r['mode']}`",
+              _pct(r["gap"], r["se"]), _worth(r["worth"]),
+              "–" if not r["worth"] or r["worth"]["above"] or r["worth"]["below"] else
+              f"{100 * r['worth']['tokens'] / r['prefix']:.1f} %",
+              _diff(r["flops"]), _diff(r["seconds"]) + ("" if r["timed"] or not r["seconds"] else " (one wall clock)"),
+              _diff(r["counted"].get("flops")), _diff(r["counted"].get("seconds"))] for r in rows]
+    return ["## Worth as the context grows", "",
+            "Every window of each (set, P) (both WikiText-2 halves: nothing is chosen here). Worth: the m at which the "
+            "target's own last-m-token curve reaches the map's gap closed [95 % interval]; share: worth / P. The "
+            "map - truncation columns interpolate the truncation curve at the map's cost; a handoff charges the map "
+            "its own work and the target's prefill of the native-sink token, a cold start the source's prefill "
+            "too. Figure: [figures/worth_vs_p.png](figures/worth_vs_p.png).", "",
+            readme.md_table(["set", "P", "windows", "map", "gap closed", "worth in native tokens [95 %]",
+                             "share of P", "map - truncation, equal FLOPs", "equal measured seconds",
+                             "source prefill charged: equal FLOPs", "equal measured seconds"], cells).rstrip("\n"),
+            ""]
+
+
+def worth_figure(results: dict, path: Path) -> bool:
+    """Worth in native tokens (95 % interval) and gap closed (± SE) against P, one line per (set, map); False when
+    matplotlib or data are missing."""
+    rows = [r for r in worth_rows(results) if r["worth"] and not (r["worth"]["above"] or r["worth"]["below"])]
+    if not rows:
+        return False
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for key in sorted({(r["set"], r["mode"]) for r in rows}):
+        pts = sorted((r for r in rows if (r["set"], r["mode"]) == key), key=lambda r: r["prefix"])
+        x = [r["prefix"] for r in pts]
+        y = [r["worth"]["tokens"] for r in pts]
+        lo = [max(0.0, yy - (r["worth"]["lo"] if r["worth"]["lo"] is not None else yy)) for yy, r in zip(y, pts)]
+        hi = [max(0.0, (r["worth"]["hi"] if r["worth"]["hi"] is not None else yy) - yy) for yy, r in zip(y, pts)]
+        label = f"{SET_NAMES.get(key[0], key[0])}, {key[1]}"
+        a.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=label)
+        b.errorbar(x, [100 * r["gap"] for r in pts], yerr=[100 * (r["se"] or 0) for r in pts], marker="o",
+                   capsize=3, label=label)
+    a.set(xscale="log", xlabel="context P (tokens)", ylabel="worth (native tokens, 95 % interval)")
+    b.set(xscale="log", xlabel="context P (tokens)", ylabel="log-ppl gap closed (%, ± SE)")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(path)
+    plt.close(fig)
+    return True
+
+
+def lead(results: dict) -> str | None:
+    """The headline's first sentence: the cost convention, then the map against truncation at the longest context
+    measured on WikiText-2 (all its windows), and with the source's prefill charged."""
+    rows = [r for r in worth_rows(results) if r["set"] == "wikitext2" and r["mode"] == "transfer"]
+    if not rows:
+        return None
+    r = rows[-1]
+    got = [(what, e) for what, e in (("FLOPs", r["flops"]), ("measured seconds", r["seconds"])) if e]
+    if not got:
+        return None
+    parts = [f"{verdict(e)} truncation at equal {what} ({_pp(e['difference'], _se(e))})" for what, e in got]
+    s = (f"**In a handoff (the source has read the context already, so its prefill is not charged; both sides pay "
+         f"for every token the target prefills), at the longest context measured -- WikiText-2, P = {r['prefix']:,}, "
+         f"{r['windows']} articles -- the map {' and '.join(parts)}.** It closes {_pct(r['gap'], r['se'])} of the "
+         "log-perplexity gap" + (f", what the target gets from its own last {_worth(r['worth'])} tokens"
+                                 if r["worth"] else ""))
+    cnt = [(what, e) for what, e in (("FLOPs", r["counted"].get("flops")),
+                                     ("measured seconds", r["counted"].get("seconds"))) if e]
+    if cnt:
+        s += (". Charging the source's prefill too (a cold start), it " + " and ".join(
+            f"{verdict(e)} truncation at equal {what} ({_pp(e['difference'], _se(e))})" for what, e in cnt))
+    by_p = [x for x in rows if x["worth"] and not (x["worth"]["above"] or x["worth"]["below"])]
+    if len(by_p) > 1:
+        s += (". As the context grows its worth goes " + " -> ".join(
+            f"{x['worth']['tokens']:.1f} tokens at P = {x['prefix']:,} ({100 * x['worth']['tokens'] / x['prefix']:.1f} "
+            "% of P)" for x in by_p))
+    return s
+
+
 def headline(results: dict, chosen: str | None, runs: dict | None = None) -> str:
-    """The top README's sentence: does the map beat truncation at equal cost (confirmation half, P = 256)?"""
+    """The top README's paragraph: the cost convention and the map against truncation at the longest context measured
+    first, then WikiText-2's confirmation half at P = 256 (the repair, the gate, CoQA, Python source)."""
     conf = results.get(("wikitext2", 256, "confirmation"))
     if not conf or "transfer" not in conf["modes"]:
         return ("not yet measured on the real pair: none of the 6 real-pair runs of experiments/baselines/run.sh has "
                 "finished (on 2 shared CPU cores they did not fit the time this was made in); the modes, timing and "
                 "worth are checked on the tiny pair (results/baselines).")
     parts = []
+    first = lead(results)
+    if first:
+        parts.append(first)
     w = (conf.get("worth") or {}).get("transfer")
     t = conf["modes"]["transfer"]
     costs = [(e, what) for e, what in (((conf.get("equal_flops") or {}).get("transfer"), "FLOPs"),
                                        ((conf.get("equal_cost") or {}).get("transfer"), "measured seconds")) if e]
-
-    def verdict(e):
-        return "beats" if e["difference"] - 2 * e["difference_se"] > 0 else \
-            "loses to" if e["difference"] + 2 * e["difference_se"] < 0 else "does not separate from"
-    lead = "; ".join(f"at equal {what} {'it' if i else 'the map'} {verdict(e)} {'it' if i else 'truncation'}"
-                     for i, (e, what) in enumerate(costs))
-    s = (f"**{lead[0].upper() + lead[1:]}.** " if lead else "") + (
-        f"On WikiText-2's confirmation half ({conf['windows']} articles, P = 256) the mapped prefix closes "
+    at256 = "; ".join(f"at equal {what} {'it' if i else 'the map'} {verdict(e)} {'it' if i else 'truncation'}"
+                      for i, (e, what) in enumerate(costs))
+    s = (f"**{at256[0].upper() + at256[1:]}.** " if at256 and not first else
+         f"at P = 256 {at256}: " if at256 else "") + (
+        f"on WikiText-2's confirmation half ({conf['windows']} articles, P = 256) the mapped prefix closes "
         f"{_pct(t['gap'], t['se'])} of the log-perplexity gap" + (
             f", what the target gets from reading its own last {_worth(w)} tokens" if w else ""))
     for e, what in costs:
         at = (f"the target reading its last {e['curve_m']} tokens, which costs more ({e['curve_cost']:.3g}), closes"
               if e.get("below_curve") else "truncation closes")
         s += (f"; at the map's {what} ({e['cost']:.3g} of a re-prefill, the source's prefill not counted) {at} "
-              f"{_pct(e['truncation'])} (map - truncation {_pp(e['difference'], e['difference_se'])})")
+              f"{_pct(e['truncation'])} (map - truncation {_pp(e['difference'], _se(e))})")
+    cnt = [(what, e) for what, e in (("FLOPs", (conf.get("counted") or {}).get("flops")),
+                                     ("measured seconds", (conf.get("counted") or {}).get("seconds"))) if e]
+    if cnt:
+        s += ("; with the source's prefill charged the map " + " and ".join(
+            f"{verdict(e)} truncation at equal {what} ({_pp(e['difference'], _se(e))})" for what, e in cnt))
     parts.append(s + ("" if not any(w == "measured seconds" for _, w in costs) else
                       " -- on this CPU a forward's time is mostly reading the weights, so a few native tokens cost "
                       "about what the map costs"))
@@ -566,7 +804,10 @@ def headline(results: dict, chosen: str | None, runs: dict | None = None) -> str
                      f"{_num(r['seconds_rel'])} of a re-prefill's measured time against its truncation twin's "
                      f"{_pct(tw.get('gap'), tw.get('se'))} at {_num(tw.get('seconds_rel'))} (difference {_pp(d, se)})"
                      + (f"; at the repair's own measured seconds the truncation curve closes {_pct(e['truncation'])} "
-                        f"(repair - truncation {_pp(e['difference'], e['difference_se'])})"
+                        f"(repair - truncation {_pp(e['difference'], _se(e))}), so the confirmation half "
+                        + ("confirms it at equal measured seconds" if verdict(e) == "beats" else
+                           "confirms it against its twin but not at equal measured seconds" if d - 2 * se > 0 else
+                           "confirms it neither against its twin nor at equal measured seconds")
                         if (e := (conf.get("equal_cost") or {}).get(chosen)) and not e.get("below_curve") else ""))
     v = gate_verdict(conf)
     if v:
@@ -583,7 +824,7 @@ def headline(results: dict, chosen: str | None, runs: dict | None = None) -> str
     st = results.get(("python_stdlib", 256, "all"))
     if st and "transfer" in st["modes"]:
         ws = (st.get("worth") or {}).get("transfer")
-        eqs = [f"{_pp(e['difference'], e['difference_se'])} at equal {what}" for e, what in (
+        eqs = [f"{_pp(e['difference'], _se(e))} at equal {what}" for e, what in (
             ((st.get("equal_flops") or {}).get("transfer"), "FLOPs"),
             ((st.get("equal_cost") or {}).get("transfer"), "measured seconds")) if e and not e.get("below_curve")]
         parts.append(f"on Python source ({st['windows']} modules) the map closes "
@@ -672,9 +913,10 @@ def coqa_lines(runs: dict) -> list[str]:
                              *[f"the target reading its last {m} tokens" for m in ms]], table_rows).rstrip("\n"), ""]
 
 
-def blocks(runs: dict) -> tuple[dict, dict, str | None]:
-    """({"baselines": the results README block}, {"baselines_headline": the top README line}, chosen repair)."""
-    results = analyse(merge(runs, load_base()))
+def blocks(runs: dict, timings: dict | None = None) -> tuple[dict, dict, str | None]:
+    """({"baselines": the results README block}, {"baselines_headline": the top README line}, chosen repair);
+    timings: {(set, P): timing file} (default: results/baselines/timing/)."""
+    results = analyse(merge(runs, load_base()), load_timings() if timings is None else timings)
     chosen = choose(results)
     body = ["## The real pair (Qwen2.5-Coder 0.5B -> 1.5B, CPU)", ""]
     if results:
@@ -689,8 +931,11 @@ def blocks(runs: dict) -> tuple[dict, dict, str | None]:
                      "candidates: " + ", ".join(f"`{m}` {_pp(*v)}" for m, v in sel["twins"].items()) + ").", ""]
         else:
             body += ["No repair was run on the selection half: nothing chosen.", ""]
+        body += worth_table(results)
         order = {"selection": 0, "confirmation": 1, "all": 2}
         for key in sorted(results, key=lambda k: (k[0] != "wikitext2", k[1], order[k[2]])):
+            if key[0] == "wikitext2" and key[1] == CHOICE_P and key[2] == "all":
+                continue   # its halves' tables are there; its row is in the worth table
             body += table(results[key])
     body += coqa_lines(runs)
     body += ["## The check on the tiny pair", ""] + tiny_lines(runs)
@@ -712,22 +957,28 @@ def main() -> None:
     doc = README_HEAD + __doc__.split("\n\n", 2)[2].strip() + "\n\n## Timing\n\n" + TIMING_NOTE + "\n\n" + \
         readme.begin("baselines") + "\n" + body["baselines"].rstrip("\n") + "\n" + readme.end("baselines") + "\n"
     atomic_write_bytes(OUT / "README.md", doc.encode())
-    figure({**analyse(merge(runs, load_base())), **tiny_panels(runs)}, OUT / "figures" / "cost.png")
+    results = analyse(merge(runs, load_base()), load_timings())
+    figure({**{k: v for k, v in results.items() if not (k[0] == "wikitext2" and k[1] == CHOICE_P and k[2] == "all")},
+            **tiny_panels(runs)}, OUT / "figures" / "cost.png")
+    worth_figure(results, OUT / "figures" / "worth_vs_p.png")
     readme.rewrite(ROOT / "README.md", top)
     print(doc)
     print(top["baselines_headline"])
 
 
-TIMING_NOTE = ("Seconds are wall time of each mode's context work in the process that computed that mode's cached "
-               "file, on a 2-core CPU loaded by other processes; modes computed in different runs (the baselines are "
-               "cached once) were timed at different loads. They carry no SE: one aggregate per mode and prefix. "
-               "FLOPs are exact counts. On the tiny pair a context takes milliseconds, so its seconds are mostly "
-               "noise (a curve point that reads the whole context, the target's own work, is timed well away from "
-               "1x); read its FLOPs panel for cost there. On the real pair's CPU a forward's time is mostly reading "
-               "the weights (6 GB in float32), so the seconds of reading a few tokens are nearly flat in the count "
-               "and the first timed batches of a run carry warm-up: the equal-cost truncation interpolates only "
-               "between curve points that close more than every cheaper one. A GPU forward over hundreds of tokens "
-               "is closer to its FLOPs.")
+TIMING_NOTE = ("Where a table names experiments/baselines/timing.py, its seconds follow the timing protocol: every "
+               "mode's pre-scoring work (the map, with the target's native-sink prefill; a truncation's or the "
+               "target's own prefill; the source's prefill, for the cold-start convention) timed in one process on a "
+               "fixed subsample of contexts, one context at a time, in interleaved rounds (a warm-up, then at least 5 "
+               "timed rounds); each mode's cost is the median over rounds of its time over the target's re-prefill "
+               "in the same round, with that median's SE, and the equal-seconds differences carry the timing's SE "
+               "beside the windows' (quadrature). The load average before and after and the CPU are printed with "
+               "each table. Elsewhere the seconds are one wall clock per mode, in the eval run that computed it, at "
+               "whatever load that run saw, and say so. FLOPs are exact counts. On the tiny pair a context takes "
+               "milliseconds, so its seconds are mostly noise; read its FLOPs panel there. On this CPU a forward's "
+               "time is mostly reading the weights (6 GB in float32), so reading a few tokens costs nearly what "
+               "reading a hundred does; a GPU forward over hundreds of tokens is closer to its FLOPs, which makes "
+               "the FLOPs columns the GPU model (no GPU timing of the real pair is committed).")
 
 
 if __name__ == "__main__":

@@ -250,16 +250,11 @@ def result_dirs(run, part: str = "tasks") -> dict[str, Path]:
             for kind in where}
 
 
-def evaluate(run, on_compute=None) -> dict:
-    """{"tasks": {task: row}, "ppl": [rows], "drift": [rows]} for a pipeline `Run` (see module doc).
-
-    Each (mode, task), (mode, ppl) and (mode, coqa) result is its own cached file, so adding a task
-    computes only that task. on_compute(mode): called once per mode that computes anything.
-    """
+def eval_lm(run, modes: list[str]) -> tuple[KVTransferLM, list[str]]:
+    """(the adapter every mode of `run`'s eval derives from, `modes` less those that do not apply): the models and
+    map as the eval stage loads them (the source only when a mode reads it), eval.batch_size, the map's dtype."""
     ecfg = run.cfg["eval"]
-    seed = run.cfg.get("seed", 0)
-    dirs = {part: result_dirs(run, part) for part in PARTS}
-    modes = run_modes(ecfg)
+    modes = list(modes)
     # the source is loaded only when a mode reads it (target-only runs: the baselines and truncation, one model)
     target, tokenizer = run.model("target")
     source = run.model("source")[0] if any(not is_baseline(m) or m == "source" for m in modes) else None
@@ -279,6 +274,19 @@ def evaluate(run, on_compute=None) -> dict:
                       allow_context_start_mismatch=ecfg.get("allow_context_start_mismatch", False),
                       progress=run.progress is not None, time_contexts=ecfg.get("time_contexts", True),
                       map_dtype=ecfg.get("map_dtype", DEFAULT_MAP_DTYPE))
+    return lm, modes
+
+
+def evaluate(run, on_compute=None) -> dict:
+    """{"tasks": {task: row}, "ppl": [rows], "drift": [rows]} for a pipeline `Run` (see module doc).
+
+    Each (mode, task), (mode, ppl) and (mode, coqa) result is its own cached file, so adding a task
+    computes only that task. on_compute(mode): called once per mode that computes anything.
+    """
+    ecfg = run.cfg["eval"]
+    seed = run.cfg.get("seed", 0)
+    dirs = {part: result_dirs(run, part) for part in PARTS}
+    lm, modes = eval_lm(run, run_modes(ecfg))
     per_mode = {}
     ppl_sets = ppl_set_names(ecfg) if ecfg["ppl"].get("enabled") else []
     twins_coqa, only_coqa = set(coqa_twins(ecfg)), coqa_only(ecfg)

@@ -261,3 +261,21 @@ def test_the_headline_leads_with_the_longest_context_and_its_convention():
     assert "P = 1,024" in first and "8.0 tokens at P = 256" in first and "8.0 tokens at P = 1,024" in first
     assert collect.headline(results, None).startswith(first)
     assert "## Worth as the context grows" in "\n".join(collect.worth_table(results))
+
+
+def test_another_set_is_priced_by_wikitext2s_timing_at_its_p_and_m1_is_no_context():
+    """Python source at P = 256 takes WikiText-2's timing at 256 (the same token counts), says so in its table; a run
+    without truncate_tokens_1 gets the curve's m = 1 point from no_context (the same tokens read)."""
+    runs, _ = _runs()
+    for r in runs.values():
+        sc = r["scores"]["ppl_sets"]
+        sc["python_stdlib"] = sc.pop("wikitext2")
+        r["summary"]["ppl_sets"]["python_stdlib"] = r["summary"]["ppl_sets"].pop("wikitext2")
+    nll_b = runs["real_b"]["scores"]["ppl_sets"]["python_stdlib"]["window_nll"]["256"]
+    with_m1 = collect.analyse(collect.merge(runs), {("wikitext2", 256): _timing()})[("python_stdlib", 256, "all")]
+    del nll_b["truncate_tokens_1"]
+    res = collect.analyse(collect.merge(runs), {("wikitext2", 256): _timing()})[("python_stdlib", 256, "all")]
+    assert res["modes"]["transfer"]["seconds_rel"] == 0.1 and res["timing"]["set"] == "wikitext2"
+    assert "of WikiText-2 (the same token counts)" in "\n".join(collect.table(res))
+    assert res["modes"]["truncate_tokens_1"]["gap"] == with_m1["modes"]["truncate_tokens_1"]["gap"]
+    assert res["worth"]["transfer"]["curve"] == with_m1["worth"]["transfer"]["curve"]

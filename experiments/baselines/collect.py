@@ -289,14 +289,25 @@ def analyse(merged: dict, timings: dict | None = None) -> dict:
     out = {}
     timings = {} if timings is None else timings
     for (st, p), m in sorted(merged.items()):
-        tm = timings.get((st, p))
+        # a dense prefill's and the map's work depend on the token count, not the text: another set at the same P is
+        # priced with WikiText-2's timing, and says so
+        tm = timings.get((st, p)) or timings.get(("wikitext2", p))
         timed = timed_costs(tm) if tm else None
+        if timed is not None and "transfer" in timed:
+            for other in OTHER_MAPS.values():   # another calibration's map: the same family, shapes and work
+                timed.setdefault(other, timed["transfer"])
+        if f"{CURVE}1" not in m["nll"] and "no_context" in m["nll"]:
+            # the last 1 token is no_context's read (the start id and the last token): the curve's m = 1 point
+            m["nll"][f"{CURVE}1"] = m["nll"]["no_context"]
+            m["rows"].setdefault(f"{CURVE}1", dict(m["rows"].get("no_context") or {}))
         for half, idx in subsets(st, m["docs"], p).items():
             nll = _take(m["nll"], idx)
             if len(idx) < 2 or not all(k in nll for k in ("target", "no_context")):
                 continue
             res = {"set": st, "prefix": p, "half": half, "windows": len(idx), "modes": {}, "twins": {},
                    "runs": m["runs"], "commits": m["commits"], "timing": timing_record(tm) if tm else None}
+            if tm and tm["set"] != st:
+                res["timing"]["set"] = tm["set"]
             mf = map_flops_rel(m)
             res["reproduced"] = m.get("reproduced") or {}
             res["base"] = sorted(set((m.get("base") or {}).values()))
@@ -432,7 +443,8 @@ def timing_words(res: dict) -> str:
         return ("seconds: one wall clock per mode in the eval run that computed it (no SE; modes computed in "
                 "different runs were timed at different loads)")
     return (f"seconds: interleaved timing (experiments/baselines/timing.py), median of {t['repeats']} rounds over "
-            f"{t['windows']} contexts, one at a time, ± its SE, load {t['load_avg']['before'][0]:.1f} -> "
+            f"{t['windows']} contexts" + (f" of {SET_NAMES.get(t['set'], t['set'])} (the same token counts)"
+                                          if t.get("set") else "") + f", one at a time, ± its SE, load {t['load_avg']['before'][0]:.1f} -> "
             f"{t['load_avg']['after'][0]:.1f} ({t['cpu']}, {t['threads']} threads, commit `{t['commit']}`)")
 
 

@@ -66,6 +66,28 @@ run real_wikitext2_1024_b $REAL $LONG "eval.recompute_fraction=[]" \
 #     first 24 long-enough articles' windows, the map against truncation to 16-512 tokens (~1 h on 2 free cores)
 run real_wikitext2_1024_w24 $REAL $LONG "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
   "eval.modes=[$BASE,truncate_tokens_16,truncate_tokens_64,truncate_tokens_128,truncate_tokens_256,truncate_tokens_512]"
+# 5c. the same at P = 512 on WikiText-2 and at P = 1,024 on Python source (24 windows each; the curve from m = 4)
+run real_wikitext2_512_w24 $REAL "eval.ppl.prefixes=[512]" "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
+  "eval.modes=[$BASE,truncate_tokens_4,truncate_tokens_8,truncate_tokens_16,truncate_tokens_32,truncate_tokens_64,truncate_tokens_128,truncate_tokens_256]"
+run real_stdlib_1024_w24 $REAL $LONG $STDLIB "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
+  "eval.modes=[$BASE,truncate_tokens_4,truncate_tokens_8,truncate_tokens_16,truncate_tokens_32,truncate_tokens_64,truncate_tokens_128,truncate_tokens_256,truncate_tokens_512]"
+# 5d. the repair chosen on WikiText-2's selection half (recent, r = 0.05), run on Python source with its twin
+run real_stdlib_c $REAL $STDLIB $NOCURVE "eval.recompute_fraction=[0.05]" \
+  "eval.modes=[$BASE,recompute_recent_0.05,truncate_0.05]"
+# 5e. the seconds of every table, by the timing protocol (timing.py: interleaved rounds on 8 contexts, one at a time,
+#     on a quiet machine; each writes results/baselines/timing/<set>_P<P>.json once). Python source is priced with
+#     WikiText-2's timing at the same P: a dense prefill's and the map's work depend on the token count, not the text
+timed() {  # timed RUN P MODES
+  local f="results/baselines/timing/wikitext2_P$2.json"
+  if [[ -n "${STEPS:-}" && " $STEPS " != *" timing_$2 "* ]]; then return; fi
+  if [[ -f "$f" ]]; then echo "[timing_$2] done"; return; fi
+  echo "[timing_$2] $(date -u +%H:%M:%S) start"
+  python experiments/baselines/timing.py --run "$OUT/$1" --set wikitext2 --prefix "$2" --modes "$3"
+}
+CURVE_ALL="$CURVE,truncate_tokens_256,truncate_tokens_512"
+timed real_wikitext2_1024_w24 1024 "$BASE,$CURVE_ALL"
+timed real_wikitext2_1024_w24 256 "$BASE,$CURVE,recompute_recent_0.3,truncate_0.3,recompute_recent_0.15,truncate_0.15,recompute_recent_0.05,truncate_0.05"
+timed real_wikitext2_1024_w24 512 "$BASE,$CURVE_ALL"
 # 6. calibration in the evaluated code domain: the map calibrated (as the main one, 160 x 256 tokens) on Python source
 #    -- the modules inside the standard library's packages, disjoint from the evaluated top-level modules -- and
 #    scored on both perplexity sets beside the main map (collect.py names its mode transfer_code_calib)

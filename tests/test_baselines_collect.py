@@ -279,3 +279,20 @@ def test_another_set_is_priced_by_wikitext2s_timing_at_its_p_and_m1_is_no_contex
     assert "of WikiText-2 (the same token counts)" in "\n".join(collect.table(res))
     assert res["modes"]["truncate_tokens_1"]["gap"] == with_m1["modes"]["truncate_tokens_1"]["gap"]
     assert res["worth"]["transfer"]["curve"] == with_m1["worth"]["transfer"]["curve"]
+
+
+def test_a_large_to_small_run_is_its_own_pair():
+    """A run with pair.direction=reverse over the same set and P is keyed apart (its target is another model: its
+    NLLs would otherwise collide with the forward runs'), borrows no timing, and gets its own headline clause."""
+    import copy
+    runs, _ = _runs()
+    rev = copy.deepcopy(runs["real_b"])
+    nll = rev["scores"]["ppl_sets"]["wikitext2"]["window_nll"]["256"]
+    nll["transfer"] = [x + 0.01 for x in nll["transfer"]]   # another pair's map: differs from the forward one's
+    rev["config"] = {"pair": {"direction": "reverse"}}
+    runs["real_reverse_wikitext2"] = rev
+    results = collect.analyse(collect.merge(runs), {("wikitext2", 256): _timing()})
+    res = results[("wikitext2@reverse", 256, "all")]
+    assert res["windows"] == 62 and res["timing"] is None and res["runs"] == ["real_reverse_wikitext2"]
+    assert results[("wikitext2", 256, "all")]["timing"] is not None
+    assert "Large -> small (the 1.5B reads the context" in collect.headline(results, None)

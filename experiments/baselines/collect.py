@@ -55,7 +55,9 @@ SPLIT = ROOT / "experiments" / "baselines" / "split.yaml"
 N_BOOT, SEED = 1000, 0
 CHOICE_P = 256   # the P whose selection half chooses the repair
 CURVE = "truncate_tokens_"
-SET_NAMES = {"wikitext2": "WikiText-2", "python_stdlib": "Python stdlib"}
+REVERSE = "@reverse"   # the key suffix of a large -> small run's sets
+SET_NAMES = {"wikitext2": "WikiText-2", "python_stdlib": "Python stdlib",
+             "wikitext2@reverse": "WikiText-2, large -> small (1.5B reads, 0.5B answers)"}
 
 
 def load_runs(runs: Path = RUNS) -> dict:
@@ -123,8 +125,10 @@ def merge(runs: dict, base: dict | None = None) -> dict:
             continue
         s, sc = r["summary"], r["scores"]
         env = s.get("environment") or {}
-        rows = {(st, row["prefix"]): row for st, rs in (s.get("ppl_sets") or {}).items() for row in rs}
-        for st, part in (sc.get("ppl_sets") or {}).items():
+        # large -> small is another pair (another target's NLLs): its sets are keyed apart, "<set>@reverse"
+        tag = REVERSE if ((r.get("config") or {}).get("pair") or {}).get("direction") == "reverse" else ""
+        rows = {(st + tag, row["prefix"]): row for st, rs in (s.get("ppl_sets") or {}).items() for row in rs}
+        for st, part in ((k + tag, v) for k, v in (sc.get("ppl_sets") or {}).items()):
             for p, by_mode in (part.get("window_nll") or {}).items():
                 if int(p) == 0:
                     continue
@@ -291,7 +295,7 @@ def analyse(merged: dict, timings: dict | None = None) -> dict:
     for (st, p), m in sorted(merged.items()):
         # a dense prefill's and the map's work depend on the token count, not the text: another set at the same P is
         # priced with WikiText-2's timing, and says so
-        tm = timings.get((st, p)) or timings.get(("wikitext2", p))
+        tm = timings.get((st, p)) or (None if st.endswith(REVERSE) else timings.get(("wikitext2", p)))
         timed = timed_costs(tm) if tm else None
         if timed is not None and "transfer" in timed:
             for other in OTHER_MAPS.values():   # another calibration's map: the same family, shapes and work
@@ -843,6 +847,17 @@ def headline(results: dict, chosen: str | None, runs: dict | None = None) -> str
                      f"{_pct(st['modes']['transfer']['gap'], st['modes']['transfer']['se'])}"
                      + (f", worth {_worth(ws)} native tokens" if ws else "")
                      + (f" (map - truncation {', '.join(eqs)})" if eqs else ""))
+    rv = results.get(("wikitext2" + REVERSE, CHOICE_P, "all"))
+    if rv and "transfer" in rv["modes"]:
+        wr = (rv.get("worth") or {}).get("transfer")
+        eqs = [f"{verdict(e)} truncation at equal {what} ({_pp(e['difference'], _se(e))})" for e, what in (
+            ((rv.get("equal_flops") or {}).get("transfer"), "FLOPs"),
+            ((rv.get("equal_cost") or {}).get("transfer"), "measured seconds")) if e and not e.get("below_curve")]
+        parts.append(f"large -> small (the 1.5B reads the context, the 0.5B answers; {rv['windows']} WikiText-2 "
+                     f"articles, P = {CHOICE_P}) the map closes "
+                     f"{_pct(rv['modes']['transfer']['gap'], rv['modes']['transfer']['se'])}"
+                     + (f", worth {_worth(wr)} of the 0.5B's own tokens" if wr else "")
+                     + (f", and {' and '.join(eqs)}" if eqs else ""))
     code = [(r, (r.get("versus_main_map") or {}).get("transfer_code_calib"), what) for r, what in (
         (results.get(("python_stdlib", 256, "all")), "Python source"), (conf, "WikiText-2's confirmation half")) if r]
     code = [(r, d, what) for r, d, what in code if d]

@@ -88,6 +88,9 @@ CURVE_ALL="$CURVE,truncate_tokens_256,truncate_tokens_512"
 timed real_wikitext2_1024_w24 1024 "$BASE,$CURVE_ALL"
 timed real_wikitext2_1024_w24 256 "$BASE,$CURVE,recompute_recent_0.3,truncate_0.3,recompute_recent_0.15,truncate_0.15,recompute_recent_0.05,truncate_0.05"
 timed real_wikitext2_1024_w24 512 "$BASE,$CURVE_ALL"
+# 5f. large -> small (pair.direction=reverse: the 1.5B reads the context, the 0.5B answers): its own calibration and
+#     map (the same pinned protocol), WikiText-2 at P = 256 with the truncation curve of the 0.5B
+run real_reverse_wikitext2 $REAL pair.direction=reverse "eval.recompute_fraction=[]" "eval.modes=[$BASE,$CURVE]"
 # 6. calibration in the evaluated code domain: the map calibrated (as the main one, 160 x 256 tokens) on Python source
 #    -- the modules inside the standard library's packages, disjoint from the evaluated top-level modules -- and
 #    scored on both perplexity sets beside the main map (collect.py names its mode transfer_code_calib)

@@ -1,7 +1,9 @@
 """The equal-cost tables' seconds, measured by the timing protocol: every mode timed in one process, interleaved.
 
-    python experiments/baselines/timing.py --run results/baselines/runs/real_wikitext2_b          # P = 256
     python experiments/baselines/timing.py --run results/baselines/runs/real_wikitext2_1024_w24   # P = 1,024
+    python experiments/baselines/timing.py --run results/baselines/runs/real_wikitext2_1024_w24 --prefix 256 \
+        --modes no_context,transfer,target,truncate_tokens_1,truncate_tokens_4,recompute_recent_0.05,truncate_0.05
+    STEPS="timing_1024 timing_256 timing_512" bash experiments/baselines/run.sh    # the committed measurements
 
 Reads the run's resolved config (its config.json: models, map, start ids, map dtype, the windows' draw) and
 loads what its eval loaded, then times, for a fixed subsample of the run's windows (the first --windows of its

@@ -864,9 +864,10 @@ def headline(results: dict, chosen: str | None, runs: dict | None = None) -> str
     rv = results.get(("wikitext2" + REVERSE, CHOICE_P, "all"))
     if rv and "transfer" in rv["modes"]:
         wr = (rv.get("worth") or {}).get("transfer")
+        clock = "" if rv.get("timing") else " (one batched wall clock per mode, no interleaved timing)"
         eqs = [f"{verdict(e)} truncation at equal {what} ({_pp(e['difference'], _se(e))})" for e, what in (
             ((rv.get("equal_flops") or {}).get("transfer"), "FLOPs"),
-            ((rv.get("equal_cost") or {}).get("transfer"), "measured seconds")) if e and not e.get("below_curve")]
+            ((rv.get("equal_cost") or {}).get("transfer"), "measured seconds" + clock)) if e and not e.get("below_curve")]
         parts.append(f"large -> small (the 1.5B reads the context, the 0.5B answers; {rv['windows']} WikiText-2 "
                      f"articles, P = {CHOICE_P}) the map closes "
                      f"{_pct(rv['modes']['transfer']['gap'], rv['modes']['transfer']['se'])}"

@@ -208,21 +208,22 @@ def test_interleaved_timings_price_every_mode_with_their_se_and_the_cold_start()
     assert res["modes"]["truncate_tokens_16"]["seconds_rel_se"] == 0.005
     assert res["modes"]["recompute_recent_0.3"]["seconds_rel"] is None   # run a timed it by wall clock: not mixed in
     assert res["timing"]["repeats"] == 5 and res["timing"]["commit"] == "0123456"
-    reason = "linear interpolation of ratios of float64 means of 31 windows; a few roundings"
+    reason = ("linear interpolation of ratios of float64 means of 31 windows: up to 31 roundings per mean, a few means "
+              "per ratio (numpy's summation order varies with the CPU's SIMD)")
     eq = res["equal_cost"]["transfer"]
     # the map at 0.1 +- 0.01 sits halfway between m = 4 (0.05 +- 0.005, closes 0.2) and m = 16 (0.15 +- 0.005, 0.4)
     slope, w = (0.4 - 0.2) / (0.15 - 0.05), 0.5
     by_hand = slope * np.sqrt(0.01 ** 2 + (1 - w) ** 2 * 0.005 ** 2 + w ** 2 * 0.005 ** 2)
-    assert_close(eq["difference_se_timing"], by_hand, factor=64, magnitude=1, reason=reason)
+    assert_close(eq["difference_se_timing"], by_hand, factor=256, magnitude=1, reason=reason)
     assert_close(eq["difference_se_total"], np.hypot(eq["difference_se"], by_hand), factor=64, magnitude=1,
                  reason=reason)
     cold = res["counted"]
     # seconds: (0.8 + 2.4) / 8 = 0.4 per round, the m = 64 point (closes 0.8): the map's 0.3 - 0.8
-    assert_close(cold["seconds"]["cost"], 0.4, factor=16, magnitude=1, reason=reason)
-    assert_close(cold["seconds"]["difference"], 0.3 - 0.8, factor=64, magnitude=1, reason=reason)
+    assert_close(cold["seconds"]["cost"], 0.4, factor=256, magnitude=1, reason=reason)
+    assert_close(cold["seconds"]["difference"], 0.3 - 0.8, factor=256, magnitude=1, reason=reason)
     # FLOPs: the map's 0.03 + sink 0 + 20 / 100 = 0.23, 0.9 of the way from m = 16 (0.05, 0.4) to m = 64 (0.25, 0.8)
-    assert_close(cold["flops"]["cost"], 0.23, factor=16, magnitude=1, reason=reason)
-    assert_close(cold["flops"]["difference"], 0.3 - (0.4 + 0.9 * 0.4), factor=64, magnitude=1, reason=reason)
+    assert_close(cold["flops"]["cost"], 0.23, factor=256, magnitude=1, reason=reason)
+    assert_close(cold["flops"]["difference"], 0.3 - (0.4 + 0.9 * 0.4), factor=256, magnitude=1, reason=reason)
     text = "\n".join(collect.table(res))
     assert "interleaved timing" in text and "0.150 ± 0.005" in text and "a cold start" in text
     untimed = collect.analyse(collect.merge(runs), {})[("wikitext2", 256, "confirmation")]

@@ -570,6 +570,17 @@ def tiny_panels(runs: dict) -> dict:
     return out
 
 
+def save_figure(fig, path: Path) -> None:
+    """Lay out `fig` and write it to `path` as a PNG atomically (a temporary file renamed), then close it."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(path)
+    plt.close(fig)
+
+
 def figure(results: dict, path: Path) -> bool:
     """Gap closed against cost, one curve per rule (truncation in m order, map + recent in r order), the map alone and
     the target, ± SE; one column per (set, P, half), measured seconds (top) and target FLOPs (bottom, exact), both
@@ -615,12 +626,7 @@ def figure(results: dict, path: Path) -> bool:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
     axes[0][0].legend(list(handles.values()), list(handles), fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    tmp.replace(path)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
@@ -739,12 +745,7 @@ def worth_figure(results: dict, path: Path) -> bool:
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    tmp.replace(path)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

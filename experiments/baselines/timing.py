@@ -43,10 +43,8 @@ from kvtransfer.core.io import atomic_write_json  # noqa: E402
 from kvtransfer.core.timing import MIN_REPEATS, interleaved  # noqa: E402
 from kvtransfer.core.transfer import transfer  # noqa: E402
 from kvtransfer.eval.prefix import repair_prefix  # noqa: E402
-from kvtransfer.eval.perplexity import draw_windows, prefix_pairs  # noqa: E402
 from kvtransfer.eval.repair import is_truncate_mode  # noqa: E402
-from kvtransfer.eval.sources import ppl_pages  # noqa: E402
-from kvtransfer.runner.eval_stage import control_lm, eval_lm  # noqa: E402
+from kvtransfer.runner.eval_stage import control_lm, eval_lm, ppl_contexts  # noqa: E402
 from kvtransfer.runner.run import Run  # noqa: E402
 
 OUT = ROOT / "results" / "baselines" / "timing"
@@ -140,16 +138,11 @@ def main(argv=None) -> None:
         modes.remove("gated")
     if "target" not in modes:
         modes.insert(0, "target")
-    run = Run(cfg, args.run)
-    lm, _ = eval_lm(run, ["target"])
-    pages = ppl_pages(ecfg, set_name)
-    windows, docs = draw_windows(lm.tokenizer, pages, max_prefix=max(pcfg["prefixes"]),
-                                 cont_len=pcfg["continuation"], n_windows=pcfg["windows"], seed=seed,
-                                 draw=pcfg.get("draw", "per_document"), return_docs=True)
     if p > max(pcfg["prefixes"]):
         raise SystemExit(f"P = {p} is longer than the run's windows ({max(pcfg['prefixes'])}): pick a run drawn at it")
-    windows, docs = windows[:args.windows], docs[:args.windows]
-    contexts = [c for c, _ in prefix_pairs(windows, p, max(pcfg["prefixes"]), lm.prefix_token_id, lm._start_ids)]
+    run = Run(cfg, args.run)
+    lm, _ = eval_lm(run, ["target"])
+    contexts, docs = ppl_contexts(lm, ecfg, set_name, p, args.windows, seed)
     fns, flops = calls(run, modes, contexts, seed)
     note = (f"the first {len(contexts)} of the draw's {pcfg['windows']} windows of {set_name} at P = {p}, one context "
             f"at a time; each call does a mode's pre-scoring work on all {len(contexts)}")

@@ -34,3 +34,23 @@ run f32_engines_bf16_map $REAL eval.map_dtype=bfloat16
 # 2. bfloat16 engines (models in bfloat16: their own calibration and map, the long-context setting)
 run bf16_engines_f32_map $REAL pair.dtype=bfloat16 eval.map_dtype=float32
 run bf16_engines_bf16_map $REAL pair.dtype=bfloat16 eval.map_dtype=bfloat16
+# 3. HellaSwag (the first 100 items, lm-eval's acc_norm) with each map dtype on each engine dtype: the same
+#    calibrations and maps as above (cached), paired item by item in collect.py
+HS="+experiment=baselines_cpu cache_dir=$CACHE stage=[calibrate,fit,eval] eval.recompute_fraction=[]"
+HS="$HS eval.truncate.curve=[] eval.modes=[no_context,transfer,target] eval.tasks=[hellaswag] eval.limit=100"
+HS="$HS eval.ppl.enabled=false"
+run f32_engines_f32_map_hellaswag $HS eval.map_dtype=float32
+run f32_engines_bf16_map_hellaswag $HS eval.map_dtype=bfloat16
+run bf16_engines_f32_map_hellaswag $HS pair.dtype=bfloat16 eval.map_dtype=float32
+run bf16_engines_bf16_map_hellaswag $HS pair.dtype=bfloat16 eval.map_dtype=bfloat16
+# 4. the mapped caches' relative difference, bfloat16 map against float32 map, per engine dtype
+#    (cache_diff.py: 16 WikiText-2 contexts at P = 256; writes results/map_dtype/cache_diff_<engine dtype>.json once)
+cache_diff() {  # cache_diff ENGINE_DTYPE RUN
+  local f="results/map_dtype/cache_diff_$1.json"
+  if [[ -n "${STEPS:-}" && " $STEPS " != *" cache_diff_$1 "* ]]; then return; fi
+  if [[ -f "$f" ]]; then echo "[cache_diff_$1] done"; return; fi
+  echo "[cache_diff_$1] $(date -u +%H:%M:%S) start"
+  python experiments/map_dtype/cache_diff.py --run "$OUT/$2"
+}
+cache_diff float32 f32_engines_f32_map
+cache_diff bfloat16 bf16_engines_f32_map

@@ -151,3 +151,43 @@ def test_the_margin_rule_decides_by_the_one_sided_bound():
     assert col.compare(f32, f32, margin=0.01, z=1.645)["verdict"] == "within"  # no loss at all
     assert col.compare(f32, noisy, margin=1e-6, z=1.645)["verdict"] == "undecided"
     assert col.load_margin()["margin"] > 0 and col.load_margin()["z"] > 0
+
+
+def test_collect_pairs_hellaswag_item_by_item_and_decides_on_every_row(tmp_path):
+    """Synthetic HellaSwag runs with a known answer: 20 items, the float32 map right on items 0-9, the bfloat16 map
+    on items 0-8 and 10 (two items changed, accuracy equal: loss 0); on bfloat16 engines the bfloat16 map loses
+    items 0-5 (loss 0.30: outside a 0.02 margin). The decision names the row that keeps float32 the default."""
+    import json
+
+    col = _collect_module()
+    n = 20
+    base = {"target": [1] * 15 + [0] * 5, "no_context": [1] * 5 + [0] * 15}
+    right = lambda idx: [int(i in idx) for i in range(n)]  # noqa: E731
+    runs = {"f32_engines_f32_map": right(range(10)), "f32_engines_bf16_map": right([*range(9), 10]),
+            "bf16_engines_f32_map": right(range(10)), "bf16_engines_bf16_map": right(range(6, 10))}
+    for name, transfer in runs.items():
+        (tmp_path / f"{name}_hellaswag").mkdir()
+        (tmp_path / f"{name}_hellaswag" / "scores.json").write_text(
+            json.dumps({"tasks": {"hellaswag": dict(base, transfer=transfer)}}))
+    margin = {"margin": 0.01, "z": 1.645, "hellaswag_margin": 0.02}
+    result = col.collect(tmp_path, margin=margin)
+    f32, bf16 = result["float32"]["hellaswag"], result["bfloat16"]["hellaswag"]
+    assert f32["changed"] == 2 and f32["loss"] == 0.0 and f32["items"] == n
+    # two opposite changes in 20 items: the SE of the paired difference is sqrt(2 / (19 * 20))
+    assert_close(f32["loss_se"], (2 / (19 * 20)) ** 0.5, factor=16, reason="a float64 std of 20 values and a sqrt")
+    assert f32["verdict"] == "undecided"   # 0 + 1.645 x 0.073 > 0.02
+    assert_close(bf16["loss"], 0.3, factor=8, reason="a mean of 20 float64 differences of 0/1")
+    assert bf16["verdict"] == "outside" and bf16["changed"] == 6
+    assert f32["target"] == 0.75 and f32["no_context"] == 0.25 and f32["transfer_float32"] == 0.5
+    text = col.markdown(result, {})
+    assert "| float32 | 20 | 0.75 | 0.25 | 0.50 | 0.50 |" in text
+    assert "float32 stays the default: float32 engines hellaswag: undecided; bfloat16 engines hellaswag: outside" \
+        in text
+    # no ppl runs and one engine missing: not decided
+    assert col.decision({"float32": {"x": {"verdict": "within"}}}).startswith("not decided")
+    assert col.decision({e: {"x": {"verdict": "within"}} for e in col.ENGINES}).startswith("every row is within")
+    # a changed baseline is refused, not paired
+    (tmp_path / "f32_engines_bf16_map_hellaswag" / "scores.json").write_text(
+        json.dumps({"tasks": {"hellaswag": dict(base, target=[0] * n, transfer=runs["f32_engines_bf16_map"])}}))
+    with pytest.raises(ValueError, match="different items or baselines"):
+        col.collect(tmp_path, margin=margin)

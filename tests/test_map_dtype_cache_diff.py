@@ -55,5 +55,11 @@ def test_cache_diff_measures_the_evals_caches(tiny_pair_dirs, tmp_path):  # noqa
             assert_close(row["share"][c], d_dtype / d_map, factor=1000, dtype=torch.float64, reason=reason)
             # the bfloat16 apply moved the cache (a map in float32 twice would give exactly 0)
             assert_far(row["rel_dtype"][c], 0.0, atol=0.0, reason="bfloat16 rounding changes the mapped cache")
+    # collect.py puts the measurement into the README's table
+    col = load_script("experiments/map_dtype/collect.py")
+    diffs = col.cache_diffs(tmp_path)
+    k = out["summary"]["keys"]["rel_dtype"]
+    assert list(diffs) == ["float32"] and f"| float32 | 2 (wikitext2, P = 16) | keys | {k['mean']:.2e}" in \
+        col.markdown({}, diffs)
     with pytest.raises(SystemExit, match="never overwritten"):
         cache_diff.main(["--run", str(tmp_path / "run"), "--prefix", "16", "--windows", "2", "--out", str(tmp_path)])

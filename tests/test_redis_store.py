@@ -48,8 +48,8 @@ def test_a_block_is_the_same_bytes_as_the_directory_stores_file(redis_server, tm
     client = redis_server.client()
     for h in disk.hashes(ids, KEY, NS):
         assert client.get(remote.key(KEY, h, NS)) == disk.block_path(KEY, h, NS).read_bytes()
-    assert remote.key(KEY, h, NS) == f"kvt:v1:{remote.deployment}:{NS}:{KEY}:{h}"
-    assert remote.key(KEY, h) == f"kvt:v1:{remote.deployment}:_:{KEY}:{h}"
+    assert remote.key(KEY, h, NS) == f"kvt:v2:{remote.deployment}:{NS}:{KEY}:{h}"
+    assert remote.key(KEY, h) == f"kvt:v2:{remote.deployment}:_:{KEY}:{h}"
 
 
 def test_a_hole_in_a_chain_ends_the_prefix_and_a_read_of_it_is_evicted(redis_server):

@@ -137,21 +137,21 @@ def test_a_full_disk_is_a_counted_failed_save_that_leaves_no_file_and_the_writer
     store = KVStore(tmp_path, block_size=4)
     writer = StoreWriter(store)
     calls = {"n": 0}
-    real_save, real_fsync = kio.save_file, os.fsync
+    real_write, real_fsync = kio.write_file, os.fsync
 
     def full(*args):
         calls["n"] += 1
         if calls["n"] >= 3:  # the third block: the disk fills up half-way through its temporary file
             raise OSError(errno.ENOSPC, "No space left on device")
-        return (real_save if where == "save" else real_fsync)(*args)
+        return (real_write if where == "save" else real_fsync)(*args)
 
-    def save(tensors, tmp, metadata=None):
+    def write(tmp, data):
         if calls["n"] + 1 >= 3:
             with open(tmp, "wb") as f:
                 f.write(b"\0" * 100)
-        return full(tensors, tmp, metadata) if where == "save" else real_save(tensors, tmp, metadata=metadata)
+        return full(tmp, data) if where == "save" else real_write(tmp, data)
 
-    monkeypatch.setattr(kio, "save_file", save)
+    monkeypatch.setattr(kio, "write_file", write)
     if where == "fsync":
         monkeypatch.setattr(os, "fsync", lambda fd: full(fd) if not os.path.isdir(f"/proc/self/fd/{fd}")
                             else real_fsync(fd))
@@ -161,7 +161,7 @@ def test_a_full_disk_is_a_counted_failed_save_that_leaves_no_file_and_the_writer
     assert store.stored_blocks(ids, KEY, NS) == 2  # blocks 0, 1 are whole; block 2 never got its name
     assert not store.block_path(KEY, store.hashes(ids, KEY, NS)[2], NS).exists()
     assert _tmp_files(tmp_path) == []
-    monkeypatch.setattr(kio, "save_file", real_save)
+    monkeypatch.setattr(kio, "write_file", real_write)
     monkeypatch.setattr(os, "fsync", real_fsync)
     writer.submit("r2", ids, _layers(16, lo=8), IDENT, first=8, ns=NS)  # space again: the next save completes
     assert writer.close(30) and writer.stats["written_blocks"] == 2
@@ -268,12 +268,16 @@ def test_a_store_of_an_older_layout_is_refused_naming_the_fix(tmp_path):
     (tmp_path / "store.json").write_text(json.dumps({"format": "kvtransfer.kv_store", "layout": 99, "block_size": 16}))
     with pytest.raises(ValueError, match="another kvtransfer"):
         KVStore(tmp_path)
-    (tmp_path / "store.json").write_text(json.dumps({"format": "something else", "layout": 2, "block_size": 16}))
+    # layout 2 held blocks with another checksum, which this version would refuse and never replace: refused
+    (tmp_path / "store.json").write_text(json.dumps({"format": "kvtransfer.kv_store", "layout": 2, "block_size": 16}))
+    with pytest.raises(ValueError, match=r"older kvtransfer \(layout 2"):
+        KVStore(tmp_path)
+    (tmp_path / "store.json").write_text(json.dumps({"format": "something else", "layout": 3, "block_size": 16}))
     with pytest.raises(ValueError, match="not a kvtransfer store"):
         KVStore(tmp_path)
     KVStore(tmp_path / "fresh", block_size=8)
     assert json.loads((tmp_path / "fresh" / "store.json").read_text()) == \
-        {"format": "kvtransfer.kv_store", "layout": 2, "block_size": 8}
+        {"format": "kvtransfer.kv_store", "layout": 3, "block_size": 8}
 
 
 def test_only_model_key_directories_are_models_and_nothing_outside_the_store_is_touched(tmp_path):

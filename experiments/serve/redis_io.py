@@ -8,8 +8,8 @@ per-block values, pipelined the same way) through the same client.
 torch runs on --threads intra-op threads (default 1). Shape: Qwen2.5-0.5B's KV (24 layers x 2 KV heads x 64, bfloat16: 12,288 bytes per token), 16-token blocks. Without
 --url a private redis-server (persistence off) is started on a free loopback port and stopped at the end. The four
 measurements of one size run interleaved, their order alternating between repeats, so drifting load affects each
-alike; each row has the median and the standard error of the mean. The result is written atomically, never over an
-existing file."""
+alike; each row has the median and the standard error of the mean, and the ratios store / plain are taken per repeat
+(the median of those, ± the SE of their mean). The result is written atomically, never over an existing file."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kvtransfer.serve.blockformat import block_header, checksum, encode_block  # noqa: E402
 from kvtransfer.serve.redis_store import RedisStore  # noqa: E402
 
 IDENT = {"key": "feedfacefeedface", "n_layers": 24, "n_kv": 2, "head_dim": 64, "model_id": "bench-0.5b",
@@ -50,13 +49,8 @@ def blobs_of(store: RedisStore, ids: list[int], layers) -> list[bytes]:
     from kvtransfer.serve.blockformat import plan_write
 
     plan = plan_write(ids, layers, IDENT, 0, "", BLOCK)
-    out = []
-    for j, h in enumerate(plan.hashes):
-        bid, k, v = plan.ids[j * BLOCK:(j + 1) * BLOCK], plan.keys[j], plan.values[j]
-        header = block_header(IDENT, "", j, plan.hashes[j - 1] if j else plan.seed, h, BLOCK, plan.dtype,
-                              checksum(bid, k, v))
-        out.append(encode_block({"token_ids": bid, "k": k, "v": v}, header))
-    return out
+    rows, _ = plan.encode(0, len(plan.hashes))
+    return [bytes(row.numpy()) for row in rows]
 
 
 def plain_write(r, keys: list[str], blobs: list[bytes], chunk_bytes: int) -> None:
@@ -144,13 +138,19 @@ def main() -> None:
                         times["plain_read"].append(time.perf_counter() - t0)
             row = {"tokens": n, "kv_bytes": kv_bytes, "value_bytes": sum(map(len, blobs)), "blocks": len(blobs),
                    **{k: summary(v) for k, v in times.items()}}
-            row["write_ratio"] = row["store_write"]["median_s"] / row["plain_write"]["median_s"]
-            row["read_ratio"] = row["store_read"]["median_s"] / row["plain_read"]["median_s"]
+            # each repeat's store / plain ratio (the two ran back to back, so a load swing falls on both): the
+            # median of those ratios, and the SE of their mean
+            for kind in ("write", "read"):
+                ratios = [a / b for a, b in zip(times[f"store_{kind}"], times[f"plain_{kind}"])]
+                row[f"{kind}_ratio"] = statistics.median(ratios)
+                row[f"{kind}_ratio_se"] = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None
+                row[f"{kind}_ratios"] = ratios
             rows.append(row)
             print(f"{n:6d} tokens ({kv_bytes / 2**20:6.1f} MiB): write store {row['store_write']['median_s']:.3f} s "
-                  f"plain {row['plain_write']['median_s']:.3f} s (x{row['write_ratio']:.2f}); read+verify store "
+                  f"plain {row['plain_write']['median_s']:.3f} s (x{row['write_ratio']:.2f} ± {row['write_ratio_se']:.2f}); "
+                  f"read+verify store "
                   f"{row['store_read']['median_s']:.3f} s plain {row['plain_read']['median_s']:.3f} s "
-                  f"(x{row['read_ratio']:.2f})", flush=True)
+                  f"(x{row['read_ratio']:.2f} ± {row['read_ratio_se']:.2f})", flush=True)
             del layers, blobs
             r.flushdb()
     finally:

@@ -14,20 +14,41 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` via a temp file in the same directory and an atomic rename."""
+def atomic_write_bytes(path: str | Path, data, *, sync_dir: bool = False) -> int:
+    """Write `data` (bytes or any buffer, e.g. a memoryview) to `path` atomically: a temporary file beside it,
+    fsynced, then renamed (never a torn file under `path`; see `atomic_save_tensors`). sync_dir=True also fsyncs the
+    directory (the rename durable now). Returns the bytes written."""
+    return _atomic(path, lambda tmp: write_file(tmp, data), sync_dir)
+
+
+def write_file(path: str | Path, data) -> None:
+    """Write a buffer to a new file (the step of `atomic_write_bytes` that fills its temporary file)."""
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _atomic(path: str | Path, fill, sync_dir: bool) -> int:
+    """Create `path` through `fill(temporary path)`, the fsync of the temporary file, its rename and (sync_dir) the
+    directory's fsync; the temporary file is removed on any error. Returns the file's size."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        fill(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:  # fsync flushes the file's data whatever mode the descriptor was opened in
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if sync_dir:
+        fsync_dir(path.parent)
+    return size
 
 
 def atomic_write_json(path: str | Path, obj) -> None:
@@ -47,26 +68,9 @@ def atomic_save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta
     caller (`fsync_dir`), who may sync each directory once after many files: the rename is then durable later,
     but the file is never torn.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        header = {"kvtransfer": json.dumps(metadata or {}, default=str)}
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=header)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:  # fsync flushes the file's data whatever mode the descriptor was opened in
-            os.fsync(fd)
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    if sync_dir:
-        fsync_dir(path.parent)
-    return size
+    header = {"kvtransfer": json.dumps(metadata or {}, default=str)}
+    return _atomic(path, lambda tmp: save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
+                                               metadata=header), sync_dir)
 
 
 def fsync_dir(directory: str | Path) -> None:

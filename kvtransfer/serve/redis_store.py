@@ -4,11 +4,11 @@
 
 Keys (versioned; every part checked before it reaches Redis, so no name can address another's keys):
 
-    kvt:v1:<deployment>:<ns or _>:<model key>:<block hash>    one block: the directory store's file bytes (safetensors
+    kvt:v2:<deployment>:<ns or _>:<model key>:<block hash>    one block: the directory store's file bytes (safetensors
                                                               with the kvtransfer header; kvtransfer.serve.blockformat)
-    kvt:v1:<deployment>:models                                the model keys that wrote blocks (a set: `tip` without a
+    kvt:v2:<deployment>:models                                the model keys that wrote blocks (a set: `tip` without a
                                                               model key, and `others`, ask it instead of scanning)
-    kvt:v1:<deployment>:meta                                  {"block_size": B}: the first store to open it fixes B
+    kvt:v2:<deployment>:meta                                  {"block_size": B}: the first store to open it fixes B
 
 The deployment separates fleets sharing one server; the namespace separates tenants' sessions (the proxy's keyed
 digest of API key and session id); the model key separates producers (architecture and weights); the hash carries
@@ -43,14 +43,13 @@ import re
 import time
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from .blockformat import (DEFAULT_BLOCK_SIZE, BadEntry, Prefix, block_header, check_block_header, check_model_key,
-                          check_namespace, checksum, concat_range, encode_block, is_int, parse_block, peek_header,
-                          plan_write, verify_block)
+from .blockformat import (DEFAULT_BLOCK_SIZE, Assembler, BadEntry, Prefix, Scratch, check_block_header,
+                          check_model_key, check_namespace, is_int, peek_header, plan_write)
 from .blockstore import BlockStore, TierStats, redact, walk_chain
 
 log = logging.getLogger("kvtransfer.serve")
 
-KEY_VERSION = "kvt:v1"
+KEY_VERSION = "kvt:v2"  # v1 held v3 blocks (SHA-256 checksums): SET NX would never replace them, so a new prefix
 PASSWORD_ENV = "KVTRANSFER_REDIS_PASSWORD"
 DEPLOYMENT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 HEADER_PEEK = 2048  # bytes of a block read by `lookup`: its safetensors header (~1 KB) fits; a longer one is re-read
@@ -129,6 +128,7 @@ class RedisStore(BlockStore):
         self.prefix = f"{KEY_VERSION}:{deployment}"
         self.r = client if client is not None else connect(client_url, timeout_s=timeout_s, password_env=password_env)
         self.stats = TierStats()
+        self._scratch = Scratch()   # the reused encode buffer, one per writing thread
         self._errors_logged = 0
         self.block_size = self._open_meta(block_size)
 
@@ -229,28 +229,26 @@ class RedisStore(BlockStore):
         t0 = time.perf_counter()
         written = 0
         try:
-            pipe, size, sets = self.r.pipeline(transaction=False), 0, []
-            for j, h in enumerate(plan.hashes):
-                k, ttl = self._key(key, h, ns), self._ttl_ms(j)
-                if j * B < first:
-                    if ttl is not None:
-                        pipe.pexpire(k, ttl)
-                        sets.append(False)  # one flag per queued command: True for a block's SET
-                    continue
-                a = j - first // B
-                bid, kk, vv = plan.ids[j * B:(j + 1) * B], plan.keys[a], plan.values[a]
-                header = block_header(model, ns, j, plan.hashes[j - 1] if j else plan.seed, h, B, plan.dtype,
-                                      checksum(bid, kk, vv))
-                blob = encode_block({"token_ids": bid, "k": kk, "v": vv}, header)
-                pipe.set(k, blob, nx=True, px=ttl)
-                sets.append(True)
+            pipe, sets = self.r.pipeline(transaction=False), []
+            for j in range(first // B):   # the chain's earlier blocks: a fresh TTL each
+                ttl = self._ttl_ms(j)
                 if ttl is not None:
-                    pipe.pexpire(k, ttl)  # a block that was there already keeps its bytes and gets a fresh TTL
-                    sets.append(False)
-                size += len(blob)
-                if size >= self.write_chunk_bytes:
-                    written += sum(bool(r) for r, s in zip(pipe.execute(), sets) if s)
-                    pipe, size, sets = self.r.pipeline(transaction=False), 0, []
+                    pipe.pexpire(self._key(key, plan.hashes[j], ns), ttl)
+                    sets.append(False)  # one flag per queued command: True for a block's SET
+            per_chunk = max(1, self.write_chunk_bytes // max(1, plan.block_bytes()))
+            for lo in range(first // B, len(plan.hashes), per_chunk):
+                hi = min(lo + per_chunk, len(plan.hashes))
+                rows, _ = plan.encode(lo, hi, self._scratch)   # the chunk's blobs in one reused buffer, sent as
+                #                                                views of it (execute() below returns before reuse)
+                for j in range(lo, hi):
+                    k, ttl = self._key(key, plan.hashes[j], ns), self._ttl_ms(j)
+                    pipe.set(k, memoryview(rows[j - lo].numpy()), nx=True, px=ttl)
+                    sets.append(True)
+                    if ttl is not None:
+                        pipe.pexpire(k, ttl)  # a block that was there already keeps its bytes and gets a fresh TTL
+                        sets.append(False)
+                written += sum(bool(r) for r, s in zip(pipe.execute(), sets) if s)
+                pipe, sets = self.r.pipeline(transaction=False), []
             pipe.sadd(self._models_key(), key)
             sets.append(False)
             written += sum(bool(r) for r, s in zip(pipe.execute(), sets) if s)
@@ -325,7 +323,7 @@ class RedisStore(BlockStore):
         check_model_key(prefix.model_key)
         blocks = list(range(lo // B, (hi - 1) // B + 1))
         t0 = time.perf_counter()
-        ks, vs = [], []
+        out = Assembler(prompt, lo, hi, B)
         for c in range(0, len(blocks), self.read_chunk_blocks):
             chunk = blocks[c:c + self.read_chunk_blocks]
             keys = [self.key(prefix.model_key, prefix.hashes[j], prefix.ns) for j in chunk]
@@ -342,14 +340,9 @@ class RedisStore(BlockStore):
                 if value is None:
                     self.stats.observe("read", time.perf_counter() - t0, error="evicted")
                     raise BadEntry("evicted", f"{k}: evicted or expired after the lookup")
-                header, tensors, digest = parse_block(bytearray(value), k)  # writable: the tensors view it
-                _, kk, vv = verify_block(header, tensors, digest, prompt[j * B:(j + 1) * B], k,
-                                         f"{j * B}..{(j + 1) * B - 1}")
-                a, b = max(lo, j * B) - j * B, min(hi, (j + 1) * B) - j * B
-                ks.append(kk[:, :, a:b])
-                vs.append(vv[:, :, a:b])
+                out.add(j, value, k)   # verified and copied straight from the reply's bytes
         self.stats.observe("read", time.perf_counter() - t0)
-        return concat_range(ks, vs)
+        return out.layers()
 
     # ---------------------------------------------------------------- the proxy's
     def tip(self, token_ids, model_key: str | None = None, ns: str = "") -> tuple[str, str, int] | None:

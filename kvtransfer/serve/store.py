@@ -1,6 +1,6 @@
 """The prefix store a producer writes and a consumer reads: fixed-size token blocks, chained hashes, namespaces.
 
-    <root>/store.json                                   {"format": "kvtransfer.kv_store", "layout": 2, "block_size": B}
+    <root>/store.json                                   {"format": "kvtransfer.kv_store", "layout": 3, "block_size": B}
     <root>/<model key>/<ns dir>/<h[:2]>/<h>.safetensors  one block: tokens j*B .. (j+1)*B - 1 of some prompt
 
     model key  kvtransfer.serve.ident: the producer's architecture *and* weights (16 lowercase hex)
@@ -12,9 +12,9 @@
                A block therefore stands for the whole prefix 0 .. (j+1)*B - 1, through that model, in that
                namespace: the same tokens in two namespaces never share a hash or a file.
     tensors    token_ids int64 [B]; k, v [n_layers, n_kv, B, head_dim] (keys post-RoPE, as the model caches them)
-    header     (safetensors metadata "kvtransfer", JSON) {"format": "kvtransfer.kv_block", "version": 3,
+    header     (safetensors metadata "kvtransfer", JSON) {"format": "kvtransfer.kv_block", "version": 4,
                "model": identity, "ns": ns, "block": j, "parent": h_j, "hash": h_{j+1}, "block_size": B, "dtype",
-               "checksum": sha256 of the token_ids, k and v bytes}
+               "checksum": "crc32:<8 hex>" of the token_ids, k and v bytes}
 
 Only full blocks are stored (a prompt's last n % B tokens are the target's to compute), and no whole block is
 stored twice: turn t + 1 of a conversation writes only the blocks turn t did not, and a consumer maps the
@@ -45,16 +45,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..core.io import atomic_save_tensors, fsync_dir
+from ..core.io import atomic_write_bytes, fsync_dir
 from .blockformat import (DEFAULT_BLOCK_SIZE, DTYPES as _DTYPES, FORMAT, HASH as _HASH, MAX_HEADER as _MAX_HEADER,  # noqa: F401
                           MODEL_KEY as _MODEL_KEY, NS as _NS, STORE_FORMAT, VERSION, BadEntry, Prefix,
-                          block_header, block_major, check_block_header, check_hash, check_layers, check_model_key,
-                          check_namespace, checksum, concat_range, ids_bytes as _ids_bytes, is_int as _is_int,
-                          parse_block, plan_write, prompt_key, verify_block)
+                          block_header, check_block_header, check_hash, check_layers, check_model_key,
+                          check_namespace, checksum, ids_bytes as _ids_bytes, is_int as _is_int,
+                          parse_block, plan_write, prompt_key, verify_block, Assembler, Scratch)
 from .blockstore import BlockStore, walk_chain
 from .ident import identity_from_config  # noqa: F401 -- re-exported (older imports)
 
-LAYOUT = 2  # store.json's "layout": 1 (no field) had no namespace level and another chain seed
+LAYOUT = 3  # store.json's "layout": 1 (no field) had no namespace level and another chain seed; 2 held v3 blocks
+#            (SHA-256 checksums), which a v4 reader refuses and a v4 writer would never replace (it skips whole files)
 SHARED_NS_DIR = "_"  # the directory of namespace "" (a session namespace is hex, so never "_")
 TMP_MAX_AGE_S = 3600.0  # a temporary file this old belongs to a writer that died (a block takes well under this)
 
@@ -95,6 +96,7 @@ class KVStore(BlockStore):
             raise ValueError(f"evict_to={evict_to!r}: the fraction of max_bytes eviction leaves, in (0, 1]")
         self.max_bytes, self.evict_to = max_bytes, float(evict_to)
         self._whole_sizes: set[int] = set()  # file sizes of blocks seen whole (header-declared size == file size)
+        self._scratch = Scratch()  # the reused encode buffer, one per writing thread
         self.stats = {"torn_rewritten": 0, "tmp_removed": 0, "evicted": 0, "expired": 0, "scans": 0}
         self.block_size = self._open_meta(block_size)
 
@@ -214,7 +216,7 @@ class KVStore(BlockStore):
         """
         plan = plan_write(token_ids, layers, model, first, ns, self.block_size)
         key, ns_dir, B = plan.key, _ns_dir(ns), self.block_size
-        ids, keys, values, hashes, seed = plan.ids, plan.keys, plan.values, plan.hashes, plan.seed
+        hashes = plan.hashes
         written, paths = 0, []
         renamed: set[Path] = set()  # directories that got a block: each fsynced once, after the loop
         try:
@@ -235,13 +237,10 @@ class KVStore(BlockStore):
                                 "rewriting it", path, old)
                 if not written:
                     self._ensure_meta()
-                a = j - first // B
-                bid, k, v = ids[j * B:(j + 1) * B], keys[a], values[a]
-                header = block_header(model, ns, j, hashes[j - 1] if j else seed, h, B, plan.dtype,
-                                      checksum(bid, k, v))
+                rows, _ = plan.encode(j, j + 1, self._scratch)
                 # the file is fsynced before its rename (never torn); only the renames' durability waits for the
                 # directory fsyncs below, one per directory instead of one per block
-                size = atomic_save_tensors(path, {"token_ids": bid, "k": k, "v": v}, header, sync_dir=False)
+                size = atomic_write_bytes(path, memoryview(rows[0].numpy()))
                 renamed.add(path.parent)
                 written += 1
                 if self._usage is not None:
@@ -301,18 +300,13 @@ class KVStore(BlockStore):
         if not 0 <= lo < hi <= min(prefix.n_tokens, len(prompt)):
             raise BadEntry("too_short", f"tokens {lo}..{hi} are not inside the prefix of {prefix.n_tokens} "
                                         f"stored tokens of a {len(prompt)}-token prompt")
-        ks, vs = [], []
+        out = Assembler(prompt, lo, hi, B)
         for j in range(lo // B, (hi - 1) // B + 1):
             path = self.block_path(prefix.model_key, prefix.hashes[j], prefix.ns)
-            header, tensors, digest = _read_block(path)
-            _, k, v = verify_block(header, tensors, digest, prompt[j * B:(j + 1) * B], str(path),
-                                   f"{j * B}..{(j + 1) * B - 1}")
-            a, b = max(lo, j * B) - j * B, min(hi, (j + 1) * B) - j * B
-            ks.append(k[:, :, a:b])
-            vs.append(v[:, :, a:b])
+            out.add(j, _read_bytes(path), str(path))
         _touch_chain([self._path(prefix.model_key, h, _ns_dir(prefix.ns))
                       for h in prefix.hashes[:(hi - 1) // B + 1]])
-        return concat_range(ks, vs)
+        return out.layers()
 
     # ---------------------------------------------------------------- size
     def _files(self, ns: str | None = None):
@@ -471,17 +465,15 @@ class KVStore(BlockStore):
         return None
 
 
-def _read_block(path: Path) -> tuple[dict, dict[str, torch.Tensor], str]:
-    """(kvtransfer header, tensors, checksum) of a block file, read once (blockformat.parse_block: the tensors are
-    views of the file's bytes). BadEntry("evicted") for a file that is gone, "corrupt" for one that is not a
-    readable block."""
+def _read_bytes(path: Path) -> bytearray:
+    """A block file's bytes, read once. BadEntry("evicted") for a file that is gone."""
     try:
         with open(path, "rb") as f:
             buf = bytearray(os.fstat(f.fileno()).st_size)
             f.readinto(buf)
     except OSError as err:
         raise _unreadable(path, err) from err
-    return parse_block(buf, str(path))
+    return buf
 
 
 def _scandir(path):

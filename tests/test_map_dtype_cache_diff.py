@@ -23,7 +23,8 @@ def _frobenius(a, b, start: int, kind: int) -> tuple[float, float]:
 
 
 def test_cache_diff_measures_the_evals_caches(tiny_pair_dirs, tmp_path):  # noqa: F811
-    from kvtransfer.runner.eval_stage import eval_lm, ppl_contexts
+    from kvtransfer.eval.perplexity import ppl_contexts
+    from kvtransfer.runner.eval_stage import eval_lm
     from kvtransfer.runner.pipeline import Run, execute
 
     cfg = _tiny_cfg(tiny_pair_dirs, tmp_path, "stage=[calibrate,fit]", "eval.ppl.prefixes=[16]",

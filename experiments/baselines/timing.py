@@ -44,7 +44,8 @@ from kvtransfer.core.timing import MIN_REPEATS, interleaved  # noqa: E402
 from kvtransfer.core.transfer import transfer  # noqa: E402
 from kvtransfer.eval.prefix import repair_prefix  # noqa: E402
 from kvtransfer.eval.repair import is_truncate_mode  # noqa: E402
-from kvtransfer.runner.eval_stage import control_lm, eval_lm, ppl_contexts  # noqa: E402
+from kvtransfer.eval.perplexity import ppl_contexts  # noqa: E402
+from kvtransfer.runner.eval_stage import control_lm, eval_lm  # noqa: E402
 from kvtransfer.runner.run import Run  # noqa: E402
 
 OUT = ROOT / "results" / "baselines" / "timing"

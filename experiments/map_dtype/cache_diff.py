@@ -38,7 +38,8 @@ from kvtransfer.core.io import atomic_write_json  # noqa: E402
 from kvtransfer.core.map_dtype import in_map_dtype  # noqa: E402
 from kvtransfer.core.transfer import transfer  # noqa: E402
 from kvtransfer.eval.stats import mean_se  # noqa: E402
-from kvtransfer.runner.eval_stage import eval_lm, ppl_contexts  # noqa: E402
+from kvtransfer.eval.perplexity import ppl_contexts  # noqa: E402
+from kvtransfer.runner.eval_stage import eval_lm  # noqa: E402
 from kvtransfer.runner.run import Run  # noqa: E402
 
 OUT = ROOT / "results" / "map_dtype"

@@ -116,3 +116,21 @@ def ppl_curve(lm, windows: list[list[int]], prefix_lengths: list[int],
         res = prefix_conditioned_ppl(other, windows, prefix_lengths)
         curve[mode] = {p: r["ppl"] for p, r in res.items()}
     return curve
+
+
+def ppl_contexts(lm, ecfg: dict, set_name: str, prefix: int, n: int, seed: int) -> tuple[list, list]:
+    """(contexts, page indices) of the first `n` windows of perplexity set `set_name`'s draw (eval.ppl: the same
+    windows the eval scores), each context the start ids + the `prefix` tokens before the window's largest P:
+    what the tools that re-run part of an eval on a fixed subsample (timing, cache comparisons) read. `lm`: the
+    eval's adapter (its tokenizer, start ids and prefix token)."""
+    from .sources import ppl_pages   # the data's location: the bundled file, data_dir's or the hub's
+
+    pcfg = ecfg["ppl"]
+    top = max(pcfg["prefixes"])
+    if not 0 < prefix <= top:
+        raise ValueError(f"P = {prefix}: the run's windows hold 1..{top} context tokens; pick a run drawn at it")
+    windows, docs = draw_windows(lm.tokenizer, ppl_pages(ecfg, set_name), max_prefix=top,
+                                 cont_len=pcfg["continuation"], n_windows=pcfg["windows"], seed=seed,
+                                 draw=pcfg.get("draw", "per_document"), return_docs=True)
+    pairs = prefix_pairs(windows[:n], prefix, top, lm.prefix_token_id, lm._start_ids)
+    return [c for c, _ in pairs], docs[:n]

@@ -670,6 +670,20 @@ def test_a_session_is_its_keys_alone_another_key_with_the_same_id_gets_its_own()
     run(go())
 
 
+def test_the_module_docstring_says_what_another_key_on_a_taken_id_gets():
+    """The proxy's own description of isolation matches what it does: another key that sends a taken session id
+    gets a 200 and a session of its own (a different namespace), not a 403."""
+    assert "403" not in P.__doc__ and "a session of its own" in " ".join(P.__doc__.split())
+
+    async def go():
+        rig = Rig(block=4)
+        assert (await rig.chat(MSGS, session="s", key="alice")).status_code == 200
+        r = await rig.chat(MSGS, session="s", key="mallory")
+        assert r.status_code == 200 and len(rig.proxy.sessions) == 2
+        assert rig.gen_calls(rig.source)[-1]["kv_transfer_params"]["kvtransfer_ns"] == rig.ns("s", "mallory")
+    run(go())
+
+
 def test_a_freed_id_reopened_by_another_key_reaches_nothing_of_the_first_owners():
     """The first owner deletes (or the table evicts) a session; another key opens the same id: its salt and its
     namespace differ, so neither the consumer's prefix cache nor the store gives it the first owner's tokens."""

@@ -932,3 +932,57 @@ def test_a_later_turns_stream_says_its_reused_tokens_are_cached_or_mapped():
         assert last["kvtransfer"]["status"] == "reused" and last["kvtransfer"]["cached"] == hits
         assert last["kvtransfer"]["summary"].startswith(f"reused {hits} tokens (cached or mapped")
     run(go())
+
+
+# ---------------------------------------------------------------- the deployment's secret
+def test_the_secret_file_is_made_once_mode_0600_and_reused(tmp_path):
+    import os
+    import stat
+
+    path = tmp_path / "proxy.secret"
+    first = P.read_secret(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # only the proxy's user can read it
+    assert len(first) == 64 and all(c in b"0123456789abcdef" for c in first)
+    assert P.read_secret(path) == first  # a restart reads the same secret, never a new one
+    assert P.read_secret(tmp_path / "other.secret") != first  # another deployment: its own
+
+
+@pytest.mark.parametrize("text", ["", "short0123", "Z" * 64, "0123456789abcdef" * 3 + "not hex!" * 2])
+def test_a_malformed_secret_file_is_refused_naming_the_fix_and_left_alone(tmp_path, text):
+    path = tmp_path / "proxy.secret"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="does not hold a secret.*remove it"):
+        P.read_secret(path)
+    assert path.read_text() == text  # never overwritten: the operator decides
+
+
+def test_a_restarted_proxy_with_the_same_secret_file_keeps_every_sessions_names(tmp_path):
+    """Session owners, cache salts and store namespaces are keyed digests under the secret: a proxy restarted on
+    the same secret file derives the same ones for the same key and id (its sessions' stored blocks and the
+    target's cached ones stay theirs); another secret derives others."""
+    path = tmp_path / "proxy.secret"
+
+    def names(proxy):
+        owner = proxy.sessions.owner_of("Bearer alice")
+        return owner, proxy.sessions.salt(owner, "doc"), proxy.sessions.namespace(owner, "doc"), \
+            proxy.sessions.source_salt(owner)
+
+    def start(secret):
+        return P.HandoffProxy("http://source", "http://target", start_ids=START, secret=secret)
+
+    before, after = names(start(P.read_secret(path))), names(start(P.read_secret(path)))
+    assert before == after and all(before)
+    assert names(start(P.read_secret(tmp_path / "new.secret")))[1:3] != before[1:3]
+
+    async def go():  # end to end: the restarted proxy's switch maps what the first one's source turn stored
+        rig = Rig(block=4, store=True)
+        rig.proxy.sessions = start(P.read_secret(path)).sessions
+        await rig.chat(MSGS, session="doc", key="alice")
+        rig.proxy.sessions = start(P.read_secret(path)).sessions  # a restart: the session table is empty
+        rig.source.fail_status = 500  # no save step can store anything now: only the first proxy's blocks can map
+        r = await rig.chat(MSGS, model="tgt", session="doc", key="alice")
+        assert r.json()["kvtransfer"]["status"] == "mapped"
+        served = rig.gen_calls(rig.target)[-1]
+        assert served["kv_transfer_params"]["kvtransfer_ns"] == before[2]
+        assert served["cache_salt"] == f"{P.MAPPED_SALT}:{before[1]}"
+    run(go())

@@ -986,3 +986,43 @@ def test_a_restarted_proxy_with_the_same_secret_file_keeps_every_sessions_names(
         assert served["kv_transfer_params"]["kvtransfer_ns"] == before[2]
         assert served["cache_salt"] == f"{P.MAPPED_SALT}:{before[1]}"
     run(go())
+
+
+# ---------------------------------------------------------------- the event loop
+@pytest.mark.parametrize("call", ["tip", "delete_namespace"])
+def test_a_slow_store_call_never_stalls_the_proxys_other_requests(call):
+    """The proxy's store calls (a switch's `tip`, a DELETE's `delete_namespace`) run in a thread: while one takes
+    STALL seconds (a slow disk, a stuck mount), /health and /metrics answer at once. On the event loop they would
+    answer only after the call returned, STALL seconds after it began."""
+    import time
+
+    STALL = 0.5
+    entered = threading.Event()
+    state = {}
+
+    async def go():
+        rig = Rig(block=4, store=True)
+        rig.proxy.switch_wait_s = rig.proxy.switch_stall_s = 0.0  # one store call per switch
+        await rig.chat(MSGS, session="s")
+        slow = getattr(rig.fake_store, call)
+
+        def stalled(*args, **kwargs):
+            state["t0"] = time.monotonic()
+            entered.set()
+            time.sleep(STALL)
+            return slow(*args, **kwargs)
+
+        setattr(rig.fake_store, call, stalled)
+        blocked = (rig.chat(MSGS, model="tgt", session="s") if call == "tip" else
+                   rig.client.delete("/kvtransfer/sessions/s", headers={"authorization": "Bearer k1"}))
+        task = asyncio.ensure_future(blocked)
+        while not entered.is_set():
+            await asyncio.sleep(0.005)
+        for path in ("/health", "/metrics"):
+            assert (await rig.client.get(path)).status_code == 200
+        state["answered"] = time.monotonic() - state["t0"]
+        assert (await task).status_code == 200
+        assert time.monotonic() - state["t0"] >= STALL  # the store call really took STALL seconds
+
+    run(go())
+    assert state["answered"] < STALL / 2, state  # not after the store call: the loop kept serving

@@ -723,6 +723,32 @@ def test_the_sources_cache_is_salted_per_key_so_a_guess_learns_nothing():
     run(go())
 
 
+def test_keyless_callers_share_one_unsalted_source_cache_as_the_docs_say():
+    """Requests without an API key carry no cache salt to the source: one keyless caller's guessed prefix of
+    another's prompt is a cache hit it can read off its usage (a keyed caller's guess is not). docs/serving.md
+    says so where it describes isolation."""
+    from pathlib import Path
+
+    async def go():
+        rig = Rig(block=4)
+        rig.proxy.allow_anonymous_sessions = True
+        secret = [{"role": "user", "content": "the merger closes on the 14th at 9am " * 2}]
+        guess = [{"role": "user", "content": "the merger closes on the 14th"}]
+        await rig.chat(secret, session="a", key=None)  # an anonymous session's source turn
+        assert "cache_salt" not in rig.gen_calls(rig.source)[-1]
+        r = await rig.chat(guess, session="b", key=None)  # another keyless caller's session
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        r = await rig.chat(guess, session="m", key="mallory")  # a keyed caller's guess: her own salt, no hit
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        await rig.chat(secret, key=None)  # keyless requests without a session, forwarded as they came: the same
+        r = await rig.chat(guess, key=None)
+        assert "cache_salt" not in rig.gen_calls(rig.source, "chat")[-1]
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    run(go())
+    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text().split())
+    assert "Callers without an API key have no salt" in doc and "share one unsalted prefix cache" in doc
+
+
 def test_a_session_without_a_key_is_refused_unless_the_deployment_allows_it():
     async def go():
         rig = Rig()

@@ -50,7 +50,7 @@ def test_load_sessions_hand_over_and_serve_what_the_target_computes(report):
     # the producer gathered and wrote each stored block once, in the background (no block twice, none failed)
     w = report["producer_writer"]
     assert w["failed"] == 0 and w["written_blocks"] == w["blocks_in_store"] > 0
-    assert w["written_bytes"] == w["written_blocks"] * w["bytes_per_block"]
+    assert w["gathered_bytes"] == w["written_bytes"] == w["written_blocks"] * w["bytes_per_block"]
 
 
 def test_faults_are_counted_fallbacks_and_the_next_handoff_maps(report):

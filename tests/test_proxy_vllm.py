@@ -70,6 +70,7 @@ def test_faults_are_counted_fallbacks_and_the_next_handoff_maps(report):
     second = faults["second_key"]
     assert second["owner"] == second["other"] == 200, second
     assert second["other_kvtransfer"]["save_s"] is not None and not second["other_kvtransfer"]["cached"], second
+    assert second["other_kvtransfer"]["status"] == "mapped", second  # the cold switch maps its own save step's
     assert second["owner_switch"].startswith("mapped "), second
     bad = faults["distinct_bad_sessions"]
     assert bad["codes"] == {"400": 2000} and bad["sessions_after"] == bad["sessions_before"]

@@ -196,6 +196,9 @@ def test_a_user_starts_it_and_two_keys_share_it(deployment):
     assert src.usage.prompt_tokens_details.cached_tokens == 0  # alice's prompt is in the source's cache, not hers
     hers, header = chat(mallory, "doc", guess, "target-model")
     assert hers.model_extra["kvtransfer"]["save_s"] is not None and not hers.model_extra["kvtransfer"]["cached"]
+    # the cold switch maps what her own save step stored (the producer gathered it, though alice's identical
+    # prompt is in the store: another namespace)
+    assert header.startswith("mapped ") and hers.model_extra["kvtransfer"]["status"] == "mapped", header
     mine, _ = chat(alice, "doc2", guess, "source-model")  # the same prompt as alice: her own cache, the control
     assert mine.usage.prompt_tokens_details.cached_tokens > 0
     # mallory deletes "doc": hers; alice's session and stored blocks stay
@@ -274,6 +277,7 @@ def test_two_proxies_share_sessions_through_redis_and_outlive_a_restart_and_a_de
         hers = chat(two, "mallory", "fleet", msgs, "target-model")
         assert hers.status_code == 200, hers.text
         assert hers.json()["kvtransfer"]["save_s"] is not None and not hers.json()["kvtransfer"]["cached"]
+        assert hers.headers[STATUS].startswith("mapped "), hers.headers[STATUS]  # her save step's blocks, mapped
         assert served_by_source() == before + 1  # her save step
         msgs = then(msgs, third, "And the flag?")
         fourth = chat(two, "carol", "fleet", msgs, "target-model")

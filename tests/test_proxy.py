@@ -670,6 +670,20 @@ def test_a_session_is_its_keys_alone_another_key_with_the_same_id_gets_its_own()
     run(go())
 
 
+def test_the_module_docstring_says_what_another_key_on_a_taken_id_gets():
+    """The proxy's own description of isolation matches what it does: another key that sends a taken session id
+    gets a 200 and a session of its own (a different namespace), not a 403."""
+    assert "403" not in P.__doc__ and "a session of its own" in " ".join(P.__doc__.split())
+
+    async def go():
+        rig = Rig(block=4)
+        assert (await rig.chat(MSGS, session="s", key="alice")).status_code == 200
+        r = await rig.chat(MSGS, session="s", key="mallory")
+        assert r.status_code == 200 and len(rig.proxy.sessions) == 2
+        assert rig.gen_calls(rig.source)[-1]["kv_transfer_params"]["kvtransfer_ns"] == rig.ns("s", "mallory")
+    run(go())
+
+
 def test_a_freed_id_reopened_by_another_key_reaches_nothing_of_the_first_owners():
     """The first owner deletes (or the table evicts) a session; another key opens the same id: its salt and its
     namespace differ, so neither the consumer's prefix cache nor the store gives it the first owner's tokens."""
@@ -707,6 +721,32 @@ def test_the_sources_cache_is_salted_per_key_so_a_guess_learns_nothing():
         r = await rig.chat(guess, session="a2", key="alice")  # as alice it hits her own cache: the fake can see it
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     run(go())
+
+
+def test_keyless_callers_share_one_unsalted_source_cache_as_the_docs_say():
+    """Requests without an API key carry no cache salt to the source: one keyless caller's guessed prefix of
+    another's prompt is a cache hit it can read off its usage (a keyed caller's guess is not). docs/serving.md
+    says so where it describes isolation."""
+    from pathlib import Path
+
+    async def go():
+        rig = Rig(block=4)
+        rig.proxy.allow_anonymous_sessions = True
+        secret = [{"role": "user", "content": "the merger closes on the 14th at 9am " * 2}]
+        guess = [{"role": "user", "content": "the merger closes on the 14th"}]
+        await rig.chat(secret, session="a", key=None)  # an anonymous session's source turn
+        assert "cache_salt" not in rig.gen_calls(rig.source)[-1]
+        r = await rig.chat(guess, session="b", key=None)  # another keyless caller's session
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        r = await rig.chat(guess, session="m", key="mallory")  # a keyed caller's guess: her own salt, no hit
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        await rig.chat(secret, key=None)  # keyless requests without a session, forwarded as they came: the same
+        r = await rig.chat(guess, key=None)
+        assert "cache_salt" not in rig.gen_calls(rig.source, "chat")[-1]
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    run(go())
+    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text().split())
+    assert "Callers without an API key have no salt" in doc and "share one unsalted prefix cache" in doc
 
 
 def test_a_session_without_a_key_is_refused_unless_the_deployment_allows_it():
@@ -918,3 +958,97 @@ def test_a_later_turns_stream_says_its_reused_tokens_are_cached_or_mapped():
         assert last["kvtransfer"]["status"] == "reused" and last["kvtransfer"]["cached"] == hits
         assert last["kvtransfer"]["summary"].startswith(f"reused {hits} tokens (cached or mapped")
     run(go())
+
+
+# ---------------------------------------------------------------- the deployment's secret
+def test_the_secret_file_is_made_once_mode_0600_and_reused(tmp_path):
+    import os
+    import stat
+
+    path = tmp_path / "proxy.secret"
+    first = P.read_secret(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # only the proxy's user can read it
+    assert len(first) == 64 and all(c in b"0123456789abcdef" for c in first)
+    assert P.read_secret(path) == first  # a restart reads the same secret, never a new one
+    assert P.read_secret(tmp_path / "other.secret") != first  # another deployment: its own
+
+
+@pytest.mark.parametrize("text", ["", "short0123", "Z" * 64, "0123456789abcdef" * 3 + "not hex!" * 2])
+def test_a_malformed_secret_file_is_refused_naming_the_fix_and_left_alone(tmp_path, text):
+    path = tmp_path / "proxy.secret"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="does not hold a secret.*remove it"):
+        P.read_secret(path)
+    assert path.read_text() == text  # never overwritten: the operator decides
+
+
+def test_a_restarted_proxy_with_the_same_secret_file_keeps_every_sessions_names(tmp_path):
+    """Session owners, cache salts and store namespaces are keyed digests under the secret: a proxy restarted on
+    the same secret file derives the same ones for the same key and id (its sessions' stored blocks and the
+    target's cached ones stay theirs); another secret derives others."""
+    path = tmp_path / "proxy.secret"
+
+    def names(proxy):
+        owner = proxy.sessions.owner_of("Bearer alice")
+        return owner, proxy.sessions.salt(owner, "doc"), proxy.sessions.namespace(owner, "doc"), \
+            proxy.sessions.source_salt(owner)
+
+    def start(secret):
+        return P.HandoffProxy("http://source", "http://target", start_ids=START, secret=secret)
+
+    before, after = names(start(P.read_secret(path))), names(start(P.read_secret(path)))
+    assert before == after and all(before)
+    assert names(start(P.read_secret(tmp_path / "new.secret")))[1:3] != before[1:3]
+
+    async def go():  # end to end: the restarted proxy's switch maps what the first one's source turn stored
+        rig = Rig(block=4, store=True)
+        rig.proxy.sessions = start(P.read_secret(path)).sessions
+        await rig.chat(MSGS, session="doc", key="alice")
+        rig.proxy.sessions = start(P.read_secret(path)).sessions  # a restart: the session table is empty
+        rig.source.fail_status = 500  # no save step can store anything now: only the first proxy's blocks can map
+        r = await rig.chat(MSGS, model="tgt", session="doc", key="alice")
+        assert r.json()["kvtransfer"]["status"] == "mapped"
+        served = rig.gen_calls(rig.target)[-1]
+        assert served["kv_transfer_params"]["kvtransfer_ns"] == before[2]
+        assert served["cache_salt"] == f"{P.MAPPED_SALT}:{before[1]}"
+    run(go())
+
+
+# ---------------------------------------------------------------- the event loop
+@pytest.mark.parametrize("call", ["tip", "delete_namespace"])
+def test_a_slow_store_call_never_stalls_the_proxys_other_requests(call):
+    """The proxy's store calls (a switch's `tip`, a DELETE's `delete_namespace`) run in a thread: while one takes
+    STALL seconds (a slow disk, a stuck mount), /health and /metrics answer at once. On the event loop they would
+    answer only after the call returned, STALL seconds after it began."""
+    import time
+
+    STALL = 0.5
+    entered = threading.Event()
+    state = {}
+
+    async def go():
+        rig = Rig(block=4, store=True)
+        rig.proxy.switch_wait_s = rig.proxy.switch_stall_s = 0.0  # one store call per switch
+        await rig.chat(MSGS, session="s")
+        slow = getattr(rig.fake_store, call)
+
+        def stalled(*args, **kwargs):
+            state["t0"] = time.monotonic()
+            entered.set()
+            time.sleep(STALL)
+            return slow(*args, **kwargs)
+
+        setattr(rig.fake_store, call, stalled)
+        blocked = (rig.chat(MSGS, model="tgt", session="s") if call == "tip" else
+                   rig.client.delete("/kvtransfer/sessions/s", headers={"authorization": "Bearer k1"}))
+        task = asyncio.ensure_future(blocked)
+        while not entered.is_set():
+            await asyncio.sleep(0.005)
+        for path in ("/health", "/metrics"):
+            assert (await rig.client.get(path)).status_code == 200
+        state["answered"] = time.monotonic() - state["t0"]
+        assert (await task).status_code == 200
+        assert time.monotonic() - state["t0"] >= STALL  # the store call really took STALL seconds
+
+    run(go())
+    assert state["answered"] < STALL / 2, state  # not after the store call: the loop kept serving

@@ -28,3 +28,24 @@ def test_load_report_counts_what_the_readme_claims():
     assert not [r for r in load if r.get("differs")] and not rep["crashed"]["proxy"]
     switches = [r for r in load if r.get("switch")]
     assert len(switches) == rep["sessions"] and all(r["producer_prompt_tokens"] == 0 for r in switches)
+
+
+def _provenance(name: str) -> dict:
+    data = json.loads((ROOT / f"results/handoff/{name}.json").read_text())
+    return data.get("provenance") or data.get("machine") or {}
+
+
+def test_the_readmes_prose_describes_the_runs_beside_it():
+    """The machine paragraph names the CPU of every run; the store's throughput says it predates fsynced block
+    writes while its run does; "not measured" never calls the directory the only backend (a Redis store exists)."""
+    text = (ROOT / "results/handoff/README.md").read_text()
+    machines = " ".join(text.split("## 1.")[0].split())
+    for name in ("load_tiny", "latency", "overhead", "conversation", "store_io"):
+        cpu = _provenance(name)["cpu"]
+        family = "EPYC" if "EPYC" in cpu else "Xeon" if "Xeon" in cpu else cpu
+        assert family in machines, (name, cpu)
+    if _provenance("store_io")["commit"].startswith("6af5cc7"):  # measured before block writes were fsynced
+        assert "These numbers predate fsynced block writes" in text
+    assert (ROOT / "kvtransfer/serve/redis_store.py").is_file() and "only backend" not in text
+    latency_mapper = " ".join(text.split("Both engines in **bfloat16**")[1].split("<!-- BEGIN")[0].split())
+    assert "The mapper of the latency table is the 40 x 256-token one" in latency_mapper

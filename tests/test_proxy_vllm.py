@@ -50,7 +50,7 @@ def test_load_sessions_hand_over_and_serve_what_the_target_computes(report):
     # the producer gathered and wrote each stored block once, in the background (no block twice, none failed)
     w = report["producer_writer"]
     assert w["failed"] == 0 and w["written_blocks"] == w["blocks_in_store"] > 0
-    assert w["written_bytes"] == w["written_blocks"] * w["bytes_per_block"]
+    assert w["gathered_bytes"] == w["written_bytes"] == w["written_blocks"] * w["bytes_per_block"]
 
 
 def test_faults_are_counted_fallbacks_and_the_next_handoff_maps(report):
@@ -70,6 +70,7 @@ def test_faults_are_counted_fallbacks_and_the_next_handoff_maps(report):
     second = faults["second_key"]
     assert second["owner"] == second["other"] == 200, second
     assert second["other_kvtransfer"]["save_s"] is not None and not second["other_kvtransfer"]["cached"], second
+    assert second["other_kvtransfer"]["status"] == "mapped", second  # the cold switch maps its own save step's
     assert second["owner_switch"].startswith("mapped "), second
     bad = faults["distinct_bad_sessions"]
     assert bad["codes"] == {"400": 2000} and bad["sessions_after"] == bad["sessions_before"]

@@ -94,7 +94,7 @@ def test_a_dead_redis_costs_the_producer_a_counted_failed_save_never_a_raised_ho
         conn._requests = {"a": SimpleNamespace(prompt_token_ids=ids, kv_transfer_params={"kvtransfer_ns": A})}
         server.stop()
         meta = C.ServeMetadata()
-        conn._plan_saves(_step("a", n=18), meta)  # the scheduler's check: 0 stored (counted), so all is saved
+        conn._plan_saves(_step("a", n=18), meta)  # the scheduler knows nothing stored: all is gathered
         assert [(s.req_id, s.first, s.end) for s in meta.saves] == [("a", 0, 16)]
         conn.writer, conn._layout = StoreWriter(store, background=False), object()
         conn._layer_parts = {"a": {i: (k[:, :16], v[:, :16]) for i, (k, v) in enumerate(_layers(18))}}
@@ -102,6 +102,8 @@ def test_a_dead_redis_costs_the_producer_a_counted_failed_save_never_a_raised_ho
         conn.has_connector_metadata = lambda: True
         conn.wait_for_save()
         assert conn.writer.stats["failed"] == 1 and conn.writer.stats["written_blocks"] == 0
+        # the write failed, and so did the writer's check of what is stored (on its thread): all reported missing
         assert set(store.tier_stats()["errors"]) == {"stored_blocks:ConnectionError", "write:ConnectionError"}
+        assert conn.writer.take_reports() == ([], store.hashes(ids, KEY, A))
     finally:
         server.stop()

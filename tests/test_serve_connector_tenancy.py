@@ -7,6 +7,7 @@ The connector's hooks are driven on an instance made without vLLM's base class (
 attributes each hook reads set by hand and vLLM's scheduler output / request objects as SimpleNamespaces."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import pytest
@@ -39,7 +40,9 @@ def _connector(store: KVStore, *, producer: bool) -> C.KVTransferConnector:
     conn._model_identity = IDENT
     conn._requests, conn._saved, conn._pending, conn._loading, conn._alloc, conn._gate_hi = {}, set(), {}, {}, {}, {}
     conn._gate_kept, conn._layer_parts, conn._failed_blocks = {}, {}, set()
-    conn.gate, conn._gates = None, {}
+    conn.gate, conn._gates, conn._gate_out = None, {}, {}
+    conn._known, conn.writer, conn.decider = OrderedDict(), None, None
+    conn._smap, conn._smap_error, conn._report_unusable = None, "", False
     conn._kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10, 16)),))
     return conn
 
@@ -74,14 +77,20 @@ def test_the_producer_stores_each_request_in_its_namespace(tmp_path):
                       "plain": SimpleNamespace(prompt_token_ids=ids, kv_transfer_params=None)}
     meta = C.ServeMetadata()
     conn._plan_saves(_step("a", "plain", n=18), meta)
-    assert [(s.req_id, s.ns, s.first, s.end) for s in meta.saves] == [("a", A, 0, 16)]  # "plain" is stored already
+    # the scheduler does not ask the store: "plain" (stored by another process) is gathered again, and skipped by
+    # the writer, which checks the store on its own thread
+    assert [(s.req_id, s.ns, s.first, s.end) for s in meta.saves] == [("a", A, 0, 16), ("plain", "", 0, 16)]
     # the worker: gathered K/V handed to the writer with the namespace
     conn.writer, conn._layout = StoreWriter(store, background=False), object()
-    conn._layer_parts = {"a": {i: (k[:, :16], v[:, :16]) for i, (k, v) in enumerate(_layers(18, value=0.5))}}
+    conn._layer_parts = {r: {i: (k[:, :16], v[:, :16]) for i, (k, v) in enumerate(_layers(18, value=0.5))}
+                         for r in ("a", "plain")}
     conn._get_connector_metadata = lambda: meta
     conn.has_connector_metadata = lambda: True
+    a_bytes = sum(t.numel() * t.element_size() for kv in conn._layer_parts["a"].values() for t in kv)
     conn.wait_for_save()
-    assert conn.writer.stats["written_blocks"] == 4
+    assert conn.writer.stats["written_blocks"] == 4  # tenant A's four; none of the shared prompt's again
+    assert conn.writer.stats["written_bytes"] == a_bytes  # the bytes written ...
+    assert conn.writer.stats["gathered_bytes"] == 2 * a_bytes  # ... and the bytes gathered (the redundant copy)
     assert store.lookup(ids, KEY, A).n_blocks == 4 and store.lookup(ids, KEY, B).n_blocks == 0
     k = store.read(store.lookup(ids, KEY, A), ids, 0, 16)[0][0]
     assert torch.equal(k[0, :, 0], torch.arange(16, dtype=torch.float32) + 0.5)  # tenant A's values, not the shared

@@ -173,10 +173,10 @@ def test_response_carries_the_gate_and_the_tokens_it_left_mapped():
     out = gating.response(summary, rec)
     assert out["gate"] == rec and out["mapped"] == 0 and out["prefilled"] == 49 and rec["recomputed"] == 1.0
     assert gating.response(summary, None) == summary
-    from kvtransfer.serve.connector import GateMeta
+    from kvtransfer.serve.connector import WorkerMeta
 
-    meta = GateMeta({"a": rec}).aggregate(GateMeta({"b": rec}))
-    assert set(meta.gates) == {"a", "b"}
+    meta = WorkerMeta({"a": rec}, stored=["h1"]).aggregate(WorkerMeta({"b": rec}, missing=["h2"], unusable="x"))
+    assert set(meta.gates) == {"a", "b"} and (meta.stored, meta.missing, meta.unusable) == (["h1"], ["h2"], "x")
 
 
 def test_decider_keeps_a_gate_fallback_and_counters_count_each_gate_once(tmp_path):

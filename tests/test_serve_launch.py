@@ -53,6 +53,7 @@ def test_commands_start_a_producer_a_consumer_and_the_proxy_in_front(tmp_path):
     state = (tmp_path / "state").resolve()
     assert proxy[proxy.index("--secret-file") + 1] == str(state / "proxy.secret")
     assert consumer["stats"] == str(state / "consumer_stats.json")
+    assert consumer["sink_dir"] == str(state / "sinks")  # a directory store too: the store holds only blocks
     assert _kv(src)["kv_connector_extra_config"]["store_max_bytes"] == str(20 << 30)  # a store is capped by default
     assert "--allow-anonymous-sessions" not in proxy
 
@@ -76,7 +77,8 @@ def test_a_redis_store_url_is_passed_through_and_its_password_travels_in_the_env
     args.state = "redis://10.0.0.6:6379/1"
     assert launch.commands(args, python="py")["proxy"][-2:] == ["--state", "redis://10.0.0.6:6379/1"]
     directory = launch.commands(_args(tmp_path), python="py")  # a path stays a resolved path, with its cap
-    assert "sink_dir" not in _kv(directory["target"])["kv_connector_extra_config"]
+    assert _kv(directory["target"])["kv_connector_extra_config"]["sink_dir"] == str((tmp_path / "state").resolve()
+                                                                                    / "sinks")
     assert "--state" not in directory["proxy"] and launch.store_env(_args(tmp_path)) == {}
 
 

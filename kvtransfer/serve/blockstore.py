@@ -49,7 +49,7 @@ class BlockStore(abc.ABC):
 
     @abc.abstractmethod
     def stored_blocks(self, token_ids, model_key: str, ns: str = "") -> int:
-        """How many leading full blocks of the prompt the store holds (the producer's scheduler asks; 0 on a fault)."""
+        """How many leading full blocks of the prompt the store holds (the producer's writer asks; 0 on a fault)."""
 
     @abc.abstractmethod
     def lookup(self, token_ids, model_key: str, ns: str = "") -> Prefix:

@@ -50,9 +50,14 @@ extra config
     stats          optional JSON path: fallback reasons and per-request records (scheduler side, bounded, written
                    on a timer); "<stats>.worker.json" gets the worker's last 1,000 per-load timings
 
-Producer: once a prompt's prefill completes, the K/V of its full blocks the store does not hold yet are gathered
-layer by layer (`save_kv_layer`) and handed to a background writer (`wait_for_save`, kvtransfer.serve.writer):
-no forward step waits for the disk; the writer's counters go to "<stats>.worker.json". Consumer: the scheduler decides per
+Producer: once a prompt's prefill completes, the K/V of its full blocks this process does not know stored are
+gathered layer by layer (`save_kv_layer`) and handed to a background writer (`wait_for_save`,
+kvtransfer.serve.writer): no forward step waits for the disk, and the scheduler thread never touches the store (it
+consults the chain hashes the writer reported stored, `WorkerMeta`); the writer skips blocks already there. The
+writer's counters go to "<stats>.worker.json". A request whose K/V depends on more than its token ids -- a LoRA
+adapter, multimodal inputs, prompt embeddings (kvtransfer.serve.policy.unkeyed_input) -- is never stored (counted
+"save_lora" / "save_multimodal" / "save_prompt_embeds") nor mapped (reason "lora" / "multimodal" /
+"prompt_embeds"): the store's chain key carries neither. Consumer: the scheduler decides per
 request (kvtransfer.serve.policy.decide); the worker reads the entry, maps it
 (kvtransfer.serve.mapping.ServeMap) and scatters it into the paged cache (kvtransfer.serve.paged)
 before the forward pass (checking each block's checksum and token ids against the request's prompt), in
@@ -60,7 +65,9 @@ the layout of the attention backend the worker registered
 (`worker_layout`: FLASH_ATTN / FLASHINFER / TRITON_ATTN on GPUs, CPU_ATTN's vec and AMX packings); a
 backend whose layout is not implemented disables mapping for the engine, by name, and every request is
 prefilled normally. A worker-side failure reports the request's blocks as load errors, which
-kv_load_failure_policy="recompute" turns into a normal prefill. Every scheduler-side hook turns any
+kv_load_failure_policy="recompute" turns into a normal prefill; a worker that cannot map at all (no mapper, an
+unsupported layout) also tells the scheduler (`WorkerMeta.unusable`), which from then on decides "worker_unusable"
+instead of promising tokens. Every scheduler-side hook turns any
 exception into a fallback with a counted reason ("error:<hook>"): no request and no store content can
 raise into vLLM's scheduler.
 
@@ -73,6 +80,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,7 +88,7 @@ from typing import Any
 import torch
 
 from . import gating, paged
-from .policy import MAPPED, BadRequest, Counters, Decider, MapSpec, Timings, request_namespace
+from .policy import MAPPED, BadRequest, Counters, Decider, MapSpec, Timings, request_namespace, unkeyed_input
 from .specs import LoadSpec, SaveSpec, layer_index
 from .blockstore import BlockStore, is_url
 from .stores import open_store
@@ -108,6 +116,7 @@ except ImportError:  # the default suite and the harness run without vLLM
 
 log = logging.getLogger("kvtransfer.serve")
 DEFAULT_SALT = "kvtransfer-mapped"
+KNOWN_BLOCKS = 1 << 17  # producer's scheduler: chain hashes it remembers as stored (least recently used dropped)
 
 
 @dataclass
@@ -205,15 +214,21 @@ def sink_dir(store: BlockStore, extra: dict) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtransfer" / "sinks"
 
 
-class GateMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the gate's records of one step (kvtransfer.serve.gating.after_forward), by request."""
+class WorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step (vLLM's KVConnectorOutput.kv_connector_worker_meta): the gate's records by
+    request (kvtransfer.serve.gating.after_forward); a producer's store reports (chain hashes its writer found
+    stored, then missing); a consumer worker's reason it cannot map ("" when it can)."""
 
-    def __init__(self, gates: dict):
-        self.gates = gates
+    def __init__(self, gates: dict | None = None, stored: list[str] | None = None,
+                 missing: list[str] | None = None, unusable: str = ""):
+        self.gates, self.stored, self.missing = dict(gates or {}), list(stored or []), list(missing or [])
+        self.unusable = unusable
 
     def aggregate(self, other):
-        """The union of two workers' records."""
-        return GateMeta({**self.gates, **getattr(other, "gates", {})})
+        """The union of two workers' metadata."""
+        return WorkerMeta({**self.gates, **getattr(other, "gates", {})}, self.stored + list(getattr(other, "stored", [])),
+                          self.missing + list(getattr(other, "missing", [])),
+                          self.unusable or getattr(other, "unusable", ""))
 
 
 class KVTransferConnector(KVConnectorBase_V1):
@@ -254,11 +269,15 @@ class KVTransferConnector(KVConnectorBase_V1):
         self._requests: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self._saved: set[str] = set()
+        # producer: chain hashes this process knows are stored (its writer's reports); consulted instead of the store
+        # on the scheduler thread, which must never wait on store I/O (a stuck mount would stall every request)
+        self._known: OrderedDict[str, None] = OrderedDict()
         self._loading: dict[str, set[int]] = {}  # request -> the blocks its load writes (load errors come back as ids)
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._smap = None
         self._smap_error = ""
+        self._report_unusable = False  # worker: tell the scheduler (WorkerMeta.unusable) at the next step
         self._layout: paged.PagedLayout | None = None
         self._layer_parts: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._failed_blocks: set[int] = set()
@@ -317,7 +336,7 @@ class KVTransferConnector(KVConnectorBase_V1):
             if self.producer or self.decider is None:
                 return 0, False
             decision = self.decider.get(request.request_id, request.prompt_token_ids, num_computed_tokens,
-                                        request.kv_transfer_params, request.cache_salt)
+                                        request.kv_transfer_params, request.cache_salt, unkeyed_input(request))
             if decision.reason != MAPPED:
                 self._pending.pop(request.request_id, None)
                 return 0, False
@@ -410,9 +429,12 @@ class KVTransferConnector(KVConnectorBase_V1):
         return meta
 
     def _plan_saves(self, scheduler_output, meta: ServeMetadata) -> None:
-        """A SaveSpec for every request whose prompt prefill completes in this step and whose full blocks the store
-        does not all hold yet (from its first missing block on), in the request's namespace (`kvtransfer_ns`; a
-        malformed one: the request is not stored, counted "save_bad_request")."""
+        """A SaveSpec for every request whose prompt prefill completes in this step, in the request's namespace
+        (`kvtransfer_ns`; a malformed one: not stored, counted "save_bad_request"; a LoRA, multimodal or
+        prompt-embeds request: not stored, counted "save_<reason>", kvtransfer.serve.policy.unkeyed_input): from its
+        first full block this process does not know stored on (`_known`), or, when it knows them all, a check only
+        (first == end: the writer verifies them and reports). No store I/O here: this runs on vLLM's scheduler
+        thread."""
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -429,20 +451,54 @@ class KVTransferConnector(KVConnectorBase_V1):
                     log.warning("kvtransfer: request %s is not stored: %s", req_id, err)
                     self.counters.count("save_bad_request")
                     continue
+                unkeyed = unkeyed_input(request)
+                if unkeyed is not None:
+                    log.info("kvtransfer: request %s is not stored: %s", req_id, unkeyed[1])
+                    self.counters.count(f"save_{unkeyed[0]}")
+                    continue
                 B = self.store.block_size
                 end = len(prompt) // B * B  # only full blocks are stored
-                # on vLLM's scheduler thread: one stat per stored block, stopping at the first missing one (see
-                # KVStore.stored_blocks) -- no header is opened
-                first = self.store.stored_blocks(prompt[:end], self._identity()["key"], ns) * B
-                if first < end:  # an earlier turn of this conversation stored the blocks before `first`
-                    meta.saves.append(SaveSpec(req_id, prompt, list(self._kv_cache_manager.get_block_ids(req_id)[0]),
-                                               first=first, end=end, ns=ns))
+                if end == 0:
+                    continue
+                hashes = self.store.hashes(prompt[:end], self._identity()["key"], ns)  # computed, no I/O
+                n = 0
+                while n < len(hashes) and hashes[n] in self._known:
+                    self._known.move_to_end(hashes[n])
+                    n += 1
+                # optimistic: a save in flight is not gathered twice by a request with the same prefix; the
+                # writer's report (written, failed or dropped) corrects it. Blocks another process stored are
+                # unknown here and gathered again: a redundant copy the writer then skips (it checks existence
+                # on its own thread), never a stall of this one.
+                self._remember(hashes[n:], [])
+                first = n * B
+                block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0]) if first < end else []
+                meta.saves.append(SaveSpec(req_id, prompt, block_ids, first=first, end=end, ns=ns))
+
+    def _remember(self, stored: list[str], missing: list[str]) -> None:
+        """Producer's scheduler: add chain hashes known stored, drop ones found missing (bounded: KNOWN_BLOCKS)."""
+        for h in missing:
+            self._known.pop(h, None)
+        for h in stored:
+            self._known[h] = None
+            self._known.move_to_end(h)
+        while len(self._known) > KNOWN_BLOCKS:
+            self._known.popitem(last=False)
 
     def update_connector_output(self, connector_output) -> None:
-        """Scheduler side: a mapped request whose blocks the worker reported as load errors is re-classified
+        """Scheduler side, after each step: the worker's WorkerMeta (a producer's store reports update the chain
+        hashes known stored; a consumer worker that cannot map turns every later decision into "worker_unusable";
+        the gate's records), and a mapped request whose blocks the worker reported as load errors is re-classified
         "load_failed" (vLLM recomputes it), so its counts and response field say what happened."""
         try:
-            for rid, rec in getattr(getattr(connector_output, "kv_connector_worker_meta", None), "gates", {}).items():
+            worker = getattr(connector_output, "kv_connector_worker_meta", None)
+            if self.producer and worker is not None:
+                self._remember(list(getattr(worker, "stored", ())), list(getattr(worker, "missing", ())))
+            unusable = getattr(worker, "unusable", "")
+            if unusable and self.decider is not None and not self.decider.worker_error:
+                log.error("kvtransfer: the worker cannot map (%s): every request from now on is prefilled normally "
+                          "(reason \"worker_unusable\")", unusable)
+                self.decider.worker_error = unusable
+            for rid, rec in getattr(worker, "gates", {}).items():
                 self._gates[rid] = rec
                 self.counters.annotate(rid, rec)
                 if rec["action"] != "map":  # its load errors are the gate's recompute, not a failed load
@@ -504,8 +560,10 @@ class KVTransferConnector(KVConnectorBase_V1):
                 self._layout.check(layer, self._smap.target_n_kv, self._smap.target_head_dim, self._cache_dtype)
         except Exception as err:  # noqa: BLE001 -- never down: every load is recomputed
             self._smap, self._layout = None, None
-            self._smap_error = str(err)
-            log.error("kvtransfer: worker cannot map (%s); every load will be recomputed", err)
+            self._smap_error = str(err) or type(err).__name__
+            self._report_unusable = True  # the scheduler stops promising mapped tokens (WorkerMeta.unusable)
+            log.error("kvtransfer: worker cannot map (%s); the scheduler is told, and every load until then is "
+                      "recomputed", err)
 
     def _register_producer(self, dtype: torch.dtype) -> None:
         """Pick and check the layout the producer gathers from; on failure it saves nothing (consumers miss)."""
@@ -540,6 +598,7 @@ class KVTransferConnector(KVConnectorBase_V1):
         if spec.error:
             raise RuntimeError(f"the scheduler could not plan this load: {spec.error}")
         if self._smap is None:
+            self._report_unusable = bool(self._smap_error)  # the scheduler still promised: tell it again
             raise RuntimeError(self._smap_error or "no mapper")
         t0 = time.perf_counter()
         prefix = Prefix(spec.model_key, self.store.block_size, tuple(spec.hashes), ns=spec.ns)
@@ -566,11 +625,13 @@ class KVTransferConnector(KVConnectorBase_V1):
         if not self.producer or self._layout is None:
             return
         for spec in self._get_connector_metadata().saves:
+            end = len(spec.token_ids) if spec.end is None else spec.end
+            if spec.first >= end:
+                continue  # a check only: the scheduler knows every block stored (wait_for_save has it verified)
             parts = self._layer_parts.setdefault(spec.req_id, {})
             if parts is None:
                 continue  # an earlier layer of this save failed: it is dropped
             try:
-                end = len(spec.token_ids) if spec.end is None else spec.end
                 slots = paged.slot_mapping(spec.block_ids, self.block_size, spec.first, end)
                 parts[layer_index(layer_name)] = self._layout.gather(kv_layer, slots)
             except Exception as err:  # noqa: BLE001 -- a missed save is a future miss, never a failed forward
@@ -590,12 +651,15 @@ class KVTransferConnector(KVConnectorBase_V1):
             return
         for spec in self._get_connector_metadata().saves:
             parts = self._layer_parts.pop(spec.req_id, None)
-            if not parts:
-                continue
             try:
                 end = len(spec.token_ids) if spec.end is None else spec.end
-                self.writer.submit(spec.req_id, spec.token_ids[:end], [parts[i] for i in sorted(parts)],
-                                   self._identity(), spec.first, spec.ns)
+                if spec.first >= end or not parts:
+                    # known stored, or nothing gathered (a failed gather, no layout): the writer checks the store on
+                    # its own thread and reports what is there, so the scheduler's view of it heals
+                    self.writer.verify(spec.req_id, spec.token_ids[:end], self._identity(), spec.ns)
+                else:
+                    self.writer.submit(spec.req_id, spec.token_ids[:end], [parts[i] for i in sorted(parts)],
+                                       self._identity(), spec.first, spec.ns)
                 self.timings.touch()
             except Exception as err:  # noqa: BLE001 -- a failed save (disk full, ...) is a future miss, not a failure
                 log.error("kvtransfer: could not store request %s: %s", spec.req_id, err)
@@ -609,11 +673,16 @@ class KVTransferConnector(KVConnectorBase_V1):
         return self._model_identity
 
     def build_connector_worker_meta(self):
-        """The gate's records of this step for the scheduler side (None when there are none)."""
-        if not self._gate_out:
+        """This step's WorkerMeta for the scheduler side -- the gate's records, the writer's store reports, the
+        reason this worker cannot map (sent once, and again after a load it then had to refuse) -- or None when
+        there is nothing to say."""
+        gates, self._gate_out = self._gate_out, {}
+        stored, missing = self.writer.take_reports() if self.writer is not None else ([], [])
+        unusable = self._smap_error if self._report_unusable else ""
+        self._report_unusable = False
+        if not (gates or stored or missing or unusable):
             return None
-        out, self._gate_out = self._gate_out, {}
-        return GateMeta(out)
+        return WorkerMeta(gates, stored, missing, unusable)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

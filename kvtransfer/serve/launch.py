@@ -15,11 +15,12 @@ or a completions one when the target has no chat template), and stays in the for
 command that fits one. Ports: the proxy's `--port`, the engines' the next two.
 
 The state directory (`--state-dir`, default ./kvtransfer-state) holds what is the deployment's and not the
-store's: logs/, the consumer's stats, and the proxy's secret (`proxy.secret`, mode 0600, made once): session
-owners, cache salts and store namespaces are keyed digests under it, so a restart keeps every session.
+store's: logs/, the consumer's stats and its sink cache (sinks/), and the proxy's secret (`proxy.secret`, mode 0600,
+made once): session owners, cache salts and store namespaces are keyed digests under it, so a restart keeps every
+session.
 
 `--store` is a directory (the default, ./kvstore) or a Redis URL (redis://host:6379/0, rediss:// for TLS), passed to
-both engines and the proxy as it is. With a URL the consumer's sink cache goes to <state dir>/sinks, the byte cap is
+both engines and the proxy as it is; it holds only blocks. With a URL the byte cap is
 the server's maxmemory (--store-max-gb does not apply), and the proxy keeps its sessions and secret in the same
 Redis (or in `--state`), so further proxies on other hosts serve the same sessions. A password in the URL is moved to
 the environment ($KVTRANSFER_REDIS_PASSWORD) of the three processes, out of their command lines.
@@ -71,9 +72,9 @@ def commands(args: argparse.Namespace, python: str = sys.executable) -> dict[str
     mapper = Path(args.mapper).resolve()
     template = str(Path(args.chat_template).resolve()) if args.chat_template else None
     src_port, tgt_port = args.port + 1, args.port + 2
-    # a Redis store's cap is the server's maxmemory; its sink cache is this host's (a URL has no directory)
+    # a Redis store's cap is the server's maxmemory; the sink cache is this host's state, whatever the store
     cap = {} if args.store_max_gb is None or url else {"store_max_bytes": int(args.store_max_gb * (1 << 30))}
-    sinks = {"sink_dir": state / "sinks"} if url else {}
+    sinks = {"sink_dir": state / "sinks"}  # the deployment's file, never among the store's blocks
     engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "chat_template": template, "python": python}
     proxy = [python, "-m", "kvtransfer.serve.proxy", "--source", f"http://127.0.0.1:{src_port}",
              "--target", f"http://127.0.0.1:{tgt_port}", "--source-model", args.source_name,

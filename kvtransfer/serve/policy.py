@@ -32,6 +32,7 @@ log = logging.getLogger("kvtransfer.serve")
 MAPPED = "mapped"
 CACHED = "cached"  # nothing to map: vLLM's own prefix cache (this session's earlier turns) holds the stored prefix
 LOAD_FAILED = "load_failed"
+WORKER_UNUSABLE = "worker_unusable"  # the worker reported that it cannot map (Decider.worker_error)
 FINAL = (LOAD_FAILED, "gate_unusable", "gate_no_score")  # reasons a request keeps once given (never mapped again)
 
 
@@ -96,6 +97,24 @@ def request_namespace(params) -> str:
         raise BadRequest(f"kv_transfer_params.{NS_FIELD}: {err}") from None
 
 
+def unkeyed_input(request) -> tuple[str, str] | None:
+    """(reason, detail) when a vLLM request's K/V depends on an input the store's chain key does not carry -- a LoRA
+    adapter ("lora"), multimodal inputs ("multimodal"), prompt embeddings ("prompt_embeds") -- else None: such a
+    request is neither stored nor mapped (the same token ids would name another K/V)."""
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        name = getattr(lora, "lora_name", None) or getattr(lora, "name", None) or "?"
+        return "lora", (f"LoRA adapter {name!r}: the store's key holds the token ids and the base model's weights, "
+                        f"not the adapter")
+    features = getattr(request, "mm_features", None)
+    if features:
+        return "multimodal", (f"{len(features)} multimodal input(s): the store's key holds the token ids, not the "
+                              f"inputs' hashes")
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt_embeds", "prompt embeddings: the store's key holds token ids only"
+    return None
+
+
 def parse_params(params) -> tuple[bool, int | None, str]:
     """(off, source_len, ns) from a request's kv_transfer_params; BadRequest naming the field on a wrong type.
 
@@ -118,7 +137,8 @@ def parse_params(params) -> tuple[bool, int | None, str]:
 
 
 def decide(prompt: list[int], num_computed: int, store: BlockStore, spec: MapSpec, *,
-           prefix_caching: bool = False, salted: bool = False, source_len: int | None = None, off: bool = False, ns: str = "") -> Decision:
+           prefix_caching: bool = False, salted: bool = False, source_len: int | None = None, off: bool = False,
+           ns: str = "", unkeyed: tuple[str, str] | None = None) -> Decision:
     """The decision for one request whose first `num_computed` prompt tokens are already in the cache.
 
     prefix_caching / salted: with vLLM's prefix cache on, only requests carrying the connector's cache
@@ -127,11 +147,14 @@ def decide(prompt: list[int], num_computed: int, store: BlockStore, spec: MapSpe
     first num_computed tokens vLLM's prefix cache already holds (this session's earlier turns) and that the store
     cannot extend is reason "cached": its summary counts those tokens as cached, not mapped. source_len: map at most the first source_len prompt tokens. off: the request asked
     for a normal prefill. ns: the store namespace looked up (the request's; another namespace's blocks are never
-    seen). The mapped range is tokens lo..hi-1 with lo = num_computed and hi = the longest stored
+    seen). unkeyed: (reason, detail) of an input the store's key does not carry (`unkeyed_input`): never mapped.
+    The mapped range is tokens lo..hi-1 with lo = num_computed and hi = the longest stored
     prefix, capped to leave the last `native_tail` prompt tokens to the target.
     """
     if off:
         return Decision("off", detail="the request asked for a normal prefill")
+    if unkeyed:
+        return Decision(unkeyed[0], detail=unkeyed[1])
     if spec.unusable:
         return Decision("wrong_pair", detail=spec.unusable)
     if prefix_caching and not salted:
@@ -164,7 +187,7 @@ def decide(prompt: list[int], num_computed: int, store: BlockStore, spec: MapSpe
 
 
 def safe_decide(prompt, num_computed, store: BlockStore, spec: MapSpec, *, params=None,
-                prefix_caching: bool = False, salted: bool = False) -> Decision:
+                prefix_caching: bool = False, salted: bool = False, unkeyed: tuple[str, str] | None = None) -> Decision:
     """`decide` for a request as vLLM hands it (its raw kv_transfer_params): never raises. A malformed field is
     reason "bad_request"; any other exception (a store or code fault) is reason "error", with the exception named."""
     try:
@@ -174,7 +197,7 @@ def safe_decide(prompt, num_computed, store: BlockStore, spec: MapSpec, *, param
         if not isinstance(num_computed, int) or num_computed < 0:
             raise BadRequest(f"num_computed_tokens={num_computed!r}")
         return decide(prompt, num_computed, store, spec, prefix_caching=prefix_caching, salted=salted,
-                      source_len=source_len, off=off, ns=ns)
+                      source_len=source_len, off=off, ns=ns, unkeyed=unkeyed)
     except BadRequest as err:
         return Decision("bad_request", detail=str(err))
     except BadEntry as err:
@@ -356,23 +379,31 @@ class Decider:
     num_computed (a preempted request re-queued) recomputes the range without counting again.
 
     Bounded: at most `keep` requests are remembered (`forget` on request_finished frees one sooner).
+    `worker_error`: set once the worker reports it cannot map (the connector's WorkerMeta): from then on every new
+    decision is reason "worker_unusable", so the scheduler stops promising tokens the worker would only recompute.
     """
 
     def __init__(self, store: BlockStore, spec: MapSpec, counters: Counters, *, prefix_caching: bool = False,
                  salt: str = "kvtransfer-mapped", keep: int = 4096):
         self.store, self.spec, self.counters = store, spec, counters
         self.prefix_caching, self.salt, self.keep = prefix_caching, salt, keep
+        self.worker_error = ""
         self._memo: OrderedDict[str, tuple[int, int, Decision]] = OrderedDict()
 
-    def get(self, request_id: str, prompt, num_computed: int, params=None, cache_salt=None) -> Decision:
+    def get(self, request_id: str, prompt, num_computed: int, params=None, cache_salt=None,
+            unkeyed: tuple[str, str] | None = None) -> Decision:
         """The decision for one request (never raises; see safe_decide)."""
         prompt = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
         n = len(prompt) if isinstance(prompt, list) else 0
         known = self._memo.get(request_id)
         if known is not None and (known[:2] == (n, num_computed) or known[2].reason in FINAL):
             return known[2]  # a failed load (or the gate's fall-back) stays: the request is prefilled, never mapped
-        decision = safe_decide(prompt, num_computed, self.store, self.spec, params=params,
-                               prefix_caching=self.prefix_caching, salted=salted_by(cache_salt, self.salt))
+        if self.worker_error:
+            decision = Decision(WORKER_UNUSABLE, detail=f"the worker cannot map: {self.worker_error}")
+        else:
+            decision = safe_decide(prompt, num_computed, self.store, self.spec, params=params,
+                                   prefix_caching=self.prefix_caching, salted=salted_by(cache_salt, self.salt),
+                                   unkeyed=unkeyed)
         if decision.reason != MAPPED and isinstance(num_computed, int) and decision.lo != num_computed:
             decision = dataclasses.replace(decision, lo=num_computed)  # a fallback still reports vLLM's own hits
         tag = params.get("kvtransfer_tag") if isinstance(params, dict) else None

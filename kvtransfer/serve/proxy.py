@@ -36,8 +36,9 @@ prefilled M` (a later turn: the consumer's own prefix cache), `fallback_reprefil
 prefilled everything: `save_failed`, `consumer_fallback (<its reason>)`, or `gate_full`), `fallback_source:
 <reason>` (the target is down), or `source`.
 
-Bounded and isolated: a session is a few numbers (a length and a hash of its ids, not the ids), bound to the API key
-(`Authorization` header) that opened it -- another key gets a 403; locks exist only while a request holds them;
+Bounded and isolated: a session is a few numbers (a length and a hash of its ids, not the ids), keyed by (API key
+(`Authorization` header), session id) -- another key that sends the same id opens a session of its own and reaches
+nothing of the first one's; locks exist only while a request holds them;
 bodies are capped (`--max-body-bytes`); of a client's `kv_transfer_params` only `kvtransfer` ("on"/"off") and
 `kvtransfer_tag` reach the consumer, and a client's `cache_salt` is replaced by the session's.
 

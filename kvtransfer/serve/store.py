@@ -190,7 +190,8 @@ class KVStore(BlockStore):
         """How many leading full blocks of `token_ids` the store holds whole for `model_key` in namespace `ns` (what
         a producer need not gather again; `lookup` checks headers).
 
-        Cost (it runs on vLLM's scheduler thread): one stat per block up to the first missing or torn one -- about
+        Cost (the producer's writer thread asks after each save, kvtransfer.serve.writer; never vLLM's scheduler
+        thread): one stat per block up to the first missing or torn one -- about
         2,000 for a 32K-token prompt whose blocks are all stored, milliseconds on a local disk -- plus, once per
         process, one header read per block file size (see `_whole_size`).
         """

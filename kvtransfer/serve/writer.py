@@ -12,6 +12,13 @@ a slow or hung store (a stuck network mount) costs future misses, never a stalle
 within a deadline and then abandons what is left (the thread is a daemon). A consumer that looks up a prompt whose
 write is still in flight maps the blocks already written and prefills the rest (blocks are written in chain order,
 each atomically). `background=False` writes inside `submit` (the old synchronous path).
+
+What is stored is checked here, on the writer's thread, never on vLLM's scheduler thread (a stat per block on a
+stuck mount would stall every request): after each save, and for each `verify` (a prompt the scheduler believes
+stored), the writer asks the store how many of the prompt's leading blocks it holds and appends a report
+(chain hashes stored, chain hashes missing) to `reports`; the connector hands them to its scheduler side
+(`take_reports`), which keeps the set of chain hashes it knows are stored. A dropped save reports its blocks
+missing at once.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 
 import torch
 
@@ -33,17 +41,24 @@ def _nbytes(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
 
 class StoreWriter:
     """Writes (token ids, per-layer K/V, identity, first, namespace) to a BlockStore on a background thread; `stats`
-    counts saves submitted, blocks and bytes written, failed, dropped (over the byte cap, or after close) and
-    abandoned (still pending at close's deadline) saves, and the seconds spent writing."""
+    counts saves submitted, blocks and bytes written (gathered_bytes: the bytes of the saves done, blocks the store
+    already held included), failed, dropped (over the byte cap, or after close) and
+    abandoned (still pending at close's deadline) saves, the seconds spent writing, and verifications done and
+    dropped (beyond `max_pending_verifies` queued). `reports` holds what each save and verification found stored
+    (see the module docstring), at most `max_reports` (the oldest dropped: a lost report costs a redundant gather)."""
 
     def __init__(self, store: BlockStore, *, max_pending_bytes: int = 1 << 30, background: bool = True,
-                 log_every: int = 100):
+                 log_every: int = 100, max_pending_verifies: int = 256, max_reports: int = 1024):
         self.store, self.max_pending_bytes, self.background = store, int(max_pending_bytes), background
         self.log_every = max(1, int(log_every))
-        self.stats = {"submitted": 0, "written_blocks": 0, "written_bytes": 0, "failed": 0, "dropped": 0,
-                      "dropped_bytes": 0, "abandoned": 0, "write_s": 0.0}
+        self.max_pending_verifies = int(max_pending_verifies)
+        self.stats = {"submitted": 0, "written_blocks": 0, "written_bytes": 0, "gathered_bytes": 0, "failed": 0,
+                      "dropped": 0,
+                      "dropped_bytes": 0, "abandoned": 0, "write_s": 0.0, "verified": 0, "verify_dropped": 0}
+        self.reports: deque = deque(maxlen=max(1, int(max_reports)))  # (stored hashes, missing hashes), in order
         self._pending = 0  # bytes queued or being written
         self._jobs = 0  # saves queued or being written
+        self._verifies = 0  # verifications queued or running
         self._closed = False
         self._cond = threading.Condition()
         self._queue: queue.Queue = queue.Queue()
@@ -70,10 +85,9 @@ class StoreWriter:
             else:
                 self._pending += size
                 self._jobs += 1
-                if self._thread is None or not self._thread.is_alive():
-                    self._thread = threading.Thread(target=self._run, name="kvtransfer-store-writer", daemon=True)
-                    self._thread.start()
+                self._start_thread()
         if drop:
+            self._report_missing(token_ids, model, first, ns)
             if dropped % self.log_every == 1 or self.log_every == 1:
                 why = ("the writer is closed" if self._closed else
                        f"{pending} bytes already wait for the store (cap {self.max_pending_bytes}): its writes are "
@@ -84,17 +98,57 @@ class StoreWriter:
         self._queue.put((req_id, token_ids, layers, model, first, ns, size))
         return True
 
+    def verify(self, req_id: str, token_ids: list[int], model: dict, ns: str = "") -> bool:
+        """Queue a check of how many of the prompt's leading full blocks the store holds (a prompt the scheduler
+        believes stored: nothing to gather), reported in `reports`. False: dropped (`max_pending_verifies` already
+        queued, or the writer is closed). Never blocks in the background mode."""
+        if not self.background:
+            self._verify(token_ids, model, ns)
+            return True
+        with self._cond:
+            if self._closed or self._verifies >= self.max_pending_verifies:
+                self.stats["verify_dropped"] += 1
+                return False
+            self._verifies += 1
+            self._jobs += 1
+            self._start_thread()
+        self._queue.put((req_id, token_ids, None, model, 0, ns, 0))
+        return True
+
+    def take_reports(self) -> tuple[list[str], list[str]]:
+        """(chain hashes found stored, chain hashes found missing) of every report since the last call, in the
+        order found (a hash in both: the later report wins -- the caller applies them in this order)."""
+        stored, missing = [], []
+        while True:
+            try:
+                have, lack = self.reports.popleft()
+            except IndexError:
+                return stored, missing
+            stored.extend(have)
+            missing.extend(lack)
+
+    def _start_thread(self) -> None:
+        """Start the writer thread if it is not running (under self._cond)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="kvtransfer-store-writer", daemon=True)
+            self._thread.start()
+
     def _run(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
                 return
             try:
-                self._write(*job)
+                if job[2] is None:
+                    self._verify(job[1], job[3], job[5])
+                else:
+                    self._write(*job)
             finally:
                 with self._cond:
                     self._pending -= job[-1]
                     self._jobs -= 1
+                    if job[2] is None:
+                        self._verifies -= 1
                     self._cond.notify_all()
 
     def _write(self, req_id, token_ids, layers, model, first, ns, size) -> None:
@@ -102,11 +156,36 @@ class StoreWriter:
         try:
             blocks = self.store.write(token_ids, layers, model, first=first, ns=ns)
             self.stats["written_blocks"] += blocks
-            self.stats["written_bytes"] += size
+            self.stats["gathered_bytes"] += size
+            gathered = (len(token_ids) - first) // self.store.block_size  # blocks already stored were skipped
+            self.stats["written_bytes"] += size * blocks // gathered if gathered else 0
         except Exception as err:  # noqa: BLE001 -- a failed save (disk full, ...) is a future miss, not a failure
             self.stats["failed"] += 1
             log.error("kvtransfer: could not store request %s: %s: %s", req_id, type(err).__name__, err)
         self.stats["write_s"] += time.perf_counter() - t0
+        self._verify(token_ids, model, ns)
+
+    def _verify(self, token_ids, model, ns) -> None:
+        """Report how many of the prompt's leading blocks the store holds (on the writer's thread; a fault: none)."""
+        try:
+            hashes = self.store.hashes(token_ids, model["key"], ns)
+        except Exception as err:  # noqa: BLE001 -- a malformed identity or namespace: nothing to report
+            log.error("kvtransfer: cannot hash a prompt for the store (%s: %s)", type(err).__name__, err)
+            return
+        try:
+            n = self.store.stored_blocks(token_ids, model["key"], ns)
+        except Exception:  # noqa: BLE001 -- the store did not answer: nothing is known stored
+            n = 0
+        self.stats["verified"] += 1
+        self.reports.append((hashes[:n], hashes[n:]))
+
+    def _report_missing(self, token_ids, model, first, ns) -> None:
+        """Report a dropped save's blocks (from token `first` on) missing: the scheduler gathers them again."""
+        try:
+            hashes = self.store.hashes(token_ids, model["key"], ns)
+        except Exception:  # noqa: BLE001
+            return
+        self.reports.append(([], hashes[first // self.store.block_size:]))
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted write is done (True), or `timeout_s` seconds passed (False)."""
@@ -133,7 +212,7 @@ class StoreWriter:
             if drained:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
         with self._cond:
-            abandoned = self._jobs
+            abandoned = self._jobs - self._verifies  # saves; a verification left undone loses nothing
         if abandoned and not again:  # a second close counts nothing twice
             self.stats["abandoned"] += abandoned
             log.error("kvtransfer: the store writer did not finish within %.1f s: %d saves abandoned (the store's "

@@ -65,3 +65,14 @@ def test_timing_times_the_evals_work_interleaved_and_never_overwrites(tiny_pair_
         assert torch.equal(k, wk) and torch.equal(v, wv)
     with pytest.raises(SystemExit, match="never overwritten"):
         timing.main(["--run", str(tmp_path / "run"), "--windows", "3", "--out", str(tmp_path / "t")])
+    # large -> small (pair.direction=reverse): its own file and key, and the target timed is the source's model
+    rev = tmp_path / "run_reverse"
+    rev.mkdir()
+    cfg_rev = json.loads((tmp_path / "run" / "config.json").read_text())
+    cfg_rev["pair"]["direction"] = "reverse"
+    (rev / "config.json").write_text(json.dumps(cfg_rev))
+    timing.main(["--run", str(rev), "--windows", "3", "--modes", "target,no_context", "--out", str(tmp_path / "t")])
+    back = json.loads((tmp_path / "t" / "wikitext2_P16_reverse.json").read_text())
+    assert back["set"] == "wikitext2@reverse" and back["timing"]["order"] == ["target", "no_context"]
+    assert back["flops"]["target"] == 3 * prefill_flops(scfg, len(start) + 15)   # the small model reads it now
+    assert out["set"] == "wikitext2"   # the forward file is untouched

@@ -77,11 +77,11 @@ run real_stdlib_c $REAL $STDLIB $NOCURVE "eval.recompute_fraction=[0.05]" \
 # 5e. the seconds of every table, by the timing protocol (timing.py: interleaved rounds on 8 contexts, one at a time,
 #     on a quiet machine; each writes results/baselines/timing/<set>_P<P>.json once). Python source is priced with
 #     WikiText-2's timing at the same P: a dense prefill's and the map's work depend on the token count, not the text
-timed() {  # timed RUN P MODES
-  local f="results/baselines/timing/wikitext2_P$2.json"
-  if [[ -n "${STEPS:-}" && " $STEPS " != *" timing_$2 "* ]]; then return; fi
-  if [[ -f "$f" ]]; then echo "[timing_$2] done"; return; fi
-  echo "[timing_$2] $(date -u +%H:%M:%S) start"
+timed() {  # timed RUN P MODES [SUFFIX]   (SUFFIX _reverse: a large -> small run's file, step timing_<P>_reverse)
+  local f="results/baselines/timing/wikitext2_P$2${4:-}.json"
+  if [[ -n "${STEPS:-}" && " $STEPS " != *" timing_$2${4:-} "* ]]; then return; fi
+  if [[ -f "$f" ]]; then echo "[timing_$2${4:-}] done"; return; fi
+  echo "[timing_$2${4:-}] $(date -u +%H:%M:%S) start"
   python experiments/baselines/timing.py --run "$OUT/$1" --set wikitext2 --prefix "$2" --modes "$3"
 }
 CURVE_ALL="$CURVE,truncate_tokens_256,truncate_tokens_512"
@@ -91,6 +91,7 @@ timed real_wikitext2_1024_w24 512 "$BASE,$CURVE_ALL"
 # 5f. large -> small (pair.direction=reverse: the 1.5B reads the context, the 0.5B answers): its own calibration and
 #     map (the same pinned protocol), WikiText-2 at P = 256 with the truncation curve of the 0.5B
 run real_reverse_wikitext2 $REAL pair.direction=reverse "eval.recompute_fraction=[]" "eval.modes=[$BASE,$CURVE]"
+timed real_reverse_wikitext2 256 "$BASE,$CURVE" _reverse
 # 6. calibration in the evaluated code domain: the map calibrated (as the main one, 160 x 256 tokens) on Python source
 #    -- the modules inside the standard library's packages, disjoint from the evaluated top-level modules -- and
 #    scored on both perplexity sets beside the main map (collect.py names its mode transfer_code_calib)

@@ -21,8 +21,9 @@ eval's context timing counts:
 Modes run in interleaved rounds (kvtransfer.core.timing.interleaved: A B C ... per round, a warm-up round, at least
 5 timed rounds), each mode's cost relative to `target`'s re-prefill taken within each round, so the load of the
 machine falls on every mode alike; the load average and the machine are kept beside the numbers.
-Writes results/baselines/timing/<set>_P<P>.json once (an existing file is never overwritten: remove it to
-remeasure); collect.py prices every mode of that (set, P) with it.
+Writes results/baselines/timing/<set>_P<P>.json once (<set>_P<P>_reverse.json for a large -> small run,
+pair.direction=reverse; an existing file is never overwritten: remove it to remeasure); collect.py prices every
+mode of that (set, P) and direction with it.
 """
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ def main(argv=None) -> None:
     pcfg = ecfg["ppl"]
     set_name = args.set or pcfg["sets"][0]
     p = args.prefix if args.prefix is not None else max(pcfg["prefixes"])
-    path = args.out / f"{set_name}_P{p}.json"
+    reverse = cfg["pair"].get("direction") == "reverse"   # large -> small: its own file, keyed apart in collect.py
+    path = args.out / f"{set_name}_P{p}{'_reverse' if reverse else ''}.json"
     if path.exists():
         raise SystemExit(f"{path} exists: results are never overwritten (remove it to measure again)")
     modes = args.modes.split(",") if args.modes else list(ecfg["modes"])
@@ -149,7 +151,7 @@ def main(argv=None) -> None:
             f"at a time; each call does a mode's pre-scoring work on all {len(contexts)}")
     timing = interleaved(fns, repeats=args.repeats, warmup=args.warmup, reference="target", note=note,
                          machine={"torch_threads": torch.get_num_threads(), "dtype": str(lm.target_model.dtype)})
-    out = {"set": set_name, "prefix": p, "windows": len(contexts), "docs": docs, "run": args.run.name,
+    out = {"set": set_name + ("@reverse" if reverse else ""), "prefix": p, "windows": len(contexts), "docs": docs, "run": args.run.name,
            "map_dtype": str(ecfg.get("map_dtype")), "flops": flops, "timing": timing, "provenance": produced_by()}
     atomic_write_json(path, out)
     for mode in timing["order"]:

@@ -49,3 +49,16 @@ def test_the_readmes_prose_describes_the_runs_beside_it():
     assert (ROOT / "kvtransfer/serve/redis_store.py").is_file() and "only backend" not in text
     latency_mapper = " ".join(text.split("Both engines in **bfloat16**")[1].split("<!-- BEGIN")[0].split())
     assert "The mapper of the latency table is the 40 x 256-token one" in latency_mapper
+
+
+def test_the_store_switch_table_states_each_store_and_the_goal():
+    """store_switch.py's report on known numbers: the table prints each store's statistics and the goal's verdict
+    from compare() (directory mean 1.1 s, Redis 1.7 s: 0.6 s slower, beyond its SE + 10 %: not met)."""
+    switch = load_script("experiments/handoff/store_switch.py")
+    rep = {"provenance": {"commit": "abcdef1234", "cpus": 2, "cpu": "test CPU"}, "tokens": 2048, "dtype": "bfloat16",
+           "rounds": ["dir", "redis"], "per_round": 3, "mapped_median": {"dir": 2048, "redis": 2048},
+           "summary": switch.compare({"dir": [1.0, 1.2, 1.1], "redis": [1.6, 1.8, 1.7]})}
+    text = _collect().store_switch_table(rep)
+    assert "| directory | 3 | 1.10 | 1.10 ± 0.06 | 2048 |" in text
+    assert "| Redis | 3 | 1.70 | 1.70 ± 0.06 | 2048 |" in text
+    assert "Redis - directory: +0.60 ± 0.08 s" in text and text.rstrip().endswith("not met).")

@@ -3,7 +3,8 @@
     python experiments/handoff/collect.py
 
 Reads load_tiny.json (experiments/handoff/load_tiny.py's report.json), and where present latency.json,
-overhead.json, conversation.json (experiments/handoff/real_pair.py) and store_io.json
+latency_reverse.json (real_pair.py --reverse's latency.json), overhead.json, conversation.json
+(experiments/handoff/real_pair.py), store_switch.json (experiments/handoff/store_switch.py) and store_io.json
 (experiments/handoff/store_io.py); writes one generated block per report into results/handoff/README.md
 (atomically); prints nothing. The conversation's SE is kvtransfer.eval.stats' (clustered by conversation).
 """
@@ -136,6 +137,24 @@ def latency_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def store_switch_table(rep: dict) -> str:
+    """The switch with the Redis store against the directory store (store_switch.py): per store the switches'
+    median, mean ± SE and tokens mapped, then the difference of means and the goal."""
+    sm = rep["summary"]
+    lines = [_run_line(rep["provenance"]), "",
+             f"{rep['tokens']:,}-token contexts, {rep['dtype']} engines; rounds {', '.join(rep['rounds'])} "
+             f"({rep['per_round']} counted switches each, after one warm-up).", "",
+             "| store | switches | median (s) | mean ± SE (s) | tokens mapped (median) |", "|---|---|---|---|---|"]
+    for store, name in (("dir", "directory"), ("redis", "Redis")):
+        r = sm[store]
+        lines.append(f"| {name} | {r['n']} | {r['median_s']:.2f} | {r['mean_s']:.2f} ± {r['se_s']:.2f} | "
+                     f"{rep['mapped_median'][store]:.0f} |")
+    verdict = "met" if sm["goal_met"] else "not met"
+    lines.append(f"\nRedis - directory: {sm['redis_minus_dir_s']:+.2f} ± {sm['redis_minus_dir_se_s']:.2f} s "
+                 f"(goal: at most that SE + 10 % of the directory's mean: {verdict}).")
+    return "\n".join(lines)
+
+
 def overhead_table(rep: dict) -> str:
     pairs = rep["pairs"]
     return (f"{_run_line(rep['provenance'])}\n\n| source turn, {rep['tokens']:,} tokens | n | TTFT median (s) |\n"
@@ -185,7 +204,8 @@ def store_table(rep: dict) -> str:
 
 SOURCES = {"load_tiny": ("load_tiny.json", lambda rep: f"{_run_line(rep['machine'])}\n\n{load_table(rep)}\n\n"
                                                         f"{fault_table(rep)}"),
-           "latency": ("latency.json", latency_table), "overhead": ("overhead.json", overhead_table),
+           "latency": ("latency.json", latency_table), "latency_reverse": ("latency_reverse.json", latency_table),
+           "store_switch": ("store_switch.json", store_switch_table), "overhead": ("overhead.json", overhead_table),
            "conversation": ("conversation.json", conversation_table), "store_io": ("store_io.json", store_table)}
 
 

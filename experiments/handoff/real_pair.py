@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD .venv-serve/bin/python experiments/handoff/real_pair.py OUT_DIR \
         --real ~/.cache/kvtransfer-real --mapper MAPPER_DIR [--sizes 1024 2048 4096 8192 --repeats 10 10 5 5]
         -> OUT_DIR/latency.json, OUT_DIR/overhead.json, OUT_DIR/conversation.json (each written once, atomically)
+    --reverse: large -> small (the 1.5B reads the context as the source, the 0.5B answers; a 1.5B -> 0.5B --mapper)
 
 Engines as docs/serving.md starts them: the 0.5B as producer and the 1.5B as consumer with the mapper, float32
 (`--dtype`), eager, prefix caching on, `--enable-prompt-tokens-details`; the proxy with `--mapper` and `--store`.
@@ -148,6 +149,9 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=5)
     ap.add_argument("--truncate", type=int, default=128)
     ap.add_argument("--dtype", default="float32", help="both engines' dtype (bfloat16 halves their memory)")
+    ap.add_argument("--reverse", action="store_true",
+                    help="large -> small: the 1.5B is the source (reads the context), the 0.5B the target; --mapper "
+                         "must be a 1.5B -> 0.5B map (pair.direction=reverse)")
     args = ap.parse_args()
     if len(args.repeats) != len(args.sizes):
         ap.error("give one --repeats value per --sizes value")
@@ -158,6 +162,8 @@ def main() -> None:
     global START
     START = mapper_start_ids(args.mapper)[0]  # <|endoftext|> (151643) for the real pair's prefix_token mapper
     src, tgt = Path(args.real) / "hf/qwen25coder-0.5b", Path(args.real) / "hf/qwen25coder-1.5b"
+    if args.reverse:
+        src, tgt = tgt, src
     store = out / "store"
     provenance = machine()  # the tree the engines load, before anything else can change it
     from transformers import AutoTokenizer
@@ -226,7 +232,8 @@ def main() -> None:
         for n in args.sizes:
             sel = [r for r in done if r["tokens"] == n]
             if sel:
-                rows.append({"tokens": n, "direction": "small_to_large", "repair": "none", "source_warm": True,
+                rows.append({"tokens": n, "direction": "large_to_small" if args.reverse else "small_to_large",
+                             "repair": "none", "source_warm": True,
                              "handoff_ttft_s": [r["handoff_s"] for r in sel], "cold_ttft_s": [r["cold_s"] for r in sel],
                              "truncate_ttft_s": [r["truncate_s"] for r in sel], "truncate_tokens": args.truncate,
                              "mapped": [r["kvtransfer"]["mapped"] for r in sel],

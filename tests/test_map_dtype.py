@@ -173,10 +173,17 @@ def test_collect_pairs_hellaswag_item_by_item_and_decides_on_every_row(tmp_path)
     result = col.collect(tmp_path, margin=margin)
     f32, bf16 = result["float32"]["hellaswag"], result["bfloat16"]["hellaswag"]
     assert f32["changed"] == 2 and f32["loss"] == 0.0 and f32["items"] == n
-    # two opposite changes in 20 items: the SE of the paired difference is sqrt(2 / (19 * 20))
-    assert_close(f32["loss_se"], (2 / (19 * 20)) ** 0.5, factor=16, reason="a float64 std of 20 values and a sqrt")
-    assert f32["verdict"] == "undecided"   # 0 + 1.645 x 0.073 > 0.02
-    assert_close(bf16["loss"], 0.3, factor=8, reason="a mean of 20 float64 differences of 0/1")
+    assert (f32["only_float32_right"], f32["only_bfloat16_right"]) == (1, 1)
+    # b = c = 1 in 20 items: SE = sqrt(1.5 + 1.5 - 0) / 20 (half an item added to each discordant count)
+    assert_close(f32["loss_se"], 3 ** 0.5 / 20, factor=16, reason="a few float64 operations and a sqrt")
+    assert f32["verdict"] == "undecided"   # 0 + 1.645 x 0.087 > 0.02
+    # nothing changed is not an SE of 0: b = c = 0 gives sqrt(1) / n
+    same = col.compare_items(dict(base, transfer=right(range(10))), dict(base, transfer=right(range(10))),
+                             margin=0.02, z=1.645)
+    assert same["changed"] == 0 and same["loss_se"] == 1 / n and same["verdict"] == "undecided"   # 1.645 / 20 > 0.02
+    assert_close(bf16["loss"], 0.3, factor=8, reason="(6 - 0) / 20 in float64")
+    # b = 6, c = 0: SE = sqrt(6.5 + 0.5 - 36 / 20) / 20; 0.3 - 1.645 x 0.114 > 0.02
+    assert_close(bf16["loss_se"], (7 - 36 / 20) ** 0.5 / 20, factor=16, reason="a few float64 operations and a sqrt")
     assert bf16["verdict"] == "outside" and bf16["changed"] == 6
     assert f32["target"] == 0.75 and f32["no_context"] == 0.25 and f32["transfer_float32"] == 0.5
     text = col.markdown(result, {})

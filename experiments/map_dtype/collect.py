@@ -13,14 +13,15 @@ paired bootstrap SE; loss = gap closed(float32) - gap closed(bfloat16) ± a pair
 loss + z SE <= margin, outside when loss - z SE > margin, else undecided.
 
 HellaSwag (the `<run>_hellaswag` runs: the first 100 items, acc_norm): loss = accuracy of the float32 map - that of
-the bfloat16 map ± the paired SE over items, under the same rule with its own margin (hellaswag_margin), and the
-items whose answer the dtype changed. The mapped caches' relative difference is read from cache_diff_<engine
+the bfloat16 map ± an SE from the discordant items with half an item added to each count (margin.yaml: no change
+is not an SE of 0), under the same rule with its own margin (hellaswag_margin), and the items the dtype changed. The mapped caches' relative difference is read from cache_diff_<engine
 dtype>.json (experiments/map_dtype/cache_diff.py). The default may move to bfloat16 only when every row is within.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -101,14 +102,17 @@ def compare_items(f32: dict, bf16: dict, *, margin: float, z: float) -> dict:
     ± its paired SE, the items whose score the dtype changed, and the verdict of the margin rule."""
     if f32["target"] != bf16["target"] or f32["no_context"] != bf16["no_context"]:
         raise ValueError("the two runs scored different items or baselines: rerun both with the same eval.limit")
-    loss = paired_difference(f32["transfer"], bf16["transfer"])
     n = len(f32["transfer"])
+    b = sum(1 for x, y in zip(f32["transfer"], bf16["transfer"]) if x > y)   # only the float32 map right
+    c = sum(1 for x, y in zip(f32["transfer"], bf16["transfer"]) if x < y)   # only the bfloat16 map right
+    loss = (b - c) / n
+    bb, cc = b + 0.5, c + 0.5   # margin.yaml: half an item on each discordant count, so no change is not SE 0
+    se = math.sqrt(bb + cc - (bb - cc) ** 2 / n) / n
     mean = lambda xs: float(np.mean(xs))  # noqa: E731
     return {"items": n, "target": mean(f32["target"]), "no_context": mean(f32["no_context"]),
             "transfer_float32": mean(f32["transfer"]), "transfer_bfloat16": mean(bf16["transfer"]),
-            "loss": loss["difference"], "loss_se": loss["se"],
-            "changed": int(sum(a != b for a, b in zip(f32["transfer"], bf16["transfer"]))),
-            "margin": margin, "z": z, "verdict": verdict(loss["difference"], loss["se"], margin, z)}
+            "loss": loss, "loss_se": se, "changed": b + c, "only_float32_right": b, "only_bfloat16_right": c,
+            "margin": margin, "z": z, "verdict": verdict(loss, se, margin, z)}
 
 
 def item_scores(scores: dict, task: str) -> dict:
@@ -210,7 +214,9 @@ def markdown(result: dict, diffs: dict | None = None) -> str:
         lines.append("| – | no pair of runs yet | | | | | | | |")
     hs = [(engine, rows["hellaswag"]) for engine, rows in result.items() if "hellaswag" in rows]
     lines += ["", "HellaSwag, the first 100 items (lm-eval's acc_norm); loss = accuracy of the float32 map minus the "
-              "bfloat16 map's ± the paired SE over items; changed = items whose score the dtype changed.", "",
+              "bfloat16 map's, (b - c) / n with b, c the items only one of them gets right, ± sqrt(b' + c' - (b' - "
+              "c')^2 / n) / n with half an item added to b and c (so that no change is not an SE of 0); changed = "
+              "b + c.", "",
               "| engines | items | target | no_context | transfer, float32 map | transfer, bfloat16 map | loss | "
               "changed | margin | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for engine, r in hs:

@@ -193,6 +193,10 @@ def test_collect_pairs_hellaswag_item_by_item_and_decides_on_every_row(tmp_path)
     # no ppl runs and one engine missing: not decided
     assert col.decision({"float32": {"x": {"verdict": "within"}}}).startswith("not decided")
     assert col.decision({e: {"x": {"verdict": "within"}} for e in col.ENGINES}).startswith("every row is within")
+    # a row one engine dtype has and the other lacks: not decided yet
+    partial = {"float32": {"x": {"verdict": "within"}, "hellaswag": {"verdict": "within"}},
+               "bfloat16": {"x": {"verdict": "within"}}}
+    assert col.decision(partial) == "not decided: no runs yet for bfloat16 engines hellaswag"
     # a changed baseline is refused, not paired
     (tmp_path / "f32_engines_bf16_map_hellaswag" / "scores.json").write_text(
         json.dumps({"tasks": {"hellaswag": dict(base, target=[0] * n, transfer=runs["f32_engines_bf16_map"])}}))

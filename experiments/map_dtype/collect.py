@@ -176,6 +176,10 @@ def decision(result: dict) -> str:
     missing = [e for e in ENGINES if e not in result]
     if missing:
         return f"not decided: no runs yet on {', '.join(missing)} engines"
+    rows = sorted({name for r in result.values() for name in r})
+    gaps = [f"{e} engines {name}" for e in ENGINES for name in rows if name not in result[e]]
+    if gaps:
+        return f"not decided: no runs yet for {'; '.join(gaps)}"
     bad = [f"{e} engines {name}: {r['verdict']}" for e, rows in result.items() for name, r in rows.items()
            if r["verdict"] != "within"]
     if bad:

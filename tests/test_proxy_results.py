@@ -17,7 +17,8 @@ def test_readme_blocks_match_the_committed_reports():
 
     have = readme.blocks((ROOT / "results/handoff/README.md").read_text())
     want = _collect().readme_blocks()
-    assert "load_tiny" in want and set(want) <= {"load_tiny", "latency", "overhead", "conversation", "store_io"}
+    assert "load_tiny" in want and set(want) <= {"load_tiny", "latency", "latency_reverse", "overhead", "conversation",
+                                              "store_io", "store_switch"}
     assert {k: have[k] for k in want} == {k: v.rstrip("\n") + "\n" for k, v in want.items()}
 
 

@@ -8,7 +8,8 @@ repository's, the hub variables are set offline).
 
 Parts (the four runs start together as subprocesses; paged and device_map run beside them; bench and calib time
 the device alone, after the runs):
-  tiny        `python run.py device=cuda`, the default run on models/tiny, against results/tiny's per-item and
+  tiny        `python run.py device=cuda eval.map_dtype=float32`, the default run on models/tiny with the map applied
+              in float32 as results/tiny's was (on CUDA the default applies it in bfloat16), against its per-item and
               per-window scores: a window's NLL within two float32 forwards' rounding (tests/tolerance.py FORWARD)
               plus, in mapped modes, 2 phi of its log-gap to the target (results/precision: phi from the moments'
               perturbation, this device's calibration against a CPU calibration made as results/tiny's was); a
@@ -150,7 +151,9 @@ def machine(device: str) -> dict:
 def tiny_overrides(device: str, smoke: bool) -> list[str]:
     """The default run as typed on `device`; on --smoke the evaluation is cut to what a CPU does in a minute. The
     calibration, the map and the perplexity windows stay results/tiny's, so every score left is comparable."""
-    base = [f"device={device}", f"cache_dir={{out}}/tiny/artifacts"]
+    # the map in float32, as results/tiny applied it (the CUDA default `auto` is bfloat16: the bounds below are
+    # float32 forwards'; the bench part times both map dtypes)
+    base = [f"device={device}", "eval.map_dtype=float32", f"cache_dir={{out}}/tiny/artifacts"]
     if not smoke:
         return base
     return base + ["eval.tasks=[tiny_cloze]", "eval.limit=8", "eval.ppl.prefixes=[0,256]", "eval.coqa.enabled=false",

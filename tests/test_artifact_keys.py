@@ -376,8 +376,10 @@ def test_a_cache_of_older_keys_is_named_once_and_never_read(tmp_path):
 def test_the_map_dtype_keys_the_mapped_results_only_when_it_is_not_float32():
     """eval.map_dtype=float32 (the default) keeps the keys the mapped results had before the knob existed;
     bfloat16 gives every mapped part a key of its own, and no baseline result moves."""
-    base = BASES["ridge"]
-    assert base["eval"]["map_dtype"] == "float32"
+    from kvtransfer.core.map_dtype import resolve_config
+
+    base = resolve_config(BASES["ridge"], "cpu")   # as execute() resolves the default `auto` on a CPU
+    assert BASES["ridge"]["eval"]["map_dtype"] == "auto" and base["eval"]["map_dtype"] == "float32"
     without = copy.deepcopy(base)
     del without["eval"]["map_dtype"]
     bf16 = _set(base, "eval.map_dtype", "bfloat16")

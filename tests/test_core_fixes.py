@@ -204,15 +204,22 @@ def test_unknown_kind_is_refused(tmp_path):
 
 # -- §3e the speed stage times the dtype evaluation maps with -------------------------------------
 def test_eval_map_dtype_defaults_to_the_saved_mappers_and_the_bench_follows_it(tmp_path, sink_pair):
-    """The evaluation applies the map as saved (float32) unless eval.map_dtype says otherwise, and the bench times
-    the dtype the evaluation uses unless bench.mapper_dtypes is set."""
+    """On a CPU the evaluation applies the map as saved (float32) unless eval.map_dtype says otherwise (the default
+    `auto` resolves so; on CUDA it is bfloat16 with the float32 map timed beside it), and the bench times the
+    dtype the evaluation uses unless bench.mapper_dtypes is set."""
     from run_configs import compose_config
+
+    from kvtransfer.core.map_dtype import resolve_config
 
     _, _, mapper = sink_pair
     mapper.save(tmp_path / "m")
-    default = compose_config()
+    composed = compose_config()
+    assert composed["eval"]["map_dtype"] == "auto" and composed["bench"]["mapper_dtypes"] == ["auto"]
+    default = resolve_config(composed, "cpu")
     assert str(kt.load_mapper(tmp_path / "m").dtype) == f"torch.{default['eval']['map_dtype']}" == "torch.float32"
     assert default["bench"]["mapper_dtypes"] == ["float32"]
+    on_gpu = resolve_config(composed, "cuda")
+    assert on_gpu["eval"]["map_dtype"] == "bfloat16" and on_gpu["bench"]["mapper_dtypes"] == ["bfloat16", "float32"]
     assert compose_config("eval.map_dtype=bfloat16")["bench"]["mapper_dtypes"] == ["bfloat16"]
     both = compose_config("eval.map_dtype=bfloat16", "bench.mapper_dtypes=[float32,bfloat16]")
     assert both["bench"]["mapper_dtypes"] == ["float32", "bfloat16"]

@@ -10,7 +10,7 @@ from tolerance import assert_close, assert_far
 
 from kvtransfer import Mapper, model_identity
 from kvtransfer.core.cache import prefill
-from kvtransfer.core.map_dtype import MAP_DTYPES, in_map_dtype, map_dtype
+from kvtransfer.core.map_dtype import MAP_DTYPES, in_map_dtype, map_dtype, resolve_config, resolve_map_dtype
 from kvtransfer.serve.mapping import ServeMap
 
 
@@ -29,6 +29,24 @@ def pair(tmp_path_factory):
     tgt = tiny_model("qwen3", seed=2, name="tgt", layers=3, head_dim=16, hidden=48)
     _mapper(src, tgt).save(root / "mapper")
     return root, src, tgt
+
+
+def test_auto_is_bfloat16_on_cuda_and_float32_elsewhere_resolved_before_anything_keys_on_it():
+    assert resolve_map_dtype("auto", "cuda") == "bfloat16" and resolve_map_dtype("auto", "cuda:1") == "bfloat16"
+    assert resolve_map_dtype("auto", "cpu") == "float32" and resolve_map_dtype(None, "cpu") == "float32"
+    assert resolve_map_dtype("float32", "cuda") == "float32" and resolve_map_dtype("torch.bfloat16", "cpu") == "bfloat16"
+    with pytest.raises(ValueError, match="not one of"):
+        resolve_map_dtype("fp8", "cuda")
+    with pytest.raises(ValueError, match="must be resolved"):
+        map_dtype("auto")
+    cfg = {"eval": {"map_dtype": "auto"}, "bench": {"mapper_dtypes": ["auto"]}}
+    gpu, cpu = resolve_config(cfg, "cuda"), resolve_config(cfg, "cpu")
+    assert gpu["eval"]["map_dtype"] == "bfloat16" and gpu["bench"]["mapper_dtypes"] == ["bfloat16", "float32"]
+    assert cpu["eval"]["map_dtype"] == "float32" and cpu["bench"]["mapper_dtypes"] == ["float32"]
+    assert cfg["eval"]["map_dtype"] == "auto"   # a new dict: the caller's config is untouched
+    # an explicit choice is kept, and a list naming both is not doubled
+    both = resolve_config({"eval": {"map_dtype": "float32"}, "bench": {"mapper_dtypes": ["auto", "float32"]}}, "cuda")
+    assert both["eval"]["map_dtype"] == "float32" and both["bench"]["mapper_dtypes"] == ["bfloat16", "float32"]
 
 
 def test_names_and_refusals():

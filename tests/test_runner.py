@@ -108,7 +108,12 @@ def test_pipeline_calibrate_fit_report_and_artifact_reuse(tiny_pair_dirs, tmp_pa
     assert summary["variance_explained"][0]["k_train"] <= summary["variance_explained"][-1]["k_train"] + 1e-9
     out = tmp_path / "run1"
     on_disk = json.loads((out / "summary.json").read_text())
-    assert json.loads((out / "config.json").read_text())["mapper"]["lam"] == 0.01
+    ran = json.loads((out / "config.json").read_text())
+    assert ran["mapper"]["lam"] == 0.01
+    # the default eval.map_dtype=auto is resolved before anything keys on it: float32 on a CPU (device=auto)
+    cuda = torch.cuda.is_available()
+    assert cfg["eval"]["map_dtype"] == "auto" and ran["eval"]["map_dtype"] == ("bfloat16" if cuda else "float32")
+    assert ran["bench"]["mapper_dtypes"] == (["bfloat16", "float32"] if cuda else ["float32"])
     assert on_disk["mapper"] == summary["mapper"]
     for name in ("variance_explained.csv", "variance_explained.md"):
         assert (out / "tables" / name).stat().st_size > 0

@@ -23,7 +23,8 @@ from .fidelity import fidelity
 from .fit_stage import mean_r2
 from .report_stage import variance_vs_k
 from .preflight import preflight
-from .run import Run, check_cache_version  # noqa: F401 (re-exported: the run object and the cache-version check)
+from ..core.map_dtype import resolve_config
+from .run import Run, check_cache_version, resolved_device  # noqa: F401 (re-exported: the run object and the cache-version check)
 
 def plan_run(cfg: dict, out_dir: str | Path, stages: list[str] | None = None, *, log=print) -> tuple[dict, dict]:
     """What `execute` does first: plan this run on this machine (kvtransfer.plan), print the table, write
@@ -86,6 +87,7 @@ def execute(cfg: dict, out_dir: str | Path, *, plan: dict | None = None) -> dict
         raise FileExistsError(f"{out_dir} already holds a run; choose another out_dir")
     out_dir.mkdir(parents=True, exist_ok=True)
     stages = parse_stages(cfg.get("stage", "all"))
+    cfg = resolve_config(cfg, resolved_device(cfg))   # eval.map_dtype=auto: the dtype that runs, in every key
     check_feature_sample(cfg)
     if plan is None:  # prints + writes plan.json, applies the plan's knobs (plan.auto); PlanError before any load
         cfg, plan = plan_run(cfg, out_dir, stages)

@@ -34,6 +34,12 @@ def _progress(enabled: bool):
     return lambda it, **kw: tqdm(it, **kw)
 
 
+def resolved_device(cfg: dict) -> str:
+    """The compute device a config runs on: its `device`, with `auto` the CUDA device when one is visible, else cpu."""
+    device = cfg.get("device", "auto")
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 class Run:
     """One configured run: lazily loads models and computes or reuses each stage's artifact."""
 
@@ -92,9 +98,8 @@ class Run:
 
     @property
     def device(self) -> str:
-        """Resolved compute device."""
-        device = self.cfg.get("device", "auto")
-        return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        """Resolved compute device (`resolved_device`)."""
+        return resolved_device(self.cfg)
 
     def pair_identity(self) -> dict:
         """{"source", "target": model identity, "dtype"}: each side's ref, architecture hash and weights

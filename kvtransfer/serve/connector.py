@@ -26,7 +26,8 @@ extra config
     mapper         consumer: a saved mapper directory (kvtransfer.core.mapper)
     source_model   consumer: the source model's directory (its config builds the source RoPE)
     native_tail    consumer: prompt tokens the target always computes itself (default 1, the paper's)
-    map_dtype      consumer: the dtype the map is applied in, float32 (default: the map as fitted) or bfloat16
+    map_dtype      consumer: the dtype the map is applied in: auto (default: bfloat16 on a CUDA engine, float32 on
+                   a CPU one, as eval.map_dtype), float32 (the map as fitted) or bfloat16
     gate           consumer: a gate artifact (kvtransfer.core.gate.save_gate): the per-request gate, served
                    (kvtransfer.serve.gating; gate_tail overrides the artifact's tail). An unusable file: every
                    request is prefilled normally, reason "gate_unusable"
@@ -88,6 +89,7 @@ from typing import Any
 import torch
 
 from . import gating, paged
+from ..core.map_dtype import AUTO, resolve_map_dtype
 from .policy import MAPPED, BadRequest, Counters, Decider, MapSpec, Timings, request_namespace, unkeyed_input
 from .specs import LoadSpec, SaveSpec, layer_index
 from .blockstore import BlockStore, is_url
@@ -316,7 +318,13 @@ class KVTransferConnector(KVConnectorBase_V1):
         return ServeMap(self._extra["mapper"], source_cfg, target_cfg,
                         target_path=self.model_path if with_sink else None, dtype=dtype,
                         sink_cache=sink_dir(self.store, self._extra), source_identity=source_id,
-                        target_identity=target_id, map_dtype=self._extra.get("map_dtype", "float32"))
+                        target_identity=target_id, map_dtype=self._map_dtype())
+
+    def _map_dtype(self) -> str:
+        """The dtype the map is applied in: the extra config's `map_dtype`, whose default `auto` is bfloat16 on a
+        CUDA engine and float32 elsewhere, as eval.map_dtype (kvtransfer.core.map_dtype.resolve_map_dtype)."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"   # the engine's: vLLM runs the worker on the GPU
+        return resolve_map_dtype(self._extra.get("map_dtype", AUTO), device)
 
     def _scheduler_spec(self, role) -> MapSpec | None:
         if HAVE_VLLM and role != KVConnectorRole.SCHEDULER:

@@ -258,8 +258,12 @@ def main(argv=None) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     diffs = cache_diffs(out)
+    from kvtransfer.config.provenance import json_provenance
+
     atomic_write_json(out / "map_dtype.json", {"prefix": PREFIX, "rows": result, "cache_diff": diffs,
-                                               "decision": decision(result), **load_margin()})
+                                               "decision": decision(result), **load_margin(),
+                                               "provenance": json_provenance()})   # the collect's tree; each run
+    #                                                                               keeps its own in runs/
     text = markdown(result, diffs)
     atomic_write_bytes(out / "README.md", text.encode())
     print(text)

@@ -787,6 +787,16 @@ def lead(results: dict) -> str | None:
         s += (f". The map carries {trend} (95 % intervals {'overlap' if overlap else 'apart'}): " + ", ".join(
             f"{x['worth']['tokens']:.1f} tokens at P = {x['prefix']:,} ({100 * x['worth']['tokens'] / x['prefix']:.1f} "
             "% of P)" for x in by_p))
+    for name, label in SET_NAMES.items():   # every other set at its longest context measured, in the same convention
+        other = [x for x in worth_rows(results) if x["set"] == name and x["mode"] == "transfer"]
+        if name == "wikitext2" or not other or other[-1]["prefix"] <= 256:
+            continue
+        o = other[-1]
+        got = [f"{verdict(e)} truncation at equal {what} ({_pp(e['difference'], _se(e))})"
+               for what, e in (("FLOPs", o["flops"]), ("measured seconds", o["seconds"])) if e]
+        if got:
+            s += (f". On {label} at P = {o['prefix']:,} ({o['windows']} windows) the map " + " and ".join(got)
+                  + (f", worth {_worth(o['worth'])} native tokens" if o["worth"] else ""))
     return s
 
 

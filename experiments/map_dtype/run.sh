@@ -26,8 +26,9 @@ run() {  # run NAME OVERRIDES...
   echo "[$name] $(date -u +%H:%M:%S) done"
 }
 
-REAL="+experiment=baselines_cpu cache_dir=$CACHE stage=[calibrate,fit,eval] eval.recompute_fraction=[]"
-REAL="$REAL eval.truncate.curve=[] eval.modes=[no_context,transfer,target] eval.ppl.sets=[wikitext2,python_stdlib]"
+COMMON="+experiment=baselines_cpu cache_dir=$CACHE stage=[calibrate,fit,eval] eval.recompute_fraction=[]"
+COMMON="$COMMON eval.truncate.curve=[] eval.modes=[no_context,transfer,target]"
+REAL="$COMMON eval.ppl.sets=[wikitext2,python_stdlib]"
 # 1. float32 engines (the pinned pair.dtype): the map in float32, then in bfloat16
 run f32_engines_f32_map $REAL eval.map_dtype=float32
 run f32_engines_bf16_map $REAL eval.map_dtype=bfloat16
@@ -36,9 +37,7 @@ run bf16_engines_f32_map $REAL pair.dtype=bfloat16 eval.map_dtype=float32
 run bf16_engines_bf16_map $REAL pair.dtype=bfloat16 eval.map_dtype=bfloat16
 # 3. HellaSwag (the first 100 items, lm-eval's acc_norm) with each map dtype on each engine dtype: the same
 #    calibrations and maps as above (cached), paired item by item in collect.py
-HS="+experiment=baselines_cpu cache_dir=$CACHE stage=[calibrate,fit,eval] eval.recompute_fraction=[]"
-HS="$HS eval.truncate.curve=[] eval.modes=[no_context,transfer,target] eval.tasks=[hellaswag] eval.limit=100"
-HS="$HS eval.ppl.enabled=false"
+HS="$COMMON eval.tasks=[hellaswag] eval.limit=100 eval.ppl.enabled=false"
 run f32_engines_f32_map_hellaswag $HS eval.map_dtype=float32
 run f32_engines_bf16_map_hellaswag $HS eval.map_dtype=bfloat16
 run bf16_engines_f32_map_hellaswag $HS pair.dtype=bfloat16 eval.map_dtype=float32

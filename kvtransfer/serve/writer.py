@@ -117,7 +117,9 @@ class StoreWriter:
 
     def take_reports(self) -> tuple[list[str], list[str]]:
         """(chain hashes found stored, chain hashes found missing) of every report since the last call, in the
-        order found (a hash in both: the later report wins -- the caller applies them in this order)."""
+        order found. A hash in both lists is taken as stored by the connector (it drops the missing, then adds the
+        stored): at worst one request skips a block that was evicted meanwhile, and the next verification reports it
+        missing, so the view heals."""
         stored, missing = [], []
         while True:
             try:

@@ -116,7 +116,8 @@ BASES = {"ridge": compose_config("pair=qwen3_14b_32b"),
 def test_a_key_changes_with_each_input_and_nothing_else(name, base):
     cfg = BASES[base]
     key = _key(name, cfg)
-    inputs = key_inputs(name, cfg)
+    # an input left out of the key at its default (omit_at) is still an input: any other value moves the key
+    inputs = {**key_inputs(name, cfg), **ARTIFACTS[name].omit_at}
     for dotted in leaf_keys(cfg):
         changed = _key(name, _set(cfg, dotted, _mutated(lookup(cfg, dotted))))
         if dotted in inputs:
@@ -140,7 +141,7 @@ def test_through_the_chain_every_input_of_what_is_read_moves_the_key(name, base)
     while todo:
         chain.add(todo[-1])
         todo += [u for u in upstream_of(todo.pop(), cfg) if u not in chain]
-    read = {k for a in chain for k in key_inputs(a, cfg)}
+    read = {k for a in chain for k in [*key_inputs(a, cfg), *ARTIFACTS[a].omit_at]}
     conditions = {c[0] for a in chain for c in ARTIFACTS[a].when.values()} | {
         leaf for a in chain for alts in ARTIFACTS[a].reads.values() for leaf, _ in alts}
     for dotted in leaf_keys(cfg):
@@ -149,6 +150,19 @@ def test_through_the_chain_every_input_of_what_is_read_moves_the_key(name, base)
             assert changed != key, f"{name} under {base}: {dotted} is read down its chain but left the key unchanged"
         elif dotted not in conditions:
             assert changed == key, f"{name} under {base}: nothing down its chain reads {dotted} but it moved the key"
+
+
+def test_a_knob_at_its_default_keeps_the_keys_made_before_it_existed():
+    """calib.draw = 0 and calib.merge = [] are what every calibration was before those knobs: a config that lacks
+    them and one that holds their defaults share every key, and any other value is another calibration and map."""
+    cfg = BASES["ridge"]
+    assert lookup(cfg, "calib.draw") == 0 and lookup(cfg, "calib.merge") == []
+    older = json.loads(json.dumps(cfg))
+    del older["calib"]["draw"], older["calib"]["merge"]
+    for name in ("calibration", "mapper"):
+        assert _chain_key(name, older) == _chain_key(name, cfg)
+        assert _chain_key(name, _set(cfg, "calib.draw", 1)) != _chain_key(name, cfg)
+        assert _chain_key(name, _set(cfg, "calib.merge", [{"draw": 1}])) != _chain_key(name, cfg)
 
 
 def test_the_attention_mass_map_follows_its_feature_sample():

@@ -92,11 +92,17 @@ timed real_wikitext2_1024_w24 512 "$BASE,$CURVE_ALL"
 #     map (the same pinned protocol), WikiText-2 at P = 256 with the truncation curve of the 0.5B
 run real_reverse_wikitext2 $REAL pair.direction=reverse "eval.recompute_fraction=[]" "eval.modes=[$BASE,$CURVE]"
 timed real_reverse_wikitext2 256 "$BASE,$CURVE" _reverse
+run real_reverse_1024_w24 $REAL pair.direction=reverse $LONG "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
+  "eval.modes=[$BASE,$CURVE,truncate_tokens_256,truncate_tokens_512]"
+# 5g. P = 2,048 on WikiText-2 (the first 24 long-enough articles' windows), the curve extended to 1,024
+run real_wikitext2_2048_w24 $REAL "eval.ppl.prefixes=[2048]" "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
+  "eval.modes=[$BASE,truncate_tokens_64,truncate_tokens_256,truncate_tokens_512,truncate_tokens_1024]"
 # 6. calibration in the evaluated code domain: the map calibrated (as the main one, 160 x 256 tokens) on Python source
 #    -- the modules inside the standard library's packages, disjoint from the evaluated top-level modules -- and
 #    scored on both perplexity sets beside the main map (collect.py names its mode transfer_code_calib)
 CODE_TEXT="$CACHE/text/python_stdlib_packages.jsonl"
-if [[ -z "${STEPS:-}" || " $STEPS " == *" real_calib_code "* ]] && [[ ! -f "$CODE_TEXT" ]]; then
+wants() { [[ -z "${STEPS:-}" ]] || for s in "$@"; do [[ " $STEPS " == *" $s "* ]] && return 0; done; return 1; }
+if wants real_calib_code real_calib_mixed && [[ ! -f "$CODE_TEXT" ]]; then
   mkdir -p "$(dirname "$CODE_TEXT")"
   python experiments/data/python_stdlib.py --packages "$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" "$CODE_TEXT"
 fi
@@ -107,4 +113,16 @@ run real_calib_code $REAL $NOCURVE "calib.files=[$CODE_TEXT]" "calib.domain=pyth
 run real_coqa $REAL "eval.ppl.enabled=false" "eval.recompute_fraction=[]" "eval.coqa.enabled=true" \
   "eval.coqa.conversations=5" "eval.coqa.turns=10" "eval.coqa.protocols=[every_turn,once]" "eval.coqa.max_gen_toks=32" \
   "eval.coqa.truncate=[32,128]" "eval.modes=[target,transfer]"
-
+# 8. calibration size and domain, at the main protocol (160 x 256 tokens per part, stride 2): calib.draw d reads the
+#    text's sequences 160d .. 160d + 159 (disjoint draws); calib.merge folds other parts' moments in exactly, so the
+#    80K- and 160K-token maps reuse the draws' calibrations. Draws 1 and 2 alone give the spread between draws at 40K;
+#    the mixed map is the main draw plus the code calibration of step 6 (80K tokens, half each); collect.py reads
+#    each run's map as transfer_<run>
+CURVE_SETS="eval.ppl.sets=[wikitext2,python_stdlib]"
+run real_calib_draw1 $REAL $NOCURVE calib.draw=1 "eval.recompute_fraction=[]" "eval.modes=[$BASE]"
+run real_calib_80k $REAL $NOCURVE "calib.merge=[{draw:1}]" "eval.recompute_fraction=[]" "eval.modes=[$BASE]" "$CURVE_SETS"
+run real_calib_draw2 $REAL $NOCURVE calib.draw=2 "eval.recompute_fraction=[]" "eval.modes=[$BASE]"
+run real_calib_mixed $REAL $NOCURVE "calib.merge=[{files:[$CODE_TEXT],domain:python_packages}]" \
+  "eval.recompute_fraction=[]" "eval.modes=[$BASE]" "$CURVE_SETS"
+run real_calib_160k $REAL $NOCURVE "calib.merge=[{draw:1},{draw:2},{draw:3}]" "eval.recompute_fraction=[]" \
+  "eval.modes=[$BASE]" "$CURVE_SETS"

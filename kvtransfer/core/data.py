@@ -86,5 +86,6 @@ def token_sequences(documents: Iterable[str], tokenizer, n_sequences: int, seq_l
             stream = stream[body:]
     if len(sequences) < n_sequences:
         raise ValueError(f"calibration text yields only {len(sequences)} sequences of {seq_len} tokens, "
-                         f"{n_sequences} requested: add text, or lower calib.n_sequences / calib.seq_len")
+                         f"{n_sequences} requested: add text, or lower calib.n_sequences / calib.seq_len "
+                         "(a calib.draw d asks for (d + 1) x calib.n_sequences)")
     return torch.tensor(sequences, dtype=torch.long)  # device: host-side ids, each batch moved to its model

@@ -409,6 +409,22 @@ class HeldOut(FeatureLayout):
         self.n += hi - lo
         self.seen += m
 
+    @classmethod
+    def concat(cls, parts: list["HeldOut"]) -> "HeldOut":
+        """The rows of several complete held-out samples of disjoint text (same layers and widths) as one sample:
+        each part's observations follow the previous parts' (`select` and `seen` offset accordingly)."""
+        first = parts[0]
+        layout = (first.source_layers, first.target_layers, first.source_width, first.target_width)
+        for p in parts[1:]:
+            if (p.source_layers, p.target_layers, p.source_width, p.target_width) != layout:
+                raise ValueError("cannot join held-out features over different layers or widths")
+        offsets = [sum(p.seen for p in parts[:i]) for i in range(len(parts))]
+        select = torch.cat([p.select[:p.n] + off for p, off in zip(parts, offsets)])
+        features = {kind: {name: torch.cat([p.features[kind][name][:p.n].to(first.device) for p in parts])
+                           for name in _FEATURES} for kind in KINDS}
+        return cls(*layout, select, first.dtype, first.device, n=sum(p.n for p in parts),
+                   seen=sum(p.seen for p in parts), info=dict(first.info), features=features)
+
     # -- persistence (the rows kept so far; the buffer is re-allocated at full capacity on load) --------
     def state(self, prefix: str = "") -> tuple[dict, dict]:
         tensors = {f"{prefix}{kind}.{name}": self.features[kind][name][:self.n] for kind in KINDS for name in _FEATURES}

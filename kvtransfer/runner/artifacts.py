@@ -38,6 +38,8 @@ class Artifact:
     only shapes an upstream artifact is that artifact's input, never repeated here (its key carries it).
     `reads` maps an upstream artifact that is read only under some configs to the alternatives
     ((config leaf, values), ...) under which it is read (any one suffices).
+    `omit_at` maps an input to the values at which it stays out of the key (the knob's default), so the artifacts
+    made before the knob existed keep their keys.
 
     `code`: the modules ("runner/fit_stage") that compute it; with what they import they are its producing
     code, whose version (kvtransfer.runner.code_versions) enters the key from version 2 on."""
@@ -48,6 +50,7 @@ class Artifact:
     extra: tuple[str, ...] = ()
     when: dict = field(default_factory=dict)
     reads: dict = field(default_factory=dict)
+    omit_at: dict = field(default_factory=dict)
     doc: str = ""
     code: tuple[str, ...] = ()
 
@@ -81,8 +84,12 @@ ARTIFACTS: dict[str, Artifact] = {a.name: a for a in (
              inputs=("calib.dataset", "calib.dataset_name", "calib.split", "calib.files", "calib.text_field",
                      "calib.domain", "calib.context_start", "calib.n_sequences", "calib.seq_len", "calib.stride",
                      "calib.heldout_fraction", "calib.heldout_observations", "calib.batch_size", "calib.capture",
-                     "calib.dtype", "calib.compute_dtype", "calib.accumulate", "calib.flush_batches", "seed", "mapper.features", *_MODEL_RUN),
+                     "calib.dtype", "calib.compute_dtype", "calib.accumulate", "calib.flush_batches", "seed", "mapper.features",
+                     "calib.draw", "calib.merge", *_MODEL_RUN),
              identities=("source", "target", "calib_data"), extra=("key_space", "format"),
+             # the first draw and no merge are what every calibration was before these knobs: the same key
+             # (a merged calibration's key holds each part's data by its entry; the files' bytes by calib_data)
+             omit_at={"calib.draw": (None, 0), "calib.merge": (None, [])},
              # the source's hidden states are calibrated only for the map that reads them (runconfig.source_features):
              # a ridge/MLP/trained run keeps the paper's calibration (and its key)
              when={"mapper.features": ("mapper.kind", ("hidden",))}),
@@ -266,6 +273,8 @@ def key_inputs(name: str, cfg: dict) -> dict:
     for dotted in art.inputs:
         cond = art.when.get(dotted)
         if cond is not None and lookup(cfg, cond[0]) not in cond[1]:
+            continue
+        if dotted in art.omit_at and lookup(cfg, dotted) in art.omit_at[dotted]:
             continue
         out[dotted] = lookup(cfg, dotted)
     return out

@@ -12,11 +12,81 @@ from ..core.calibrate import collect_moments, split_heldout
 from ..core.context import describe as describe_context
 from ..core.io import atomic_write_json, exclusive_lock
 
+# what an entry of calib.merge may set: where its text comes from and how much of it; everything else (tokens per
+# sequence, stride, precision, held-out share) is the run's own, so the parts' moments share one layout and protocol
+MERGE_KEYS = ("files", "dataset", "dataset_name", "split", "text_field", "domain", "draw", "n_sequences")
+
+
 def calibrate(run, directory: Path, key_space: str) -> None:
     # jobs of one sweep start together: one calibrates, the others wait and then read its artifact
     with exclusive_lock(run.cache_dir / "locks" / f"{directory.parent.name}-{directory.name}.lock"):
         if not (directory / "calibration.json").exists():
-            _calibrate_locked(run, directory, key_space)
+            if run.cfg["calib"].get("merge"):
+                _merge_locked(run, directory, key_space)
+            else:
+                _calibrate_locked(run, directory, key_space)
+
+
+def merge_parts(run) -> list:
+    """The runs whose calibrations a calib.merge run combines: its own calibration without the merge, then one per
+    entry of calib.merge (the entry's keys, `MERGE_KEYS`, over the run's calib). They share the run's loaded models."""
+    import copy
+
+    calib = run.cfg["calib"]
+    parts = []
+    for i, entry in enumerate([{}, *(calib.get("merge") or ())]):
+        bad = sorted(set(entry) - set(MERGE_KEYS))
+        if bad:
+            raise ValueError(f"calib.merge[{i - 1}] sets {bad}: an entry names only its text ({', '.join(MERGE_KEYS)}); "
+                             "the tokens per sequence, stride and precision are the run's own calib settings")
+        cfg = copy.deepcopy(run.cfg)
+        cfg["calib"].update(copy.deepcopy(dict(entry)), merge=[])
+        if entry.get("files") and not entry.get("domain"):
+            cfg["calib"]["domain"] = None   # the entry's own files name it, not the run's domain label
+        part = type(run)(cfg, run.out_dir)
+        part._models = run._models
+        parts.append(part)
+    keys = [p.key("calibration") for p in parts]
+    if len(set(keys)) < len(keys):
+        raise ValueError("calib.merge repeats a calibration (the same text, draw and size twice would count its "
+                         "tokens twice): give each entry another calib.draw or other files")
+    return parts
+
+
+def _merge_locked(run, directory: Path, key_space: str) -> None:
+    """The calibration of a calib.merge run: each part calibrated (or read from the cache) on its own, then the train
+    moments merged exactly (Chan's pairwise update) and the held-out rows joined. Held-out sequences stay held out of
+    the merged fit: the parts' texts never share a sequence (other draws or other files)."""
+    from ..core.calibrate import CalibrationMoments, load_calibration, save_calibration
+    from ..core.moments import HeldOut
+
+    if run.cfg["calib"].get("mlp_samples"):
+        raise ValueError("calib.merge keeps no MLP feature sample: set calib.mlp_samples=0 (a ridge map reads only "
+                         "the moments), or calibrate the merged text as one calib.files list")
+    parts = merge_parts(run)
+    train, held, infos = None, [], []
+    for part in parts:
+        info = part.calibration_info(key_space)
+        moments = load_calibration(part.moments_dir(key_space) / "calibration")
+        train = moments.train if train is None else train.merge(moments.train)
+        held.append(moments.heldout)
+        infos.append({"key": part.moments_dir(key_space).name, **{k: info.get(k) for k in (
+            "domain", "data", "sequences", "heldout_sequences", "observations", "seconds")},
+            "draw": int(part.cfg["calib"].get("draw") or 0)})
+        run.producers.update(part.producers)
+    heldout = HeldOut.concat(held)
+    own = parts[0].calibration_info(key_space)
+    train.info = {**train.info, "complete": True, "parts": [i["key"] for i in infos]}
+    directory.mkdir(parents=True, exist_ok=True)
+    save_calibration(directory / "calibration", CalibrationMoments(train, heldout))
+    domains = list(dict.fromkeys(i["domain"] for i in infos))
+    info = {**own, "sequences": sum(i["sequences"] for i in infos),
+            "heldout_sequences": sum(i["heldout_sequences"] for i in infos),
+            "observations": train.n, "heldout_observations": heldout.n, "heldout_observations_total": heldout.seen,
+            "data": [f for i in infos for f in (i["data"] if isinstance(i["data"], list) else [i["data"]])],
+            "domain": "+".join(domains), "seconds": round(sum(i["seconds"] for i in infos), 2), "parts": infos,
+            "produced_by": run.stamp("calibration")}
+    atomic_write_json(directory / "calibration.json", info)
 
 
 def _calibrate_locked(run, directory: Path, key_space: str) -> None:

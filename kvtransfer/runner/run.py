@@ -146,7 +146,8 @@ class Run:
         if memo not in self._memo:
             if name == "calib_data":
                 calib = self.cfg["calib"]
-                self._memo[memo] = data_identity(files=calib.get("files") or ())
+                merged = [f for part in calib.get("merge") or () for f in part.get("files") or ()]
+                self._memo[memo] = data_identity(files=[*(calib.get("files") or ()), *merged])
                 if not calib.get("files") and calib.get("dataset"):  # streamed from the hub: its revision
                     self._memo[memo].append(_hub_dataset(calib["dataset"], calib.get("dataset_name")))
             elif name == "eval_data":
@@ -200,7 +201,8 @@ class Run:
         return self.cache_dir / "moments" / self.key("calibration", key_space)
 
     def token_ids(self) -> torch.Tensor:
-        """Calibration sequences [n_sequences, seq_len] from calib.files or calib.dataset."""
+        """Calibration sequences [n_sequences, seq_len] from calib.files or calib.dataset: the text's sequences
+        draw * n_sequences .. (draw + 1) * n_sequences - 1 (calib.draw; draws never share a sequence)."""
         if "token_ids" not in self._memo:
             calib = self.cfg["calib"]
             if calib.get("files"):
@@ -210,8 +212,13 @@ class Run:
                                            calib.get("text_field", "text"))
             else:
                 raise ValueError("set calib.files=[...] or calib.dataset=... to calibrate")
-            self._memo["token_ids"] = token_sequences(docs, self.model("source")[1], calib["n_sequences"],
-                                                      calib["seq_len"], context_start=self.context_start)
+            n, draw = int(calib["n_sequences"]), int(calib.get("draw") or 0)
+            if draw < 0:
+                raise ValueError(f"calib.draw must be >= 0 (the index of a disjoint block of calib.n_sequences "
+                                 f"sequences), got {draw}")
+            ids = token_sequences(docs, self.model("source")[1], n * (draw + 1), calib["seq_len"],
+                                  context_start=self.context_start)
+            self._memo["token_ids"] = ids[draw * n:]
         return self._memo["token_ids"]
 
     def moments(self, key_space: str | None = None) -> tuple[Moments, HeldOut, dict]:

@@ -49,6 +49,9 @@ from kvtransfer.eval.metrics import (equal_cost, gap_closed, native_token_worth,
                                      ppl_gap_closed)
 from kvtransfer.report import readme  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import calibration_curve  # noqa: E402
+
 RUNS = ROOT / "results" / "baselines" / "runs"
 TIMINGS = ROOT / "results" / "baselines" / "timing"
 OUT = ROOT / "results" / "baselines"
@@ -100,7 +103,8 @@ def timing_record(tm: dict) -> dict:
 # draw (62 per-document windows of each set at P = 256, 64 scored tokens, seed 0), checked window by window
 BASE_RUNS = {"results/qwen25coder/runs/controls_ppl": ("transfer", "target", "no_context")}
 # runs whose map is another calibration's: their `transfer` is merged under this name beside the main map's
-OTHER_MAPS = {"real_calib_code": "transfer_code_calib"}
+OTHER_MAPS = dict(calibration_curve.CALIB_MAPS)
+WORTH_MAPS = ("transfer", "transfer_code_calib")   # the maps the worth-vs-P table follows over P
 
 
 def load_base(root: Path = ROOT) -> dict:
@@ -677,7 +681,7 @@ def worth_rows(results: dict) -> list[dict]:
     for (st, p, half), res in sorted(results.items(), key=lambda kv: (kv[0][0] != "wikitext2", kv[0][0], kv[0][1])):
         if half != "all":
             continue
-        for mode in ("transfer", *OTHER_MAPS.values()):
+        for mode in WORTH_MAPS:
             if mode not in res["modes"]:
                 continue
             w = (res.get("worth") or {}).get(mode)
@@ -715,6 +719,43 @@ def worth_table(results: dict) -> list[str]:
                              "share of P", "map - truncation, equal FLOPs", "equal measured seconds",
                              "source prefill charged: equal FLOPs", "equal measured seconds"], cells).rstrip("\n"),
             ""]
+
+
+def calibration_lines(results: dict, runs: dict) -> list[str]:
+    """The "calibration text" section: every calibration's map beside the main one at P = 256 (calibration_curve),
+    the spread between draws and the log-linear extrapolation to the paper's calibration size."""
+    rows = calibration_curve.rows(results, runs)
+    if len(rows) < 2:
+        return []
+    def cell(r, st):
+        x = r["sets"].get(st)
+        if not x:
+            return ["–", "–", "–"]
+        vm = x["versus_main"]
+        return [_pct(x["gap"], x["se"]), _worth(x["worth"]), _pp(*vm) if vm else "(the main map)"]
+    labels = {"wikipedia": "Wikipedia", "python_packages": "Python packages"}
+    cells = [[f"`{r['mode']}`", " + ".join(f"{labels.get(d, d)} draw {k}" for d, k in r["parts"]), f"{r['tokens']:,}",
+              _num(r["r2_k"]), _num(r["r2_v"]), *cell(r, "wikitext2"), *cell(r, "python_stdlib")] for r in rows]
+    out = ["## Calibration text: size, draw and domain", "", calibration_curve.__doc__.split("\n\n", 1)[1].strip()
+           .replace("\n", " "), "",
+           readme.md_table(["map", "calibration text", "tokens", "held-out R² K", "held-out R² V",
+                            "WikiText-2 (confirmation) gap closed", "worth [95 %]", "- main map",
+                            "Python source gap closed", "worth [95 %]", "- main map"], cells).rstrip("\n"), ""]
+    spread = calibration_curve.spread_between_draws(rows)
+    if spread:
+        out += [f"Between draws: {len(spread['draws'])} disjoint 40,960-token Wikipedia draws close "
+                + ", ".join(_pct(g) for g in spread["gaps"]) + f" on WikiText-2's confirmation half, a standard "
+                f"deviation of {100 * spread['sd']:.1f} points against the windows' own SE of "
+                f"{100 * spread['window_se']:.1f}.", ""]
+    ex = calibration_curve.extrapolate(rows)
+    if ex:
+        mid = ex.get("middle")
+        out += [f"Extrapolation (not a measurement): from {ex['from_tokens']:,} to {ex['to_tokens']:,} tokens the gap "
+                f"closed on WikiText-2's confirmation half moves {_pp(ex['slope'], ex['slope_se'])} per doubling"
+                + (f" (the {mid['tokens']:,}-token map sits {_pp(mid['off_line'], mid['se'])} off that line)"
+                   if mid else "") + f"; a straight line in log tokens puts the paper's {ex['tokens']:,} tokens "
+                f"({ex['doublings']:.1f} doublings past the main map) at {_pct(ex['gap'], ex['gap_se'])}.", ""]
+    return out
 
 
 def worth_figure(results: dict, path: Path) -> bool:
@@ -985,6 +1026,7 @@ def blocks(runs: dict, timings: dict | None = None) -> tuple[dict, dict, str | N
         else:
             body += ["No repair was run on the selection half: nothing chosen.", ""]
         body += worth_table(results)
+        body += calibration_lines(results, runs)
         order = {"selection": 0, "confirmation": 1, "all": 2}
         for key in sorted(results, key=lambda k: (k[0] != "wikitext2", k[1], order[k[2]])):
             if key[0] == "wikitext2" and key[1] == CHOICE_P and key[2] == "all":

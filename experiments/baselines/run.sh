@@ -97,6 +97,7 @@ run real_reverse_1024_w24 $REAL pair.direction=reverse $LONG "eval.recompute_fra
 # 5g. P = 2,048 on WikiText-2 (the first 24 long-enough articles' windows), the curve extended to 1,024
 run real_wikitext2_2048_w24 $REAL "eval.ppl.prefixes=[2048]" "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
   "eval.modes=[$BASE,truncate_tokens_64,truncate_tokens_256,truncate_tokens_512,truncate_tokens_1024]"
+timed real_wikitext2_2048_w24 2048 "$BASE,truncate_tokens_1,truncate_tokens_64,truncate_tokens_256,truncate_tokens_512,truncate_tokens_1024"
 # 6. calibration in the evaluated code domain: the map calibrated (as the main one, 160 x 256 tokens) on Python source
 #    -- the modules inside the standard library's packages, disjoint from the evaluated top-level modules -- and
 #    scored on both perplexity sets beside the main map (collect.py names its mode transfer_code_calib)

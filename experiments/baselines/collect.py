@@ -933,7 +933,33 @@ def headline(results: dict, chosen: str | None, runs: dict | None = None) -> str
                      "evaluated ones) the map closes " + "; ".join(
                          f"{_pct(r['modes']['transfer_code_calib']['gap'], r['modes']['transfer_code_calib']['se'])}"
                          f" on {what} ({_pp(*d)} against the main map)" for r, d, what in code))
+    if runs and (c := calibration_sentence(results, runs)):
+        parts.append(c)
     return ". ".join(x[0].upper() + x[1:] for x in parts) + "."
+
+
+def calibration_sentence(results: dict, runs: dict) -> str | None:
+    """The headline's clause on calibration text: what 2x and 4x the main text, another draw and the mixed domains do
+    to the gap closed (paired differences from the main map); None before those runs."""
+    rows = {r["mode"]: r for r in calibration_curve.rows(results, runs)}
+    bits = []
+    more = [(r, r["sets"]["wikitext2"]["versus_main"]) for m, r in rows.items()
+            if m in ("transfer_calib_80k", "transfer_calib_160k") and (r["sets"].get("wikitext2") or {}).get("versus_main")]
+    if more:
+        bits.append("calibrating on " + " and ".join(f"{r['tokens']:,}" for r, _ in more) + " Wikipedia tokens instead "
+                    f"of {rows['transfer']['tokens']:,} moves the gap closed on WikiText-2's confirmation half by "
+                    + " and ".join(_pp(*d) for _, d in more))
+    spread = calibration_curve.spread_between_draws(list(rows.values()))
+    if spread:
+        bits.append(f"another draw of the same size moves it by {100 * spread['sd']:.1f} points (standard deviation "
+                    f"over {len(spread['draws'])} draws)")
+    mixed = rows.get("transfer_calib_mixed")
+    if mixed:
+        bits.append(f"the mixed map (Wikipedia and Python packages, {mixed['tokens']:,} tokens) closes " + "; ".join(
+            f"{_pct(x['gap'], x['se'])} on {'WikiText-2' if st == 'wikitext2' else 'Python source'}"
+            + (f" ({_pp(*x['versus_main'])} against the main map)" if x["versus_main"] else "")
+            for st, x in mixed["sets"].items()))
+    return "; ".join(bits) if bits else None
 
 
 def tiny_lines(runs: dict) -> list[str]:

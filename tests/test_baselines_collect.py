@@ -297,3 +297,54 @@ def test_a_large_to_small_run_is_its_own_pair():
     assert res["windows"] == 62 and res["timing"] is None and res["runs"] == ["real_reverse_wikitext2"]
     assert results[("wikitext2", 256, "all")]["timing"] is not None
     assert "Large -> small (the 1.5B reads the context" in collect.headline(results, None)
+
+
+def _calib_run(nll: dict, sequences: int, parts=None, r2=(0.7, 0.5)):
+    """A run of one calibration's map over the synthetic draw: its NLLs and a summary recording that calibration."""
+    run = _runs()[0]["real_b"]
+    run["scores"]["ppl_sets"]["wikitext2"]["window_nll"]["256"] = nll
+    run["summary"] = {**run["summary"], "r2": {"k": {"heldout": r2[0]}, "v": {"heldout": r2[1]}},
+                      "calibration": {"sequences": sequences * 4 // 5, "heldout_sequences": sequences // 5,
+                                      "tokens_per_seq": 256, "domain": "wikipedia", **({"parts": parts} if parts else {})}}
+    return run
+
+
+def test_the_calibration_rows_difference_the_main_map_and_extrapolate_in_log_tokens():
+    """Synthetic maps closing known shares: the main map 0.30 (40,960 tokens), draws 1 and 2 at 0.26 and 0.34,
+    4x the text 0.40 (two doublings: +0.05 per doubling), 2x 0.35 (on that line). The paper's 512,000 tokens are
+    log2(12.5) doublings past the main map: 0.30 + 0.05 log2(12.5)."""
+    runs, _ = _runs()
+    base = runs["real_b"]["scores"]["ppl_sets"]["wikitext2"]["window_nll"]["256"]
+    target, floor = np.array(base["target"]), np.array(base["no_context"])
+    rng = np.random.default_rng(1)
+
+    def at(frac):   # every window closes `frac` of its gap, up to a small noise that keeps the SEs finite
+        return list(floor - (floor - target) * (frac + rng.normal(0, 0.01, target.size)))
+    curve = {k: v for k, v in base.items() if k.startswith("truncate_tokens_")}
+    main = {"target": base["target"], "no_context": base["no_context"], "transfer": at(0.30), **curve}
+    runs = {"real_wikitext2_a": _calib_run(main, 160)}
+    for name, frac, seqs, parts in (("real_calib_draw1", 0.26, 160, [{"domain": "wikipedia", "draw": 1}]),
+                                    ("real_calib_draw2", 0.34, 160, [{"domain": "wikipedia", "draw": 2}]),
+                                    ("real_calib_80k", 0.35, 320, [{"domain": "wikipedia", "draw": d} for d in (0, 1)]),
+                                    ("real_calib_160k", 0.40, 640, [{"domain": "wikipedia", "draw": d} for d in range(4)])):
+        runs[name] = _calib_run({**main, "transfer": at(frac)}, seqs, parts)
+    results = collect.analyse(collect.merge(runs))
+    cc = collect.calibration_curve
+    rows = cc.rows(results, runs)
+    assert [r["mode"] for r in rows] == ["transfer", "transfer_calib_draw1", "transfer_calib_draw2",
+                                         "transfer_calib_80k", "transfer_calib_160k"]
+    assert [r["tokens"] for r in rows] == [40_960, 40_960, 40_960, 81_920, 163_840]
+    by = {r["mode"]: r["sets"]["wikitext2"] for r in rows}
+    assert by["transfer"]["versus_main"] is None and by["transfer"]["half"] == "confirmation"
+    assert abs(by["transfer_calib_160k"]["versus_main"][0] - 0.10) <= 0.01   # window noise 0.01, ~31 windows
+    spread = cc.spread_between_draws(rows)
+    assert spread["draws"] == [0, 1, 2]
+    assert abs(spread["sd"] - 0.04) <= 0.01          # the standard deviation of 0.30, 0.26, 0.34
+    ex = cc.extrapolate(rows)
+    assert (ex["from_tokens"], ex["to_tokens"]) == (40_960, 163_840)
+    assert abs(ex["slope"] - 0.05) <= 0.005
+    assert abs(ex["gap"] - (0.30 + 0.05 * np.log2(512_000 / 40_960))) <= 0.03
+    assert abs(ex["middle"]["off_line"]) < 3 * ex["middle"]["se"] + 0.01
+    lines = "\n".join(collect.calibration_lines(results, runs))
+    assert "Extrapolation (not a measurement)" in lines and "`transfer_calib_160k`" in lines
+    assert "163,840 Wikipedia tokens" in collect.calibration_sentence(results, runs)

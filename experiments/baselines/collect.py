@@ -51,6 +51,7 @@ from kvtransfer.report import readme  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import calibration_curve  # noqa: E402
+import gpu_model  # noqa: E402
 
 RUNS = ROOT / "results" / "baselines" / "runs"
 TIMINGS = ROOT / "results" / "baselines" / "timing"
@@ -194,15 +195,18 @@ def merge(runs: dict, base: dict | None = None) -> dict:
     return merged
 
 
-def map_flops_rel(m: dict) -> float | None:
-    """The map's FLOPs over a re-prefill's: apply FLOPs per token x the tokens of each cached prefix (context[:-1],
-    start id included) over the target's prefill FLOPs of them (from the truncation runs' timing records), plus the
-    target's own prefill of the native-sink token at position 0 -- the start id, which truncation is charged for
-    too (no_context's FLOPs: a prefill of the start id alone)."""
+def map_apply_rel(m: dict) -> float | None:
+    """The map's own FLOPs over a re-prefill's: apply FLOPs per token x the tokens of each cached prefix (context[:-1],
+    start id included) over the target's prefill FLOPs of them (from the truncation runs' timing records)."""
     if m.get("map_flops_per_token") and m.get("reference_flops"):
-        apply = m["map_flops_per_token"] * m["reference_tokens"] / m["reference_flops"]
-    else:
-        apply = (m["rows"].get("transfer") or {}).get("map_flops_rel")
+        return m["map_flops_per_token"] * m["reference_tokens"] / m["reference_flops"]
+    return (m["rows"].get("transfer") or {}).get("map_flops_rel")
+
+
+def map_flops_rel(m: dict) -> float | None:
+    """`map_apply_rel` plus the target's own prefill of the native-sink token at position 0 -- the start id, which
+    truncation is charged for too (no_context's FLOPs: a prefill of the start id alone)."""
+    apply = map_apply_rel(m)
     sink = (m["rows"].get("no_context") or {}).get("flops_rel") if m.get("native_sink", 1) else 0.0
     if apply is None or sink is None:
         return None   # a cost without the sink's prefill would charge the map less than truncation for one token
@@ -244,9 +248,10 @@ def curve_points(nll: dict) -> list[int]:
     return sorted(int(m[len(CURVE):]) for m in nll if m.startswith(CURVE))
 
 
-def truncation_curve(nll: dict) -> list[tuple[str, int]]:
-    """The truncation curve [(mode, m)] of the modes that ran, in m order."""
-    return [(f"{CURVE}{m}", m) for m in curve_points(nll)]
+def truncation_curve(nll: dict) -> list[tuple[str, int | str]]:
+    """The truncation curve [(mode, m)] of the modes that ran, in m order, ending at the target's re-prefill (m = P,
+    labelled "P": the whole context, cost 1): a mode dearer than the last truncation point is still compared."""
+    return [(f"{CURVE}{m}", m) for m in curve_points(nll)] + ([("target", "P")] if "target" in nll else [])
 
 
 def rule_curve(nll: dict, rule: str = "recent") -> list[tuple[str, float]]:
@@ -362,8 +367,27 @@ def analyse(merged: dict, timings: dict | None = None) -> dict:
                     res[name] = {mode: e for mode in nll if mapped_mode(mode) and (e := equal_cost(
                         nll, costs, mode, truncation_curve(nll), n_boot=N_BOOT, seed=SEED, cost_se=cost_se)) is not None}
                 res["counted"] = counted(res, nll, tm, timed)
+                gpu = gpu_costs(res, m)
+                if gpu:
+                    res["equal_gpu"] = {mode: e for mode in nll if mapped_mode(mode) and (e := equal_cost(
+                        nll, gpu, mode, truncation_curve(nll), n_boot=N_BOOT, seed=SEED)) is not None}
             out[(st, p, half)] = res
     return out
+
+
+def gpu_costs(res: dict, m: dict) -> dict | None:
+    """{mode: the H200 model's seconds over the re-prefill's} (gpu_model.py) of every mode with FLOPs; None without the
+    re-prefill's FLOPs. A mapped mode's map is its apply FLOPs, the rest of its FLOPs a target prefill."""
+    if not m.get("reference_flops") or map_apply_rel(m) is None:
+        return None
+    bench, apply = gpu_model.load(), map_apply_rel(m)
+    out = {mode: gpu_model.mode_cost(bench, flops_rel=v["flops_rel"], map_flops_rel=apply if mapped_mode(mode) else 0.0,
+                                     prefix_tokens=m["reference_tokens"], reference_flops=m["reference_flops"])
+           for mode, v in res["modes"].items() if v.get("flops_rel") is not None}
+    for mode, v in res["modes"].items():
+        if mode in out:
+            v["gpu_rel"] = out[mode]
+    return {**out, "target": 1.0}
 
 
 def counted(res: dict, nll: dict, tm: dict | None, timed: dict | None) -> dict:
@@ -688,6 +712,7 @@ def worth_rows(results: dict) -> list[dict]:
             rows.append({"set": st, "prefix": p, "windows": res["windows"], "mode": mode,
                          "gap": res["modes"][mode]["gap"], "se": res["modes"][mode]["se"], "worth": w,
                          "flops": (res.get("equal_flops") or {}).get(mode),
+                         "gpu": (res.get("equal_gpu") or {}).get(mode),
                          "seconds": (res.get("equal_cost") or {}).get(mode),
                          "counted": (res.get("counted") or {}) if mode == "transfer" else {},
                          "timed": res.get("timing") is not None})
@@ -708,16 +733,19 @@ def worth_table(results: dict) -> list[str]:
               "–" if not r["worth"] or r["worth"]["above"] or r["worth"]["below"] else
               f"{100 * r['worth']['tokens'] / r['prefix']:.1f} %",
               _diff(r["flops"]), _diff(r["seconds"]) + ("" if r["timed"] or not r["seconds"] else " (one wall clock)"),
-              _diff(r["counted"].get("flops")), _diff(r["counted"].get("seconds"))] for r in rows]
+              _diff(r["gpu"]), _diff(r["counted"].get("flops")), _diff(r["counted"].get("seconds"))] for r in rows]
     return ["## Worth as the context grows", "",
             "Every window of each (set, P) (both WikiText-2 halves: nothing is chosen here). Worth: the m at which the "
             "target's own last-m-token curve reaches the map's gap closed [95 % interval]; share: worth / P. The "
             "map - truncation columns interpolate the truncation curve at the map's cost; a handoff charges the map "
             "its own work and the target's prefill of the native-sink token, a cold start the source's prefill "
-            "too. Figure: [figures/worth_vs_p.png](figures/worth_vs_p.png).", "",
+            "too. H200 model: each mode's FLOPs priced at the rates the harness's bench measured on one H200 "
+            "(experiments/baselines/gpu_model.py: a model, not a GPU measurement of this pair). "
+            "Figure: [figures/worth_vs_p.png](figures/worth_vs_p.png).", "",
             readme.md_table(["set", "P", "windows", "map", "gap closed", "worth in native tokens [95 %]",
-                             "share of P", "map - truncation, equal FLOPs", "equal measured seconds",
-                             "source prefill charged: equal FLOPs", "equal measured seconds"], cells).rstrip("\n"),
+                             "share of P", "map - truncation, equal FLOPs", "equal measured seconds (CPU)",
+                             "equal H200-model seconds", "source prefill charged: equal FLOPs",
+                             "equal measured seconds"], cells).rstrip("\n"),
             ""]
 
 
@@ -790,10 +818,11 @@ def worth_figure(results: dict, path: Path) -> bool:
     return True
 
 
-# how the headline names each cost convention: FLOPs model a GPU (a long prefill is compute-bound there); seconds are
-# this CPU's, one context at a time (a handoff serves one session)
-COST_WORDS = {"FLOPs": "FLOPs (the model of a GPU, where a long prefill is compute-bound)",
-              "measured seconds": "measured seconds (this CPU, one context at a time)"}
+# how the headline names each cost convention: FLOPs count work; seconds are this CPU's, one context at a time (a
+# handoff serves one session); the H200 model prices the FLOPs at a GPU's measured rates (gpu_model.py)
+COST_WORDS = {"FLOPs": "FLOPs",
+              "measured seconds": "measured seconds (this CPU, one context at a time)",
+              "H200 model": "modelled H200 seconds (the FLOPs at the rates the bench measured on one H200, a model)"}
 
 
 def lead(results: dict) -> str | None:
@@ -803,7 +832,8 @@ def lead(results: dict) -> str | None:
     if not rows:
         return None
     r = rows[-1]
-    got = [(what, e) for what, e in (("FLOPs", r["flops"]), ("measured seconds", r["seconds"])) if e]
+    got = [(what, e) for what, e in (("FLOPs", r["flops"]), ("measured seconds", r["seconds"]),
+                                     ("H200 model", r["gpu"])) if e]
     if not got:
         return None
     parts = [f"{verdict(e)} truncation at equal {COST_WORDS[what]} ({_pp(e['difference'], _se(e))})"
@@ -1113,8 +1143,10 @@ TIMING_NOTE = ("Where a table names experiments/baselines/timing.py, its seconds
                "whatever load that run saw, and say so. FLOPs are exact counts. On the tiny pair a context takes "
                "milliseconds, so its seconds are mostly noise; read its FLOPs panel there. On this CPU a forward's "
                "time is mostly reading the weights (6 GB in float32), so reading a few tokens costs nearly what "
-               "reading a hundred does; a GPU forward over hundreds of tokens is closer to its FLOPs, which makes "
-               "the FLOPs columns the GPU model (no GPU timing of the real pair is committed).")
+               "reading a hundred does; a GPU forward over hundreds of tokens is closer to its FLOPs. The H200 model "
+               "prices each mode's FLOPs at the rates the harness's bench measured on one H200, floored at one read of "
+               "the target's weights (experiments/baselines/gpu_model.py); it is a model: no GPU timing of the real "
+               "pair is committed.")
 
 
 if __name__ == "__main__":

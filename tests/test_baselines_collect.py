@@ -299,9 +299,11 @@ def test_a_large_to_small_run_is_its_own_pair():
     assert "Large -> small (the 1.5B reads the context" in collect.headline(results, None)
 
 
-def _calib_run(nll: dict, sequences: int, parts=None, r2=(0.7, 0.5)):
-    """A run of one calibration's map over the synthetic draw: its NLLs and a summary recording that calibration."""
+def _calib_run(nll: dict, sequences: int, parts=None, r2=(0.7, 0.5), draw: int = 0):
+    """A run of one calibration's map over the synthetic draw: its NLLs and a summary recording that calibration (a
+    merged one lists its parts; a single one's draw is in the run's config, as the runner writes them)."""
     run = _runs()[0]["real_b"]
+    run["config"] = {"calib": {"draw": draw, "merge": [{"draw": p["draw"]} for p in (parts or [])[1:]]}}
     run["scores"]["ppl_sets"]["wikitext2"]["window_nll"]["256"] = nll
     run["summary"] = {**run["summary"], "r2": {"k": {"heldout": r2[0]}, "v": {"heldout": r2[1]}},
                       "calibration": {"sequences": sequences * 4 // 5, "heldout_sequences": sequences // 5,
@@ -323,17 +325,17 @@ def test_the_calibration_rows_difference_the_main_map_and_extrapolate_in_log_tok
     curve = {k: v for k, v in base.items() if k.startswith("truncate_tokens_")}
     main = {"target": base["target"], "no_context": base["no_context"], "transfer": at(0.30), **curve}
     runs = {"real_wikitext2_a": _calib_run(main, 160)}
-    for name, frac, seqs, parts in (("real_calib_draw1", 0.26, 160, [{"domain": "wikipedia", "draw": 1}]),
-                                    ("real_calib_draw2", 0.34, 160, [{"domain": "wikipedia", "draw": 2}]),
-                                    ("real_calib_80k", 0.35, 320, [{"domain": "wikipedia", "draw": d} for d in (0, 1)]),
-                                    ("real_calib_160k", 0.40, 640, [{"domain": "wikipedia", "draw": d} for d in range(4)])):
-        runs[name] = _calib_run({**main, "transfer": at(frac)}, seqs, parts)
+    for name, frac, seqs, draws in (("real_calib_draw1", 0.26, 160, [1]), ("real_calib_draw2", 0.34, 160, [2]),
+                                    ("real_calib_80k", 0.35, 320, [0, 1]), ("real_calib_160k", 0.40, 640, [0, 1, 2, 3])):
+        parts = [{"domain": "wikipedia", "draw": d} for d in draws] if len(draws) > 1 else None
+        runs[name] = _calib_run({**main, "transfer": at(frac)}, seqs, parts, draw=draws[0] if not parts else 0)
     results = collect.analyse(collect.merge(runs))
     cc = collect.calibration_curve
     rows = cc.rows(results, runs)
     assert [r["mode"] for r in rows] == ["transfer", "transfer_calib_draw1", "transfer_calib_draw2",
                                          "transfer_calib_80k", "transfer_calib_160k"]
     assert [r["tokens"] for r in rows] == [40_960, 40_960, 40_960, 81_920, 163_840]
+    assert [r["parts"] for r in rows][:3] == [[("wikipedia", 0)], [("wikipedia", 1)], [("wikipedia", 2)]]
     by = {r["mode"]: r["sets"]["wikitext2"] for r in rows}
     assert by["transfer"]["versus_main"] is None and by["transfer"]["half"] == "confirmation"
     assert abs(by["transfer_calib_160k"]["versus_main"][0] - 0.10) <= 0.01   # window noise 0.01, ~31 windows

@@ -20,11 +20,14 @@ PAPER_TOKENS = 500 * 1024          # the paper's calibration (FineWeb-Edu, strid
 SETS = (("wikitext2", "confirmation"), ("python_stdlib", "all"))
 
 
-def _calibration(summary: dict) -> dict:
-    """{"tokens", "sequences", "observations", "domain", "draws", "r2_k", "r2_v"} of a run's calibration."""
+def _calibration(run: dict) -> dict:
+    """{"tokens", "sequences", "observations", "domain", "parts": [(domain, draw)], "r2_k", "r2_v"} of a run's
+    calibration (a merged one records its parts; a single one its draw in the run's config)."""
+    summary = run["summary"]
     c, r2 = summary.get("calibration") or {}, summary.get("r2") or {}
     seqs = (c.get("sequences") or 0) + (c.get("heldout_sequences") or 0)
-    parts = c.get("parts") or [{"domain": c.get("domain"), "draw": 0}]
+    draw = int((((run.get("config") or {}).get("calib") or {}).get("draw")) or 0)
+    parts = c.get("parts") or [{"domain": c.get("domain"), "draw": draw}]
     return {"tokens": seqs * (c.get("tokens_per_seq") or 0), "sequences": seqs, "observations": c.get("observations"),
             "domain": c.get("domain"), "parts": [(p.get("domain"), p.get("draw", 0)) for p in parts],
             "r2_k": (r2.get("k") or {}).get("heldout"), "r2_v": (r2.get("v") or {}).get("heldout")}
@@ -38,10 +41,9 @@ def rows(results: dict, runs: dict) -> list[dict]:
         return []
     out = []
     for run, mode in (("", "transfer"), *CALIB_MAPS.items()):
-        summary = runs[run or MAIN_RUN]["summary"] if (run or MAIN_RUN) in runs else None
-        if summary is None:
+        if (run or MAIN_RUN) not in runs:
             continue
-        row = {"run": run or MAIN_RUN, "mode": mode, **_calibration(summary), "sets": {}}
+        row = {"run": run or MAIN_RUN, "mode": mode, **_calibration(runs[run or MAIN_RUN]), "sets": {}}
         for st, half in SETS:
             res = results.get((st, 256, half)) or {}
             if mode not in (res.get("modes") or {}):

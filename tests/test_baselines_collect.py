@@ -350,3 +350,18 @@ def test_the_calibration_rows_difference_the_main_map_and_extrapolate_in_log_tok
     lines = "\n".join(collect.calibration_lines(results, runs))
     assert "Extrapolation (not a measurement)" in lines and "`transfer_calib_160k`" in lines
     assert "163,840 Wikipedia tokens" in collect.calibration_sentence(results, runs)
+
+
+def test_the_content_share_comes_from_the_wrong_context_controls_and_they_are_not_priced():
+    """The map closes 0.3 of each window's gap, 0.1 on another article's context; the target 1 and 0.5 there: the map
+    carries (0.3 - 0.1) / (1 - 0.5) = 0.4 of the target's own gain from its context."""
+    runs, _ = _runs()
+    nll = runs["real_b"]["scores"]["ppl_sets"]["wikitext2"]["window_nll"]["256"]
+    target, floor = np.array(nll["target"]), np.array(nll["no_context"])
+    nll["transfer_wrong"] = list(floor - (floor - target) * 0.1)
+    nll["target_wrong"] = list(floor - (floor - target) * 0.5)
+    res = collect.analyse(collect.merge({"real_b": runs["real_b"]}))[("wikitext2", 256, "all")]
+    assert abs(res["controls"]["content_share"] - 0.4) < 1e-9
+    assert "transfer_wrong" not in res["worth"] and "transfer_wrong" not in res["equal_flops"]
+    row = next(r for r in collect.worth_rows({("wikitext2", 256, "all"): res}) if r["mode"] == "transfer")
+    assert abs(row["content"]["content_share"] - 0.4) < 1e-9

@@ -45,8 +45,8 @@ from kvtransfer.core.io import atomic_write_bytes  # noqa: E402
 from kvtransfer.core.timing import median_se  # noqa: E402
 from kvtransfer.eval.coqa import coqa_summary_from_scores  # noqa: E402
 from kvtransfer.eval.stats import binomial_se, t_quantile  # noqa: E402
-from kvtransfer.eval.metrics import (equal_cost, gap_closed, native_token_worth, paired_bootstrap,  # noqa: E402
-                                     ppl_gap_closed)
+from kvtransfer.eval.metrics import (control_statistics, equal_cost, gap_closed, native_token_worth,  # noqa: E402
+                                     paired_bootstrap, ppl_gap_closed)
 from kvtransfer.report import readme  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -292,7 +292,8 @@ def gap(nll: dict, mode: str) -> tuple[float, float]:
 
 def mapped_mode(mode: str) -> bool:
     """A mode that reads the map (the map alone, a fixed repair, the gate): the ones given a worth and equal costs."""
-    return mode.startswith("transfer") or mode == "gated" or mode.startswith("recompute_")
+    return (mode.startswith("transfer") and not mode.endswith("_wrong")) or mode == "gated" or \
+        mode.startswith("recompute_")
 
 
 def analyse(merged: dict, timings: dict | None = None) -> dict:
@@ -367,6 +368,10 @@ def analyse(merged: dict, timings: dict | None = None) -> dict:
                     res[name] = {mode: e for mode in nll if mapped_mode(mode) and (e := equal_cost(
                         nll, costs, mode, truncation_curve(nll), n_boot=N_BOOT, seed=SEED, cost_se=cost_se)) is not None}
                 res["counted"] = counted(res, nll, tm, timed)
+                if "target_wrong" in nll and "transfer_wrong" in nll:   # the content controls (another context)
+                    res["controls"] = control_statistics(
+                        {k: nll[k] for k in ("target", "transfer", "target_wrong", "transfer_wrong")},
+                        n_boot=N_BOOT, seed=SEED)
                 gpu = gpu_costs(res, m)
                 if gpu:
                     res["equal_gpu"] = {mode: e for mode in nll if mapped_mode(mode) and (e := equal_cost(
@@ -715,6 +720,7 @@ def worth_rows(results: dict) -> list[dict]:
                          "gpu": (res.get("equal_gpu") or {}).get(mode),
                          "seconds": (res.get("equal_cost") or {}).get(mode),
                          "counted": (res.get("counted") or {}) if mode == "transfer" else {},
+                         "content": (res.get("controls") or {}) if mode == "transfer" else {},
                          "timed": res.get("timing") is not None})
     return rows
 
@@ -733,19 +739,22 @@ def worth_table(results: dict) -> list[str]:
               "–" if not r["worth"] or r["worth"]["above"] or r["worth"]["below"] else
               f"{100 * r['worth']['tokens'] / r['prefix']:.1f} %",
               _diff(r["flops"]), _diff(r["seconds"]) + ("" if r["timed"] or not r["seconds"] else " (one wall clock)"),
-              _diff(r["gpu"]), _diff(r["counted"].get("flops")), _diff(r["counted"].get("seconds"))] for r in rows]
+              _diff(r["gpu"]), _diff(r["counted"].get("flops")), _diff(r["counted"].get("seconds")),
+              _pct(r["content"].get("content_share"), r["content"].get("content_share_se"))] for r in rows]
     return ["## Worth as the context grows", "",
             "Every window of each (set, P) (both WikiText-2 halves: nothing is chosen here). Worth: the m at which the "
             "target's own last-m-token curve reaches the map's gap closed [95 % interval]; share: worth / P. The "
             "map - truncation columns interpolate the truncation curve at the map's cost; a handoff charges the map "
             "its own work and the target's prefill of the native-sink token, a cold start the source's prefill "
             "too. H200 model: each mode's FLOPs priced at the rates the harness's bench measured on one H200 "
-            "(experiments/baselines/gpu_model.py: a model, not a GPU measurement of this pair). "
+            "(experiments/baselines/gpu_model.py: a model, not a GPU measurement of this pair). Content share: "
+            "(transfer - transfer on another article's context) / (target - target on it), in NLL, where those "
+            "controls ran: the share of the target's own gain from this context that the map carries. "
             "Figure: [figures/worth_vs_p.png](figures/worth_vs_p.png).", "",
             readme.md_table(["set", "P", "windows", "map", "gap closed", "worth in native tokens [95 %]",
                              "share of P", "map - truncation, equal FLOPs", "equal measured seconds (CPU)",
                              "equal H200-model seconds", "source prefill charged: equal FLOPs",
-                             "equal measured seconds"], cells).rstrip("\n"),
+                             "equal measured seconds", "content share"], cells).rstrip("\n"),
             ""]
 
 

@@ -94,6 +94,12 @@ run real_reverse_wikitext2 $REAL pair.direction=reverse "eval.recompute_fraction
 timed real_reverse_wikitext2 256 "$BASE,$CURVE" _reverse
 run real_reverse_1024_w24 $REAL pair.direction=reverse $LONG "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
   "eval.modes=[$BASE,$CURVE,truncate_tokens_256,truncate_tokens_512]"
+# 5f'. large -> small's content share: the 0.5B reading another article's context natively and through the map (the
+#      same length; kvtransfer.maps.controls), at P = 256 and on the 24 windows at P = 1,024
+CONTROLS="eval.controls=[target_wrong,transfer_wrong]"
+run real_reverse_controls $REAL pair.direction=reverse $NOCURVE "eval.recompute_fraction=[]" "$CONTROLS" "eval.modes=[$BASE]"
+run real_reverse_1024_controls $REAL pair.direction=reverse $LONG $NOCURVE "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
+  "$CONTROLS" "eval.modes=[$BASE]"
 # 5g. P = 2,048 on WikiText-2 (the first 24 long-enough articles' windows), the curve extended to 1,024
 run real_wikitext2_2048_w24 $REAL "eval.ppl.prefixes=[2048]" "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
   "eval.modes=[$BASE,truncate_tokens_64,truncate_tokens_256,truncate_tokens_512,truncate_tokens_1024]"

@@ -783,7 +783,9 @@ def calibration_lines(results: dict, runs: dict) -> list[str]:
         out += [f"Between draws: {len(spread['draws'])} disjoint 40,960-token Wikipedia draws close "
                 + ", ".join(_pct(g) for g in spread["gaps"]) + f" on WikiText-2's confirmation half, a standard "
                 f"deviation of {100 * spread['sd']:.1f} points against the windows' own SE of "
-                f"{100 * spread['window_se']:.1f}.", ""]
+                f"{100 * spread['window_se']:.1f}. The differences from the main map carry the windows' SE only (the "
+                "same windows score both maps); another draw of the same size moves the gap closed by that standard "
+                "deviation, so a difference within about twice it is what a different draw alone could give.", ""]
     ex = calibration_curve.extrapolate(rows)
     if ex:
         mid = ex.get("middle")

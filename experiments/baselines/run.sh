@@ -77,12 +77,13 @@ run real_stdlib_c $REAL $STDLIB $NOCURVE "eval.recompute_fraction=[0.05]" \
 # 5e. the seconds of every table, by the timing protocol (timing.py: interleaved rounds on 8 contexts, one at a time,
 #     on a quiet machine; each writes results/baselines/timing/<set>_P<P>.json once). Python source is priced with
 #     WikiText-2's timing at the same P: a dense prefill's and the map's work depend on the token count, not the text
-timed() {  # timed RUN P MODES [SUFFIX]   (SUFFIX _reverse: a large -> small run's file, step timing_<P>_reverse)
+timed() {  # timed RUN P MODES [SUFFIX] [WINDOWS]   (SUFFIX _reverse: a large -> small run's file, step timing_<P>_reverse;
+           # WINDOWS: the subsample's size, default 8)
   local f="results/baselines/timing/wikitext2_P$2${4:-}.json"
   if [[ -n "${STEPS:-}" && " $STEPS " != *" timing_$2${4:-} "* ]]; then return; fi
   if [[ -f "$f" ]]; then echo "[timing_$2${4:-}] done"; return; fi
   echo "[timing_$2${4:-}] $(date -u +%H:%M:%S) start"
-  python experiments/baselines/timing.py --run "$OUT/$1" --set wikitext2 --prefix "$2" --modes "$3"
+  python experiments/baselines/timing.py --run "$OUT/$1" --set wikitext2 --prefix "$2" --modes "$3" --windows "${5:-8}"
 }
 CURVE_ALL="$CURVE,truncate_tokens_256,truncate_tokens_512"
 timed real_wikitext2_1024_w24 1024 "$BASE,$CURVE_ALL"
@@ -100,10 +101,11 @@ CONTROLS="eval.controls=[target_wrong,transfer_wrong]"
 run real_reverse_controls $REAL pair.direction=reverse $NOCURVE "eval.recompute_fraction=[]" "$CONTROLS" "eval.modes=[$BASE]"
 run real_reverse_1024_controls $REAL pair.direction=reverse $LONG $NOCURVE "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
   "$CONTROLS" "eval.modes=[$BASE]"
-# 5g. P = 2,048 on WikiText-2 (the first 24 long-enough articles' windows), the curve extended to 1,024
-run real_wikitext2_2048_w24 $REAL "eval.ppl.prefixes=[2048]" "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
-  "eval.modes=[$BASE,truncate_tokens_64,truncate_tokens_256,truncate_tokens_512,truncate_tokens_1024]"
-timed real_wikitext2_2048_w24 2048 "$BASE,truncate_tokens_1,truncate_tokens_64,truncate_tokens_256,truncate_tokens_512,truncate_tokens_1024"
+# 5g. P = 2,048 on WikiText-2 (the first 24 long-enough articles' windows; ~40 min on 2 cores), the curve from m = 16
+#     to 512; its timing on 2 of those windows (a round of every mode takes ~2 min there)
+P2K="$BASE,truncate_tokens_16,truncate_tokens_64,truncate_tokens_256,truncate_tokens_512"
+run real_wikitext2_2048_w24 $REAL "eval.ppl.prefixes=[2048]" "eval.recompute_fraction=[]" "eval.ppl.windows=24" "eval.modes=[$P2K]"
+timed real_wikitext2_2048_w24 2048 "$P2K,truncate_tokens_1" "" 2
 # 6. calibration in the evaluated code domain: the map calibrated (as the main one, 160 x 256 tokens) on Python source
 #    -- the modules inside the standard library's packages, disjoint from the evaluated top-level modules -- and
 #    scored on both perplexity sets beside the main map (collect.py names its mode transfer_code_calib)

@@ -101,11 +101,11 @@ CONTROLS="eval.controls=[target_wrong,transfer_wrong]"
 run real_reverse_controls $REAL pair.direction=reverse $NOCURVE "eval.recompute_fraction=[]" "$CONTROLS" "eval.modes=[$BASE]"
 run real_reverse_1024_controls $REAL pair.direction=reverse $LONG $NOCURVE "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
   "$CONTROLS" "eval.modes=[$BASE]"
-# 5g. P = 2,048 on WikiText-2 (the first 24 long-enough articles' windows; ~40 min on 2 cores), the curve from m = 16
+# 5g. P = 2,048 on WikiText-2 (the first 16 long-enough articles' windows; ~25 min on 2 cores), the curve from m = 16
 #     to 512; its timing on 2 of those windows (a round of every mode takes ~2 min there)
 P2K="$BASE,truncate_tokens_16,truncate_tokens_64,truncate_tokens_256,truncate_tokens_512"
-run real_wikitext2_2048_w24 $REAL "eval.ppl.prefixes=[2048]" "eval.recompute_fraction=[]" "eval.ppl.windows=24" "eval.modes=[$P2K]"
-timed real_wikitext2_2048_w24 2048 "$P2K,truncate_tokens_1" "" 2
+run real_wikitext2_2048_w16 $REAL "eval.ppl.prefixes=[2048]" "eval.recompute_fraction=[]" "eval.ppl.windows=16" "eval.modes=[$P2K]"
+timed real_wikitext2_2048_w16 2048 "$P2K,truncate_tokens_1" "" 2
 # 6. calibration in the evaluated code domain: the map calibrated (as the main one, 160 x 256 tokens) on Python source
 #    -- the modules inside the standard library's packages, disjoint from the evaluated top-level modules -- and
 #    scored on both perplexity sets beside the main map (collect.py names its mode transfer_code_calib)

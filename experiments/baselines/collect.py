@@ -22,8 +22,8 @@ points no cheaper point beats) at the mapped mode's cost; the difference mapped 
 bootstrap SE over windows (the costs held fixed).
 Selection: WikiText-2's articles are split once (experiments/baselines/split.yaml, committed before any run); the
 repair (rule, r) is chosen on the selection half only -- the largest gap closed above its truncation twin -- and the
-confirmation half and the Python stdlib set are reported with that choice. At P = 512, 1,024 and 2,048 (24 articles
-each) nothing is chosen: the worth table reports all of their windows.
+confirmation half and the Python stdlib set are reported with that choice. At P = 512, 1,024 (24 articles each) and
+2,048 (16) nothing is chosen: the worth table reports all of their windows.
 The gate: its realised action shares per half (binomial SEs) against the shares its thresholds were fitted for, and
 its gap closed against the fixed rule's (map + recent recompute at the r that ran, then the re-prefill at r = 1)
 interpolated at the gate's realised FLOPs; it pays only if it beats that rule by 2 SE and acts at its fitted rates.

@@ -13,6 +13,7 @@ from kvtransfer.core.moments import KINDS, HeldOut
 from kvtransfer.runner.calibrate_stage import merge_parts
 from kvtransfer.runner.run import Run
 from run_configs import compose_config
+from tolerance import assert_close, assert_far
 
 SMALL = ("pair=tiny", "device=cpu", "progress=false", "calib.n_sequences=6", "calib.seq_len=48",
          "calib.batch_size=3", "calib.mlp_samples=0", "calib.heldout_fraction=0.34")
@@ -48,8 +49,11 @@ def test_merged_moments_are_the_parts_moments_over_their_union(tmp_path):
     for kind in KINDS:
         want = [sum(x) for x in zip(*(_raw(t, kind)[:4] for t, _, _ in moments))]
         got = _raw(train, kind)[:4]
-        for w, g in zip(want, got):   # float64 moments: a few ulps of the largest entry, 1e-9 leaves ~10^6x room
-            assert torch.allclose(g, w, rtol=0, atol=1e-9 * float(w.abs().max()))
+        for w, g in zip(want, got):
+            assert_close(g, w, factor=64, dtype=torch.float64, reason=(
+                "float64 moments of ~10^3 observations: each raw sum is rebuilt as centred sum + n mean mean^T, and "
+                "the merge adds three parts' centred sums and Chan terms, a few ulps of the largest raw entry each; "
+                "64 eps leaves >10x over the largest error seen (~1 eps)"))
         assert torch.equal(held.x(kind), torch.cat([h.x(kind) for _, h, _ in moments]))
         assert torch.equal(held.y(kind), torch.cat([h.y(kind) for _, h, _ in moments]))
     assert held.seen == sum(h.seen for _, h, _ in moments)
@@ -68,7 +72,9 @@ def test_a_merged_calibration_fits_a_map_that_differs_from_each_part(tmp_path):
     assert one.mapper_dir() != two.mapper_dir()
     a, b = one.mapper(), two.mapper()
     assert b.calibration["sequences"] == 2 * a.calibration["sequences"]
-    assert a.weight.shape == b.weight.shape and not torch.allclose(a.weight, b.weight)
+    assert a.weight.shape == b.weight.shape
+    assert_far(a.weight, b.weight, atol=1e-3, reason="twice the text moves a ridge map fitted with p/n > 1 far more "
+               "than any rounding: the two maps differ")
 
 
 def test_bad_merge_entries_are_refused_with_the_fix(tmp_path):

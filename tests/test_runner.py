@@ -639,7 +639,7 @@ def test_concurrent_jobs_calibrate_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(calibrate_stage, "_calibrate_locked", fake_locked)
     run = Run.__new__(Run)
-    run.cache_dir = tmp_path
+    run.cache_dir, run.cfg = tmp_path, {"calib": {}}
     directory = tmp_path / "moments" / "abc"
     jobs = [threading.Thread(target=calibrate_stage.calibrate, args=(run, directory, "stripped"), name=f"job{i}") for i in range(2)]
     for j in jobs:

@@ -979,6 +979,9 @@ def headline(results: dict, chosen: str | None, runs: dict | None = None) -> str
     return ". ".join(x[0].upper() + x[1:] for x in parts) + "."
 
 
+SET_WHERE = {"wikitext2": "WikiText-2's confirmation half", "python_stdlib": "Python source"}   # calibration_curve.SETS
+
+
 def calibration_sentence(results: dict, runs: dict) -> str | None:
     """The headline's clause on calibration text: what 2x and 4x the main text, another draw and the mixed domains do
     to the gap closed (paired differences from the main map); None before those runs."""
@@ -990,6 +993,10 @@ def calibration_sentence(results: dict, runs: dict) -> str | None:
         bits.append("calibrating on " + " and ".join(f"{r['tokens']:,}" for r, _ in more) + " Wikipedia tokens instead "
                     f"of {rows['transfer']['tokens']:,} moves the gap closed on WikiText-2's confirmation half by "
                     + " and ".join(_pp(*d) for _, d in more))
+    ex = calibration_curve.extrapolate(list(rows.values()))
+    if more and ex:
+        bits[-1] += (f" ({_pp(ex['slope'], ex['slope_se'])} per doubling; a straight line in log tokens, an "
+                     f"extrapolation, puts the paper's {ex['tokens']:,} tokens at {_pct(ex['gap'], ex['gap_se'])})")
     spread = calibration_curve.spread_between_draws(list(rows.values()))
     if spread:
         bits.append(f"another draw of the same size moves it by {100 * spread['sd']:.1f} points (standard deviation "
@@ -997,7 +1004,7 @@ def calibration_sentence(results: dict, runs: dict) -> str | None:
     mixed = rows.get("transfer_calib_mixed")
     if mixed:
         bits.append(f"the mixed map (Wikipedia and Python packages, {mixed['tokens']:,} tokens) closes " + "; ".join(
-            f"{_pct(x['gap'], x['se'])} on {'WikiText-2' if st == 'wikitext2' else 'Python source'}"
+            f"{_pct(x['gap'], x['se'])} on {SET_WHERE[st]}"
             + (f" ({_pp(*x['versus_main'])} against the main map)" if x["versus_main"] else "")
             for st, x in mixed["sets"].items()))
     return "; ".join(bits) if bits else None

@@ -174,12 +174,12 @@ def merge(runs: dict, base: dict | None = None) -> dict:
                                                  "source_seconds")}
                     if cols:
                         m["rows"].setdefault(mode, {}).update(cols)
-                timing = ((s.get("eval_timing") or {}).get("target") or {}).get(f"ppl.{st}", {}).get(str(p))
+                timing = ((s.get("eval_timing") or {}).get("target") or {}).get(f"ppl.{st.removesuffix(REVERSE)}", {}).get(str(p))
                 if timing and timing.get("contexts"):  # a re-prefill's FLOPs per context (the map's FLOPs beside it)
                     m["reference_flops"] = timing["reference_flops"] / timing["contexts"]
                     m["reference_tokens"] = timing["reference_tokens"] / timing["contexts"]
                 for t in ((s.get("eval_timing") or {}).values()):
-                    tt = (t.get(f"ppl.{st}") or {}).get(str(p))
+                    tt = (t.get(f"ppl.{st.removesuffix(REVERSE)}") or {}).get(str(p))
                     if tt and tt.get("contexts") and "reference_flops" not in m:
                         m["reference_flops"] = tt["reference_flops"] / tt["contexts"]
                         m["reference_tokens"] = tt["reference_tokens"] / tt["contexts"]

@@ -492,6 +492,8 @@ def table(res: dict) -> list[str]:
     rows = []
 
     def order(mode):
+        if mode.endswith("_wrong"):   # the content controls, last
+            return (4, mode)
         if mode.startswith("transfer"):
             return (0, 0 if mode == "transfer" else 1)
         if mode == "gated":
@@ -965,6 +967,9 @@ def headline(results: dict, chosen: str | None, runs: dict | None = None) -> str
                      f"articles, P = {CHOICE_P}) the map closes "
                      f"{_pct(rv['modes']['transfer']['gap'], rv['modes']['transfer']['se'])}"
                      + (f", worth {_worth(wr)} of the 0.5B's own tokens" if wr else "")
+                     + (f", content share {_pct(cs['content_share'], cs['content_share_se'])} (the share of the 0.5B's "
+                        "own gain from this context over another article's that the map carries)"
+                        if (cs := rv.get("controls") or {}).get("content_share") is not None else "")
                      + (f", and {' and '.join(eqs)}" if eqs else ""))
     code = [(r, (r.get("versus_main_map") or {}).get("transfer_code_calib"), what) for r, what in (
         (results.get(("python_stdlib", 256, "all")), "Python source"), (conf, "WikiText-2's confirmation half")) if r]

@@ -849,8 +849,9 @@ def lead(results: dict) -> str | None:
                                      ("H200 model", r["gpu"])) if e]
     if not got:
         return None
-    parts = [f"{verdict(e)} truncation at equal {COST_WORDS[what]} ({_pp(e['difference'], _se(e))})"
-             for what, e in got]
+    words = {**COST_WORDS, **({} if r["timed"] else {"measured seconds": "measured seconds (this CPU, one batched "
+                                                     "wall clock per mode in the eval run, not the timing protocol)"})}
+    parts = [f"{verdict(e)} truncation at equal {words[what]} ({_pp(e['difference'], _se(e))})" for what, e in got]
     s = (f"**In a handoff (the source has read the context already, so its prefill is not charged; both sides pay "
          f"for every token the target prefills), at the longest context measured -- WikiText-2, P = {r['prefix']:,}, "
          f"{r['windows']} articles -- the map {' and '.join(parts)}.** It closes {_pct(r['gap'], r['se'])} of the "

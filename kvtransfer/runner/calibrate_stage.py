@@ -64,9 +64,10 @@ def _merge_locked(run, directory: Path, key_space: str) -> None:
         raise ValueError("calib.merge keeps no MLP feature sample: set calib.mlp_samples=0 (a ridge map reads only "
                          "the moments), or calibrate the merged text as one calib.files list")
     parts = merge_parts(run)
-    train, held, infos = None, [], []
+    train, held, infos, own = None, [], [], None
     for part in parts:
         info = part.calibration_info(key_space)
+        own = own or info   # the run's own part (the first): its held-out split and context start stand for the merge
         moments = load_calibration(part.moments_dir(key_space) / "calibration")
         train = moments.train if train is None else train.merge(moments.train)
         held.append(moments.heldout)
@@ -75,7 +76,6 @@ def _merge_locked(run, directory: Path, key_space: str) -> None:
             "draw": int(part.cfg["calib"].get("draw") or 0)})
         run.producers.update(part.producers)
     heldout = HeldOut.concat(held)
-    own = parts[0].calibration_info(key_space)
     train.info = {**train.info, "complete": True, "parts": [i["key"] for i in infos]}
     directory.mkdir(parents=True, exist_ok=True)
     save_calibration(directory / "calibration", CalibrationMoments(train, heldout))

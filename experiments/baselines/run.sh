@@ -95,6 +95,7 @@ run real_reverse_wikitext2 $REAL pair.direction=reverse "eval.recompute_fraction
 timed real_reverse_wikitext2 256 "$BASE,$CURVE" _reverse
 run real_reverse_1024_w24 $REAL pair.direction=reverse $LONG "eval.recompute_fraction=[]" "eval.ppl.windows=24" \
   "eval.modes=[$BASE,$CURVE,truncate_tokens_256,truncate_tokens_512]"
+timed real_reverse_1024_w24 1024 "$BASE,$CURVE_ALL" _reverse
 # 5f'. large -> small's content share: the 0.5B reading another article's context natively and through the map (the
 #      same length; kvtransfer.maps.controls), at P = 256 and on the 24 windows at P = 1,024
 CONTROLS="eval.controls=[target_wrong,transfer_wrong]"

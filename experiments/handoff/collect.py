@@ -4,7 +4,8 @@
 
 Reads load_tiny.json (experiments/handoff/load_tiny.py's report.json), and where present latency.json,
 latency_reverse.json (real_pair.py --reverse's latency.json), overhead.json, conversation.json
-(experiments/handoff/real_pair.py), store_switch.json (experiments/handoff/store_switch.py) and store_io.json
+(experiments/handoff/real_pair.py), store_switch.json (experiments/handoff/store_switch.py), switch_floor.json
+(experiments/handoff/switch_floor.py) and store_io.json
 (experiments/handoff/store_io.py); writes one generated block per report into results/handoff/README.md
 (atomically); prints nothing. The conversation's SE is kvtransfer.eval.stats' (clustered by conversation).
 """
@@ -155,6 +156,37 @@ def store_switch_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def _ms(x: dict) -> str:
+    """A median ± SE in seconds, as "1.23 ± 0.04"."""
+    return f"{x['median']:.2f}" + ("" if x.get("se") is None else f" ± {x['se']:.2f}")
+
+
+def switch_floor_table(rep: dict) -> str:
+    """The switch against its floor (switch_floor.py): per size the switch, the floor's three parts, switch / floor
+    against the 1.5x goal, and the worker's read, map and scatter beside their floors."""
+    lines = [_run_line(rep["provenance"]), "",
+             f"{rep['dtype']} engines, the map applied in {rep['map_dtype']}; {rep['per_size']} counted switches per "
+             f"size (after one warm-up); medians ± SE over switches, seconds.", "",
+             "| context tokens | n | switch | floor = store read + map + new turn | switch / floor (goal ≤ "
+             f"{rep['summary'][0]['goal']:.1f}x) | worker: read (its floor) | worker: map (its floor) | "
+             "worker: scatter | rest: proxy, scheduler, forward beyond the new turn | prefilled: switch / new turn |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rep["summary"]:
+        f, w = r["floor_parts_s"], r["worker_s"]
+        lines.append(
+            f"| {r['tokens']:,} | {r['n']} | {_ms(r['switch_s'])} | {_ms(r['floor_s'])} = {f['read_s']:.3f} + "
+            f"{f['map_s']:.3f} + {_ms(f['next_turn_s'])} | {_ms(r['ratio'])}x ({'met' if r['goal_met'] else 'not met'}) | "
+            f"{_ms(w['read_s'])} ({f['read_s']:.3f}) | {_ms(w['map_s'])} ({f['map_s']:.3f}) | {_ms(w['scatter_s'])} | "
+            f"{_ms(r['rest_beyond_next_turn_s'])} | {r['prefilled']['switch']:.0f} / {r['prefilled']['next_turn']:.0f} |")
+    mf = rep["map_floor"]
+    lines.append(f"\nMap floor: k = {mf['k']} source layers per target layer ({mf['n_source_used']} used), every target "
+                 f"layer; GEMM rate {max(v['gemm_flops_per_s'] for v in mf['per_tokens'].values()) / 1e9:.0f} GFLOP/s "
+                 f"(best), copy {mf['copy_bytes_per_s'] / 1e9:.1f} GB/s; plain-file read "
+                 + ", ".join(f"{float(v) / 1e9:.2f} GB/s at {int(n):,}" for n, v in rep["read_bytes_per_s"].items())
+                 + f". Load average at the end: {rep['loadavg_end'][0]:.1f}.")
+    return "\n".join(lines)
+
+
 def overhead_table(rep: dict) -> str:
     pairs = rep["pairs"]
     return (f"{_run_line(rep['provenance'])}\n\n| source turn, {rep['tokens']:,} tokens | n | TTFT median (s) |\n"
@@ -205,7 +237,8 @@ def store_table(rep: dict) -> str:
 SOURCES = {"load_tiny": ("load_tiny.json", lambda rep: f"{_run_line(rep['machine'])}\n\n{load_table(rep)}\n\n"
                                                         f"{fault_table(rep)}"),
            "latency": ("latency.json", latency_table), "latency_reverse": ("latency_reverse.json", latency_table),
-           "store_switch": ("store_switch.json", store_switch_table), "overhead": ("overhead.json", overhead_table),
+           "store_switch": ("store_switch.json", store_switch_table),
+           "switch_floor": ("switch_floor.json", switch_floor_table), "overhead": ("overhead.json", overhead_table),
            "conversation": ("conversation.json", conversation_table), "store_io": ("store_io.json", store_table)}
 
 

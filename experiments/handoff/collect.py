@@ -188,11 +188,20 @@ def switch_floor_table(rep: dict) -> str:
 
 
 def overhead_table(rep: dict) -> str:
+    """Write-through overhead (real_pair.py --overhead): each side's TTFT median ± SE over the interleaved pairs, and
+    the overhead as the median ± SE of the per-pair ratios through / plain - 1."""
     pairs = rep["pairs"]
-    return (f"{_run_line(rep['provenance'])}\n\n| source turn, {rep['tokens']:,} tokens | n | TTFT median (s) |\n"
-            f"|---|---|---|\n| written through (connector, background write) | {len(pairs)} | "
-            f"{rep['through_median_s']:.2f} |\n| plain engine (no connector) | {len(pairs)} | {rep['plain_median_s']:.2f} |"
-            f"\n\nOverhead of write-through (medians): {100 * rep['overhead_median']:+.1f} %.")
+    through, plain = (median_se([p[k] for p in pairs]) for k in ("through", "plain"))
+    ratio = median_se([p["through"] / p["plain"] - 1 for p in pairs])
+    return (f"{_run_line(rep['provenance'])}\n\n| source turn, {rep['tokens']:,} tokens | n | TTFT median ± SE (s) |\n"
+            f"|---|---|---|\n| written through (connector, background write) | {len(pairs)} | {_pm(through)} |\n"
+            f"| plain engine (no connector) | {len(pairs)} | {_pm(plain)} |\n\nOverhead of write-through (median of the "
+            f"per-pair ratios, pairs interleaved): {100 * ratio[0]:+.1f} ± {100 * ratio[1]:.1f} %.")
+
+
+def _pm(x: tuple[float, float | None]) -> str:
+    """(median, SE) as "1.23 ± 0.04" (the SE left out below 2 values)."""
+    return f"{x[0]:.2f}" + ("" if x[1] is None else f" ± {x[1]:.2f}")
 
 
 def conversation_table(rep: dict) -> str:
@@ -200,13 +209,13 @@ def conversation_table(rep: dict) -> str:
     turns = sorted({r["turn"] for r in rows})
     lines = [_run_line(rep["provenance"]), "", f"{len({r['conversation'] for r in rows})} CoQA conversations; turns 1-2 on "
              "the source, then the target (switch at turn 3).", "",
-             "| turn | proxy's answer (first conversation) | TTFT handed over, median (s) | TTFT target-only session, "
-             "median (s) | F1 handed over | F1 target-only | answers equal |", "|---|---|---|---|---|---|---|"]
+             "| turn | proxy's answer (first conversation) | TTFT handed over, median ± SE (s) | TTFT target-only "
+             "session, median ± SE (s) | F1 handed over | F1 target-only | answers equal |", "|---|---|---|---|---|---|---|"]
     for t in turns:
         sel = [r for r in rows if r["turn"] == t]
         k = (sel[0].get("kvtransfer") or {}).get("summary", "source")
-        lines.append(f"| {t} | {k} | {statistics.median(r['ttft_s'] for r in sel):.2f} | "
-                     f"{statistics.median(r['target_only_ttft_s'] for r in sel):.2f} | "
+        lines.append(f"| {t} | {k} | {_pm(median_se([r['ttft_s'] for r in sel]))} | "
+                     f"{_pm(median_se([r['target_only_ttft_s'] for r in sel]))} | "
                      f"{statistics.mean(r['f1'] for r in sel):.2f} | {statistics.mean(r['target_only_f1'] for r in sel):.2f} | "
                      f"{sum(r['same_answer'] for r in sel)} / {len(sel)} |")
     tgt = [r for r in rows if r["engine"] == "target"]
@@ -224,13 +233,22 @@ def conversation_table(rep: dict) -> str:
 
 
 def store_table(rep: dict) -> str:
-    lines = [_run_line(rep["provenance"]), "",
+    """The store's throughput (store_io.py): per size the four rates (from median seconds) and store / plain, the
+    median ± SE of the per-repeat ratios where the report has them."""
+    la = rep.get("load_avg") or {}
+    lines = [_run_line(rep["provenance"]) + (f" {rep['repeats']} interleaved repeats; load average "
+                                             f"{la['before'][0]:.1f} before, {la['after'][0]:.1f} after."
+                                             if la.get("before") and la.get("after") else ""), "",
              f"| tokens | MB | store write (MB/s) | plain file write (MB/s) | store read + verify (MB/s) | plain read (MB/s) "
              f"| write / plain | read / plain |", "|---|---|---|---|---|---|---|---|"]
+
+    def ratio(r, kind):
+        se = r.get(f"{kind}_vs_plain_se")
+        return f"{r[f'{kind}_vs_plain']:.2f} ± {se:.2f}x" if se is not None else f"{r[f'{kind}_vs_plain']:.1f}x"
     for r in rep["rows"]:
         lines.append(f"| {r['tokens']:,} | {r['mb']:.0f} | {r['store_write_mb_s']:.0f} | {r['plain_write_mb_s']:.0f} | "
-                     f"{r['store_read_mb_s']:.0f} | {r['plain_read_mb_s']:.0f} | {r['write_vs_plain']:.1f}x | "
-                     f"{r['read_vs_plain']:.1f}x |")
+                     f"{r['store_read_mb_s']:.0f} | {r['plain_read_mb_s']:.0f} | {ratio(r, 'write')} | "
+                     f"{ratio(r, 'read')} |")
     return "\n".join(lines)
 
 

@@ -5,7 +5,9 @@ writing and reading the same bytes as one plain file on the same disk.
 
 Shape: Qwen2.5-Coder-1.5B's KV (28 layers x 2 KV heads x 128) in bfloat16, 16-token blocks; each size written to a
 fresh store (fsync'd before the clock stops, as the plain file is) and read back with checksums and token ids
-verified, median of 3. Results are written once (never overwritten)."""
+verified; the store and the plain file alternate within each repeat (interleaved), 5 repeats: per mode the median
+seconds ± SE, and the store / plain ratios as the median ± SE of the per-repeat ratios; the load average before and
+after. Results are written once (never overwritten)."""
 from __future__ import annotations
 
 import argparse
@@ -35,14 +37,16 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192, 32768])
     ap.add_argument("--dir", default="/tmp/kvtransfer-store-io")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     if Path(args.out).exists():
         raise SystemExit(f"{args.out} exists: pick a new name")
     root = Path(args.dir)
     from kvtransfer.config.provenance import json_provenance
+    from kvtransfer.core.timing import load_average, median_se
 
     provenance = json_provenance()  # the tree measured, before anything can change it
+    load_before = load_average()
     rows = []
     for n in args.tokens:
         ids = list(range(n))
@@ -73,10 +77,13 @@ def main() -> None:
             times["plain_read"].append(time.perf_counter() - t0)
             assert back.numel() * 2 == nbytes
         med = {k: statistics.median(v) for k, v in times.items()}
-        row = {"tokens": n, "mb": nbytes / 1e6, **{f"{k}_s": v for k, v in med.items()},
+        ratio = {kind: median_se([a / b for a, b in zip(times[f"store_{kind}"], times[f"plain_{kind}"])])
+                 for kind in ("write", "read")}
+        row = {"tokens": n, "mb": nbytes / 1e6, "repeats": args.repeats, **{f"{k}_s": v for k, v in med.items()},
+               **{f"{k}_se_s": median_se(v)[1] for k, v in times.items()},
                **{f"{k}_mb_s": nbytes / 1e6 / v for k, v in med.items()},
-               "write_vs_plain": med["store_write"] / med["plain_write"],
-               "read_vs_plain": med["store_read"] / med["plain_read"]}
+               "write_vs_plain": ratio["write"][0], "write_vs_plain_se": ratio["write"][1],
+               "read_vs_plain": ratio["read"][0], "read_vs_plain_se": ratio["read"][1], "seconds": times}
         rows.append(row)
         print(json.dumps(row), flush=True)
     shutil.rmtree(root, ignore_errors=True)
@@ -84,6 +91,7 @@ def main() -> None:
     from kvtransfer.core.io import atomic_write_json
 
     atomic_write_json(Path(args.out), {"rows": rows, "repeats": args.repeats, "shape": IDENT, "dtype": "bfloat16",
+                                       "load_avg": {"before": load_before, "after": load_average()},
                                        "provenance": {**provenance, "cpus": os.cpu_count(), "cpu": cpu_model()}})
 
 

@@ -57,3 +57,13 @@ def test_the_handoff_readme_block_prints_each_part_and_the_verdict():
     assert "| 1,024 | 3 | 1.00 ± " in text and "= 0.100 + 0.100 + 0.50 ± 0.00" in text
     assert "1.43 ± " in text and "(met)" in text and "| 67 / 40 |" in text
     assert "1.00 GB/s at 1,024" in text and "k = 8" in text
+
+
+def test_each_switch_gets_the_next_load_of_its_size_and_a_missing_one_is_counted_not_guessed():
+    rs = [{"mapped": 1024}, {"mapped": 2048}, {"mapped": 2048}]
+    loads = [{"tokens": 1024, "read_s": 1}, {"tokens": 7, "read_s": 2}, {"tokens": 2048, "failed": "x"},
+             {"tokens": 2048, "read_s": 3}]
+    assert floor.match_loads(rs, loads) == 1
+    assert [r["load"] and r["load"]["read_s"] for r in rs] == [1, 3, None]
+    (s,) = floor.summarise([{**r, "load": None} for r in rows([1.0, 1.0])], {1024: 1e9}, MAPS)
+    assert s["worker_matched"] == 0 and s["worker_s"]["map_s"] is None and s["rest_beyond_next_turn_s"] is None

@@ -156,8 +156,10 @@ def store_switch_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def _ms(x: dict) -> str:
-    """A median ± SE in seconds, as "1.23 ± 0.04"."""
+def _ms(x: dict | None) -> str:
+    """A median ± SE in seconds, as "1.23 ± 0.04" ("–" where nothing was recorded)."""
+    if x is None:
+        return "–"
     return f"{x['median']:.2f}" + ("" if x.get("se") is None else f" ± {x['se']:.2f}")
 
 

@@ -70,9 +70,10 @@ def load_note(files: list[Path]) -> str:
              for x in (r["load_avg"].get("before", [None])[0], r["load_avg"].get("after", [None])[0]) if x is not None]
     cpus = {r["machine"]["cpus"] for f in files for r in json.loads(f.read_text())["rows"]}
     lo, hi = min(loads), max(loads)
-    quiet = hi <= max(cpus) * 0.75
+    quiet = hi <= max(cpus) + 1   # the tool's own threads keep about one per CPU busy
     return (f"1-minute load average over the rows: {lo:.1f}-{hi:.1f} on {max(cpus)} CPUs ("
-            + ("nothing else ran: medians are what to read" if quiet else
+            + ("about the tool's own threads, one per CPU: nothing else of note ran, medians are what to read"
+               if quiet else
                "other jobs shared the cores: the ratios measured within one set of rounds -- GEMM share, rate of "
                "matmul -- and the byte counts are what to read; the medians move by tens of percent between runs")
             + ").")

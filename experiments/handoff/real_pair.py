@@ -70,7 +70,10 @@ def engine(model, port, kvcfg, log, max_len, space_gb, dtype="float32"):
            "127.0.0.1", "--dtype", dtype, "--enforce-eager", "--enable-prefix-caching",
            "--enable-prompt-tokens-details", "--max-model-len", str(max_len), "--served-model-name", f"m{port}"]
     cmd += ["--kv-transfer-config", kvcfg] if kvcfg else []
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(space_gb), "PYTHONPATH": str(ROOT)}
+    # every engine on the same cores: vLLM's CPU binding reserves one core per engine for its scheduler, and one
+    # more with a KV connector, which on 2 cores leaves a plain engine 1 OMP thread and a connector engine both
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(space_gb), "PYTHONPATH": str(ROOT),
+                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 

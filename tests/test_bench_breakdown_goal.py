@@ -45,3 +45,20 @@ def test_bf16_without_native_support_is_not_held_to_the_rate_but_still_to_the_ti
     both = cb.goal(row(dtype="bfloat16", machine=no_native, other_share=0.4, other_ms=400.0))
     assert both.startswith("rate goal n/a") and "40% outside" in both
     assert cb.goal(row(machine=no_native, gemm_rate_of_matmul=0.2)).startswith("GEMMs at 20%")   # float32 still is
+
+
+def test_the_allocator_table_averages_each_setting_and_judges_the_kept_rows(tmp_path):
+    import json
+
+    def rows(ms, share):
+        return {"rows": [row(pair="p", tokens=1024, selection="random", full_ms={"median": ms}, gemm_share=share,
+                             other_share=1 - share, other_ms=ms * (1 - share))]}
+    for name, ms, share in (("plain1", 100.0, 0.70), ("plain2", 110.0, 0.80), ("keep1", 90.0, 0.90),
+                            ("keep2", 94.0, 0.86)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(rows(ms, share)))
+    text = cb.alloc_table(tmp_path)
+    assert "run 2 times with glibc's defaults" in text and "2 times with `MALLOC_MMAP_MAX_=0" in text
+    assert "| p | 1,024 | float32 | random | 105 → 92 | 75% → 88% | met |" in text   # means of each setting's runs
+    for name in ("keep1", "keep2"):
+        (tmp_path / f"{name}.json").unlink()
+    assert cb.alloc_table(tmp_path) == ""                                         # one setting alone: no table

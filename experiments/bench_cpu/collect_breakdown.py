@@ -64,6 +64,43 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+ALLOC = FOLDER / "alloc_ab"   # <plain|keep><run>.json: the same rows without and with glibc keeping freed memory
+KEEP_ENV = "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1000000000000"
+
+
+def alloc_table(folder: Path = ALLOC) -> str:
+    """The allocator A/B (runs alternating plain, keep, plain, keep): per row the map's median and GEMM share in
+    each setting (mean over its runs) and the CPU goal under `keep`. `plain`: glibc's defaults, where each call's
+    large buffers are fresh mmap pages the kernel zeroes on first touch; `keep`: KEEP_ENV, freed memory kept and
+    reused."""
+    runs: dict[str, list[list[dict]]] = {"plain": [], "keep": []}
+    for f in sorted(folder.glob("*.json")):
+        runs[f.stem.rstrip("0123456789")].append(json.loads(f.read_text())["rows"])
+    if not runs["plain"] or not runs["keep"]:
+        return ""
+    head = ["pair", "tokens", "dtype", "selection", "map ms: plain → keep", "GEMM share: plain → keep",
+            "CPU goal with keep"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, r in enumerate(runs["plain"][0]):
+        by = {env: [rows[i] for rows in rs] for env, rs in runs.items()}
+        ms = {env: sum(x["full_ms"]["median"] for x in xs) / len(xs) for env, xs in by.items()}
+        share = {env: sum(x["gemm_share"] for x in xs) / len(xs) for env, xs in by.items()}
+        kept = dict(by["keep"][0], **{k: sum(x[k] for x in by["keep"]) / len(by["keep"]) for k in (
+            "gemm_share", "other_share", "gemm_rate_of_matmul", "other_ms", "rope_ms", "check_ms",
+            "data_ms_at_copy_rate")})
+        out.append("| " + " | ".join([
+            r["pair"], f"{r['tokens']:,}", r["dtype"], r["selection"], f"{ms['plain']:,.0f} → {ms['keep']:,.0f}",
+            f"{share['plain']:.0%} → {share['keep']:.0%}", goal(kept)]) + " |")
+    n = {env: len(rs) for env, rs in runs.items()}
+    return "\n".join([
+        "## The allocator: fresh pages per call", "",
+        f"The same rows run {n['plain']} times with glibc's defaults (`plain`) and {n['keep']} times with `{KEEP_ENV}` "
+        "(`keep`), alternating, each a separate process of `python -m kvtransfer.bench.breakdown`; means over each "
+        "setting's runs. With the defaults every large buffer a call allocates is a fresh mmap whose pages the kernel "
+        "zeroes on first touch; with `keep` glibc serves them from memory it kept. The GEMMs alone reuse their "
+        "buffers in both.", "", *out, ""])
+
+
 def load_note(files: list[Path]) -> str:
     """One sentence on the load the rows ran under (from their recorded 1-minute load averages)."""
     loads = [x for f in files for r in json.loads(f.read_text())["rows"]
@@ -108,6 +145,7 @@ def main() -> int:
         parts += [f"## {f.name} (commit {b['commit'][:10]})", "", table(b["rows"]), ""]
         parts += [f"- {r['pair']} {r['tokens']:,} {r['dtype']} {r['selection']}: {r['note']}" for r in b["rows"]
                   if r.get("note")] + [""]
+    parts.append(alloc_table())
     (FOLDER / "breakdown.md").write_text("\n".join(parts))
     return 0
 

@@ -28,8 +28,8 @@ from .shapes import PAIRS, dtype_size, floor_ms, mapper_cost, random_mapper, rea
 
 
 def machine() -> dict:
-    """The CPU's instruction set as torch dispatches it, and whether it computes bf16 natively (AMX or
-    AVX512-BF16 in /proc/cpuinfo)."""
+    """The CPU's instruction set as torch dispatches it, whether it computes bf16 natively (AMX or
+    AVX512-BF16 in /proc/cpuinfo), and the MALLOC_* environment glibc's allocator reads."""
     flags = set()
     model = ""
     try:
@@ -43,7 +43,9 @@ def machine() -> dict:
     bf16 = sorted(f for f in flags if f.startswith("amx") or f == "avx512_bf16")
     return {"cpu": model, "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16_flags": bf16,
-            "bf16": " ".join(bf16) if bf16 else "no native bf16"}
+            "bf16": " ".join(bf16) if bf16 else "no native bf16",
+            # glibc's allocator settings: they decide whether a call's large buffers are fresh pages (see breakdown.md)
+            "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}}
 
 
 def extra_bytes(*, tokens: int, n_used: int, width_s: int, n_target: int, q: int, n_kv_t: int, map_bytes: int,

@@ -315,3 +315,39 @@ def test_full_check_catches_an_overflow_the_sample_cannot_see():
     big = [(k, v * 1e33) for k, v in layers]
     with pytest.raises(FloatingPointError, match="NaN/Inf"):  # fp32 overflow in one column: only the full pass
         map_layers(big, mapper, torch.arange(40), check_finite="full", **kw)
+
+
+# -- buffers kept across calls (core.transfer.Workspace) -------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_workspace_changes_no_value_and_reuses_its_buffers_across_calls(dtype):
+    """Calls sharing one Workspace give bit-identical layers to calls without one (the same kernels on the same
+    shapes: only where the buffers live differs), for a long call, a shorter one after it (served from the larger
+    buffers already held) and a longer one again; the workspace's buffers stay put until a call needs more, and no
+    returned layer lives in them (a later call must not overwrite what an earlier one returned)."""
+    from kvtransfer.core.transfer import Workspace
+
+    kv, d = 2, 8
+    src = tiny_model("qwen3", seed=1, layers=8, kv_heads=kv, head_dim=d)
+    tgt = tiny_model("llama", seed=2, layers=2, kv_heads=kv, head_dim=d)
+    mapper = _ridge(4 * kv * d, kv * d, sel=SCATTERED).to(dtype=dtype)
+    kw = dict(source_codec=RopeCodec(src), target_codec=RopeCodec(tgt), target_n_kv=kv, chunk_tokens=20)
+    ws = Workspace()
+    kept, held = [], None
+    for seq in (37, 11, 37):
+        layers = _source(2, seq, kv, d, n_layers=8, dtype=dtype, seed=seq)
+        positions = _positions(2, seq)
+        fresh = map_layers(layers, mapper, positions, **kw)
+        reused = map_layers(layers, mapper, positions, workspace=ws, **kw)
+        for (fk, fv), (rk, rv) in zip(fresh, reused):
+            assert torch.equal(fk, rk) and torch.equal(fv, rv)
+        ptrs = {n: b.data_ptr() for n, b in ws.buffers("cpu")._buffers.items()}
+        assert "feats" in ptrs and ws.nbytes() > 0
+        if held is not None:
+            assert ptrs == held                     # the shorter call and the equal one reuse what the first took
+        held = ptrs
+        kept.append((reused, fresh))
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in ws.buffers("cpu")._buffers.values()]
+    for reused, fresh in kept:                      # earlier results untouched by later calls, and not in the buffers
+        for (rk, rv), (fk, fv) in zip(reused, fresh):
+            assert torch.equal(rk, fk) and torch.equal(rv, fv)
+            assert not any(a <= rk.data_ptr() < b or a <= rv.data_ptr() < b for a, b in spans)

@@ -22,7 +22,7 @@ from ..config.provenance import json_provenance
 from ..core.io import atomic_write_json
 from ..core.models import kv_shape
 from ..core.rope import RopeCodec
-from ..core.transfer import _runs, map_layers
+from ..core.transfer import Workspace, _runs, map_layers
 from ..core.timing import interleaved
 from .shapes import PAIRS, dtype_size, floor_ms, mapper_cost, random_mapper, real_config, rope_only
 
@@ -114,9 +114,10 @@ def _old_apply(ref: str):
 @torch.no_grad()
 def breakdown_row(pair: str, *, layers: int = 2, tokens: int = 4096, dtype=torch.float32, selection: str = "random",
                   repeats: int = 5, warmup: int = 1, chunk_tokens: int = 8192, seed: int = 0,
-                  before: str | None = None) -> dict:
+                  before: str | None = None, workspace: bool = False) -> dict:
     """One row: the map (cache and mapper in `dtype`) on `layers` target layers of `pair` at `tokens` tokens,
-    timed interleaved with its parts left out; times in ms."""
+    timed interleaved with its parts left out; times in ms. `workspace`: the map's calls share one
+    `core.transfer.Workspace` (buffers kept across calls, as a serving worker keeps them) instead of fresh ones."""
     src_name, tgt_name, k = PAIRS[pair]
     s_cfg, t_cfg = real_config(src_name), real_config(tgt_name, layers)
     s, t = kv_shape(s_cfg), kv_shape(t_cfg)
@@ -130,7 +131,8 @@ def breakdown_row(pair: str, *, layers: int = 2, tokens: int = 4096, dtype=torch
     src = [real.get(x, real[used[0]]) for x in range(s.n_layers)]
     sc, tc = (RopeCodec(rope_only(c), initial_positions=tokens) for c in (s_cfg, t_cfg))
     pos = torch.arange(tokens, device="cpu")
-    kw = dict(source_codec=sc, target_codec=tc, target_n_kv=t.n_kv, out_dtype=dtype, chunk_tokens=chunk_tokens)
+    kw = dict(source_codec=sc, target_codec=tc, target_n_kv=t.n_kv, out_dtype=dtype, chunk_tokens=chunk_tokens,
+              workspace=Workspace() if workspace else None)
     # the same GEMMs alone: each target's blocks of one used-layer buffer of the chunk's shape, same calls
     rows = min(tokens, chunk_tokens)
     flat = torch.randn(2, rows, len(used) * s.width, generator=g, device="cpu").to(dtype)
@@ -161,7 +163,8 @@ def breakdown_row(pair: str, *, layers: int = 2, tokens: int = 4096, dtype=torch
     if before:  # the apply as of git ref `before`, in the same rounds
         old_map, convert = _old_apply(before)
         old_mapper = convert(mapper)
-        fns["before"] = lambda: old_map(src, old_mapper, pos, **kw)
+        old_kw = {k: v for k, v in kw.items() if k != "workspace"}   # an older map_layers may not take one
+        fns["before"] = lambda: old_map(src, old_mapper, pos, **old_kw)
     timed = interleaved(fns, repeats=repeats, warmup=warmup, note=f"{pair} {layers} layers {tokens} tokens {dtype}")
     ms = {m: [1e3 * v for v in timed["seconds"][m]] for m in fns}
     med = {m: statistics.median(v) for m, v in ms.items()}
@@ -176,7 +179,7 @@ def breakdown_row(pair: str, *, layers: int = 2, tokens: int = 4096, dtype=torch
                         map_bytes=es, gathered_features=gathered)
     full = med["full"]
     return {"pair": pair, "layers": layers, "tokens": tokens, "dtype": str(dtype).replace("torch.", ""),
-            "selection": selection, "k": k, "n_used": len(used),
+            "selection": selection, "k": k, "n_used": len(used), "workspace": workspace,
             "blocks_per_target": [len(r) for r in runs],
             "full_ms": {"median": full, "p95": _pct(ms["full"], 95), "max": max(ms["full"])},
             "gemm_ms": med["gemm"], "gemm_share": med["gemm"] / full,
@@ -201,6 +204,8 @@ def main(argv=None) -> None:
     p.add_argument("--selection", default="random,band", help="comma-separated")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--before", default=None, help="a git ref: also time the apply as of it, in the same rounds")
+    p.add_argument("--workspace", action="store_true",
+                   help="the map's calls share one Workspace (buffers kept across calls, as a serving worker does)")
     p.add_argument("--out", type=Path, required=True, help="a new JSON file (refuses to overwrite)")
     a = p.parse_args(argv)
     if a.out.exists():
@@ -210,7 +215,7 @@ def main(argv=None) -> None:
         for sel in a.selection.split(","):
             for dt in a.dtype.split(","):
                 r = breakdown_row(a.pair, layers=a.layers, tokens=tokens, dtype=getattr(torch, dt), selection=sel,
-                                  repeats=a.repeats, before=a.before)
+                                  repeats=a.repeats, before=a.before, workspace=a.workspace)
                 rows.append(r)
                 print(f"{a.pair} L={a.layers} T={tokens} {sel} {dt}: {r['full_ms']['median']:.0f} ms (p95 "
                       f"{r['full_ms']['p95']:.0f}), GEMMs {r['gemm_share']:.0%} at {r['gemm_rate_of_matmul']:.0%} of "

@@ -9,6 +9,8 @@ chunk of tokens, the map itself dispatched to the mapper kind's `map_blocks`. Ro
 """
 from __future__ import annotations
 
+import math
+
 import weakref
 
 import torch
@@ -74,7 +76,8 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
                source_codec: RopeCodec | None, target_codec: RopeCodec | None, target_n_kv: int,
                out_dtype: torch.dtype | None = None, rope_at_inference: bool = True,
                chunk_tokens: int = 8192, check_finite: bool | str = True,
-               source_hidden: dict[int, torch.Tensor] | None = None) -> KVLayers:
+               source_hidden: dict[int, torch.Tensor] | None = None,
+               workspace: "Workspace | None" = None) -> KVLayers:
     """Map per-layer source (keys, values) [batch, n_kv_s, seq, d_s] to target layers.
 
     positions: int64 [batch, seq] (or [seq]) true token positions used to strip and re-apply RoPE.
@@ -104,6 +107,9 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
     source_hidden: {source layer: [batch, seq, H]} normed layer inputs (`hidden.prefill_with_hidden`), needed
     (for every used source layer) by a mapper whose `needs_hidden` (the hidden kind); ignored otherwise. Each
     used layer's feature block is then [hidden] or [hidden | K stripped] / [hidden | V] (kvtransfer.core.hidden).
+
+    workspace: a `Workspace` a caller mapping request after request keeps and passes to every call, so the
+    used-layer buffer and the map's scratch are reused across calls, not allocated fresh; the result is the same.
     """
     batch, _, seq, _ = source_layers[0][0].shape
     if positions.dim() == 1:
@@ -124,7 +130,8 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
     runs = [_runs([slot[s] for s in row]) for row in sel]  # per target: [(first slot, first feature, n layers)]
     full_check = check_finite == "full" or (check_finite and torch.finfo(out_dtype).max < torch.finfo(dtype).max)
     out = None  # [L_t, 2, batch, n_kv_t, seq, d_t], allocated once d_t is known
-    work = _Gather(device=device)  # per-chunk buffers reused across target layers and chunks
+    # per-chunk buffers reused across target layers and chunks (and across calls, with a workspace)
+    work = workspace.buffers(device) if workspace is not None else _Gather(device=device)
     finite = None  # the sampled check over targets and chunks, a 0-dim bool read once at the end (one host sync)
     chunk = max(1, chunk_tokens // batch)
     for start in range(0, seq, chunk):
@@ -132,7 +139,8 @@ def map_layers(source_layers: KVLayers, mapper: MapperBase, positions: torch.Ten
         pos, rows = positions[:, sl], batch * (sl.stop - sl.start)
         with _serial_elementwise(device):  # memory-bound: copy the used source layers, strip keys
             if features == "kv":
-                flat = _gather_stripped(source_layers, used, sl, pos, source_codec if rotate else None, device, dtype)
+                flat = _gather_stripped(source_layers, used, sl, pos, source_codec if rotate else None, device, dtype,
+                                        work=work)
             else:
                 flat = _gather_hidden(source_layers, source_hidden, used, sl, pos, source_codec if rotate else None,
                                       device, dtype, with_kv=features == "hidden_kv")
@@ -228,10 +236,17 @@ class _Gather:
         self.device, self.shape, self._buffers = device, None, {}
 
     def _get(self, name: str, shape, dtype) -> torch.Tensor:
+        """A contiguous `shape` view of buffer `name`, reallocated only when it is too small or of another dtype:
+        a shorter request (a smaller chunk, a shorter prompt) reuses the pages already held."""
+        need = math.prod(shape)
         buf = self._buffers.get(name)
-        if buf is None or buf.shape != tuple(shape) or buf.dtype != dtype:
-            buf = self._buffers[name] = torch.empty(shape, device=self.device, dtype=dtype)
-        return buf
+        if buf is None or buf.numel() < need or buf.dtype != dtype:
+            buf = self._buffers[name] = torch.empty(need, device=self.device, dtype=dtype)
+        return buf[:need].view(shape)
+
+    def feats(self, shape, dtype) -> torch.Tensor:
+        """The used-layer feature buffer of one chunk (`_gather_stripped`)."""
+        return self._get("feats", shape, dtype)
 
     def output(self, shape, dtype) -> torch.Tensor:
         """The map's output buffer (one target layer's chunk: read out before the next map_blocks)."""
@@ -246,6 +261,29 @@ class _Gather:
             for j, x in blocks:
                 buffer[:, :, j:j + x.shape[-1]].copy_(x)
         return buffer
+
+
+class Workspace:
+    """The buffers `map_layers` reuses across calls, per device: the used-layer feature buffer, the map's
+    output and gather buffers and the RoPE scratch. A caller mapping request after request (a serving worker, a
+    timing loop) keeps one and passes it to each call: on a CPU a fresh large allocation is a fresh mmap whose
+    pages the kernel zeroes on first touch (at Qwen3-14B -> 32B shapes, 2 target layers, about 100 MB a call
+    at 1,024 tokens), bytes no floor counts. It holds the largest buffers it has served until dropped; the
+    returned layers are never in it. Not for concurrent calls: one per thread."""
+
+    def __init__(self):
+        self._per_device: dict[str, _Gather] = {}
+
+    def buffers(self, device) -> "_Gather":
+        """The reused buffers on `device` (created on first use)."""
+        key = str(torch.device(device))
+        if key not in self._per_device:
+            self._per_device[key] = _Gather(device=device)
+        return self._per_device[key]
+
+    def nbytes(self) -> int:
+        """Bytes the workspace holds (all devices)."""
+        return sum(b.numel() * b.element_size() for g in self._per_device.values() for b in g._buffers.values())
 
 
 def _check_hidden(source_hidden, used: list[int], batch: int, seq: int, mapper) -> None:
@@ -285,14 +323,15 @@ def _gather_hidden(source_layers: KVLayers, source_hidden: dict, used: list[int]
 
 
 def _gather_stripped(source_layers: KVLayers, used: list[int], sl: slice, pos: torch.Tensor,
-                     codec: RopeCodec | None, device, dtype) -> torch.Tensor:
+                     codec: RopeCodec | None, device, dtype, *, work: "_Gather | None" = None) -> torch.Tensor:
     """Tokens `sl` of source layers `used` as features [2, batch * chunk, len(used) * n_kv * d] in
     `dtype`, keys RoPE-stripped at `pos` when a codec is given (rounded as `RopeCodec.strip` rounds:
-    float32, then the cache dtype, then `dtype`)."""
+    float32, then the cache dtype, then `dtype`). Written into `work`'s feature buffer when given."""
     k0 = source_layers[used[0]][0]
     batch, n_kv, _, d = k0.shape
     n = sl.stop - sl.start
-    feats = torch.empty(2, batch, n, len(used), n_kv, d, device=device, dtype=dtype)
+    shape = (2, batch, n, len(used), n_kv, d)
+    feats = work.feats(shape, dtype) if work is not None else torch.empty(shape, device=device, dtype=dtype)
     for i, s in enumerate(used):
         feats[1, :, :, i].copy_(source_layers[s][1][:, :, sl].transpose(1, 2))
         if codec is None:

@@ -19,7 +19,7 @@ from ..core.map_dtype import DEFAULT_MAP_DTYPE, in_map_dtype
 from ..core.mapper import MapperBase, load_mapper
 from ..core.models import config_hash, kv_shape, text_config
 from ..core.rope import RopeCodec
-from ..core.transfer import map_layers
+from ..core.transfer import Workspace, map_layers
 
 
 def codec_from_config(config) -> RopeCodec:
@@ -115,6 +115,7 @@ class ServeMap:
         self.source_codec, self.target_codec = codec_from_config(source_config), codec_from_config(target_config)
         self.target_n_kv, self.target_head_dim = kv_shape(target_config).n_kv, kv_shape(target_config).head_dim
         self.dtype = dtype
+        self.workspace = Workspace()  # the apply's buffers, reused by every load (the worker maps one at a time)
         cal = self.mapper.calibration
         self.context_start = cal.get("context_start")
         self.start_ids = [int(i) for i in cal.get("start_ids") or []]
@@ -143,7 +144,8 @@ class ServeMap:
         """
         batched = [(k[None], v[None]) for k, v in source_layers]
         mapped = map_layers(batched, self.mapper, torch.arange(lo, hi, device=batched[0][0].device), source_codec=self.source_codec,
-                            target_codec=self.target_codec, target_n_kv=self.target_n_kv, out_dtype=self.dtype)
+                            target_codec=self.target_codec, target_n_kv=self.target_n_kv, out_dtype=self.dtype,
+                            workspace=self.workspace)
         out = [(k[0], v[0]) for k, v in mapped]
         if lo < self.native_sink:
             if self.sink is None:

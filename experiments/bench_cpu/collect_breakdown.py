@@ -44,7 +44,7 @@ def goal(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ["pair", "L_t", "tokens", "dtype", "selection", "blocks / target", "map ms: median (p95, max)",
+    head = ["pair", "L_t", "tokens", "dtype", "selection", "buffers", "blocks / target", "map ms: median (p95, max)",
             "before ms", "GEMM share", "GEMMs at % of matmul", "RoPE ms", "check ms", "extra bytes (MB)",
             "data ms at copy rate", "% of floor", "peak MB", "load before → after", "ISA (bf16)", "CPU goal"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -54,7 +54,7 @@ def table(rows: list[dict]) -> str:
         m = r["machine"]
         out.append("| " + " | ".join([
             r["pair"], str(r["layers"]), f"{r['tokens']:,}", r["dtype"], r["selection"],
-            ",".join(map(str, r["blocks_per_target"])), f"{f['median']:,.0f} ({f['p95']:,.0f}, {f['max']:,.0f})",
+            "kept (workspace)" if r.get("workspace") else "fresh per call", ",".join(map(str, r["blocks_per_target"])), f"{f['median']:,.0f} ({f['p95']:,.0f}, {f['max']:,.0f})",
             f"{r['before_ms']:,.0f}" if r.get("before_ms") else "–", f"{r['gemm_share']:.0%}",
             f"{r['gemm_rate_of_matmul']:.0%}", f"{r['rope_ms']:,.0f}", f"{r['check_ms']:,.0f}",
             f"{r['extra_bytes']['total'] / 1e6:,.0f}", f"{r['data_ms_at_copy_rate']:,.0f}",
@@ -126,7 +126,9 @@ def main() -> int:
              "",
              "Shapes-only: random weights and caches at the real configs, the map on L_t target layers, cache = map = "
              "output dtype, batch 1, one chunk. Every mode ran interleaved in the same rounds (after one warm-up): "
-             "the map (`map ms`, median with p95 and max), the apply as of the `before` ref, the map's GEMMs alone "
+             "the map (`map ms`, median with p95 and max; `buffers`: allocated fresh by each call, or kept across calls in "
+             "one `kvtransfer.core.transfer.Workspace`, as a serving worker keeps them), the apply as of the `before` "
+             "ref where one was given, the map's GEMMs alone "
              "(same calls, same shapes: `GEMM share` = their median over the map's), one contiguous matmul of the "
              "same FLOPs (`GEMMs at % of matmul`), the map without RoPE (strip and re-rotation) and without the "
              "check (`RoPE ms`, `check ms`: differences of medians, within the noise when small), and a 64 MiB "

@@ -10,7 +10,6 @@ chunk of tokens, the map itself dispatched to the mapper kind's `map_blocks`. Ro
 from __future__ import annotations
 
 import math
-
 import weakref
 
 import torch

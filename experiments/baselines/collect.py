@@ -953,10 +953,19 @@ def headline(results: dict, chosen: str | None, runs: dict | None = None) -> str
         eqs = [f"{_pp(e['difference'], _se(e))} at equal {what}" for e, what in (
             ((st.get("equal_flops") or {}).get("transfer"), "FLOPs"),
             ((st.get("equal_cost") or {}).get("transfer"), "measured seconds")) if e and not e.get("below_curve")]
+        rep = ""
+        if chosen and chosen in (st.get("twins") or {}):   # the rule chosen on WikiText-2's selection half, run here
+            d, se = st["twins"][chosen]
+            e = (st.get("equal_cost") or {}).get(chosen)
+            rep = (f"; the repair chosen on WikiText-2, `{chosen}`, closes "
+                   f"{_pct(st['modes'][chosen]['gap'], st['modes'][chosen]['se'])} there, {_pp(d, se)} against its "
+                   "truncation twin"
+                   + (f", and {verdict(e)} truncation at equal measured seconds ({_pp(e['difference'], _se(e))})"
+                      if e and not e.get("below_curve") else ""))
         parts.append(f"on Python source ({st['windows']} modules) the map closes "
                      f"{_pct(st['modes']['transfer']['gap'], st['modes']['transfer']['se'])}"
                      + (f", worth {_worth(ws)} native tokens" if ws else "")
-                     + (f" (map - truncation {', '.join(eqs)})" if eqs else ""))
+                     + (f" (map - truncation {', '.join(eqs)})" if eqs else "") + rep)
     rv = results.get(("wikitext2" + REVERSE, CHOICE_P, "all"))
     if rv and "transfer" in rv["modes"]:
         wr = (rv.get("worth") or {}).get("transfer")

@@ -43,9 +43,11 @@ def test_a_switch_past_one_and_a_half_floors_misses_the_goal_and_a_slow_disk_rai
     assert disk["goal_met"] is True
 
 
-def test_the_plain_read_rate_is_bytes_over_seconds(tmp_path):
-    rate = floor.plain_read_rate(1 << 20, tmp_path, repeats=3)
-    assert 1e6 < rate < 1e13 and not list(tmp_path.iterdir())          # a rate in B/s; its file removed
+def test_the_plain_read_rate_is_bytes_over_the_median_read_time(tmp_path, monkeypatch):
+    ticks = iter([0, 1, 10, 14, 20, 22])                   # three reads of 1, 4 and 2 clock units: median 2
+    monkeypatch.setattr(floor.time, "perf_counter", lambda: next(ticks))
+    assert floor.plain_read_rate(1 << 20, tmp_path, repeats=3) == (1 << 20) / 2
+    assert not list(tmp_path.iterdir())                     # its file removed
 
 
 def test_the_handoff_readme_block_prints_each_part_and_the_verdict():

@@ -72,12 +72,15 @@ def compare(by_store: dict[str, list[float]]) -> dict:
     return out
 
 
-def deployment(store_url: str, out: Path, tag: str, args, src: Path, tgt: Path, max_len: int) -> dict:
-    """Start producer, consumer and proxy on `store_url` (logs under out/<tag>.*); {name: Popen} once all answer."""
+def deployment(store_url: str, out: Path, tag: str, args, src: Path, tgt: Path, max_len: int,
+               stats: Path | None = None) -> dict:
+    """Start producer, consumer and proxy on `store_url` (logs under out/<tag>.*; `stats`: the consumer's stats
+    file, its worker's per-load timings beside it); {name: Popen} once all answer."""
+    extra = {"stats": stats} if stats else {}
     procs = {"producer": engine(src, 8201, kv("kv_producer", store_url), out / f"{tag}.producer.log", max_len, 1,
                                 args.dtype),
              "consumer": engine(tgt, 8202, kv("kv_consumer", store_url, mapper=Path(args.mapper).resolve(),
-                                               source_model=src, sink_dir=out / "sinks"),
+                                               source_model=src, sink_dir=out / "sinks", **extra),
                                 out / f"{tag}.consumer.log", max_len, 1, args.dtype)}
     procs["proxy"] = subprocess.Popen([PY, "-m", "kvtransfer.serve.proxy", "--source", "http://127.0.0.1:8201",
                                        "--target", "http://127.0.0.1:8202", "--mapper", str(Path(args.mapper).resolve()),

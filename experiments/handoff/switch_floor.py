@@ -7,8 +7,8 @@
     PYTHONPATH=$PWD .venv-serve/bin/python experiments/handoff/switch_floor.py /tmp/floor-tiny --mapper /tmp/tiny-map \
         --source models/tiny/qwen3-tiny-3m --target models/tiny/qwen3-tiny-3m --sizes 256 --per-size 2 --dtype float32
 
-The deployment of experiments/handoff/real_pair.py (the 0.5B producer, the 1.5B consumer with the mapper, the
-proxy; a directory store, prefix caching on), with the consumer's stats file on, so its worker records each load's
+The deployment of experiments/handoff/store_switch.py (the 0.5B producer, the 1.5B consumer with the mapper, the
+proxy; a directory store, prefix caching on; logs OUT_DIR/floor.*), with the consumer's stats file on, so its worker records each load's
 store read, map and scatter seconds. Per size, `--per-size + 1` sessions (the first a warm-up, not counted), each
 on a fresh WikiText-2 window: the source answers a first question through the proxy (16 greedy tokens, written
 through); the switch prompt (that turn, the answer and a new 30-60-token question) goes to the target through the
@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -41,8 +40,9 @@ import httpx
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from load_tiny import kill, machine, wait_up  # noqa: E402
-from real_pair import KEY, PY, QUESTIONS, engine, kv, timed, tokens, write_once  # noqa: E402
+from load_tiny import kill, machine  # noqa: E402
+from real_pair import KEY, QUESTIONS, timed, tokens, write_once  # noqa: E402
+from store_switch import deployment  # noqa: E402
 
 GOAL = 1.5
 NEXT_QUESTION = "\n\nQuestion: and what follows from that?\nAnswer:"
@@ -181,24 +181,13 @@ def main() -> None:
     kv_bytes_per_token = s_cfg.num_hidden_layers * 2 * kv_shape(s_cfg).width * cache_bytes
     store, stats = out / "store", out / "consumer_stats.json"
     max_len = max(args.sizes) + 256
-    procs = {"producer": engine(src, 8201, kv("kv_producer", store), out / "producer.log", max_len, 1, args.dtype),
-             "consumer": engine(tgt, 8202, kv("kv_consumer", store, mapper=Path(args.mapper).resolve(),
-                                               source_model=src, stats=stats), out / "consumer.log", max_len, 1,
-                                args.dtype)}
-    procs["proxy"] = subprocess.Popen([PY, "-m", "kvtransfer.serve.proxy", "--source", "http://127.0.0.1:8201",
-                                       "--target", "http://127.0.0.1:8202", "--mapper", str(Path(args.mapper).resolve()),
-                                       "--store", str(store), "--port", "8200", "--switch-wait", "30"],
-                                      stdout=(out / "proxy.log").open("w"), stderr=subprocess.STDOUT,
-                                      env=os.environ | {"PYTHONPATH": str(ROOT)}, start_new_session=True)
+    procs = deployment(str(store), out, "floor", args, src, tgt, max_len, stats=stats)
     proxy = "http://127.0.0.1:8200/v1/completions"
     one = {"max_tokens": 1, "temperature": 0.0, "logprobs": 1, "return_tokens_as_token_ids": True}
     q1 = tok.encode("\n\nQuestion: what is the passage above about?\nAnswer:", add_special_tokens=False)
     q3 = tok.encode(NEXT_QUESTION, add_special_tokens=False)
     rows, window = [], 0
     try:
-        for url, name in (("http://127.0.0.1:8201", "producer"), ("http://127.0.0.1:8202", "consumer"),
-                          ("http://127.0.0.1:8200", "proxy")):
-            wait_up(url, procs[name], timeout=1800)
         c = httpx.Client(timeout=3600)
         for n in args.sizes:
             for i in range(args.per_size + 1):

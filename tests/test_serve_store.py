@@ -4,6 +4,7 @@ two processes on one directory, and decisions that never raise on a malformed bl
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -351,7 +352,10 @@ def test_two_processes_on_one_directory_a_writer_evicting_and_a_reader(tmp_path)
     ident = {"key": key, "n_layers": 2, "n_kv": 2, "head_dim": 8, "config_hash": "c", "model_id": "w"}
     block_bytes = (probe.write([5] * 16, [(torch.zeros(2, 16, 8), torch.zeros(2, 16, 8))] * 2, ident),
                    probe.usage())[1]
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    # the writer draws its tensors with torch.randn, whose vectorised path rounds by the CPU capability: the same
+    # capability as this process, or its tensors differ in the last bits from the ones compared here
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
+           **{k: v for k, v in os.environ.items() if k == "ATEN_CPU_CAPABILITY"}}
     writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path / "store"), key, "60", str(6 * block_bytes)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     reads = fell_back = 0
